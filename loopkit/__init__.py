@@ -1,0 +1,39 @@
+"""loopkit: an explicit training loop for PyTorch and Hugging Face models, with HF Trainer's arguments and events.
+
+`from loopkit import Loop` and replace `Trainer(` with `Loop(`. Names are imported on first use, so `import loopkit`
+stays cheap (it never imports `transformers.trainer`).
+"""
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Loop": "loopkit.loop",
+    "LoopArgs": "loopkit.args",
+    "LoopConfigError": "loopkit.args",
+    "LoopState": "loopkit.state",
+    "LoopControl": "loopkit.state",
+    "EvalPrediction": "loopkit.state",
+    "TrainOutput": "loopkit.state",
+    "PredictionOutput": "loopkit.state",
+    "EvalLoopOutput": "loopkit.state",
+    "Stage": "loopkit.stages.base",
+    "SetupStage": "loopkit.stages.setup",
+    "DataStage": "loopkit.stages.data",
+    "StepStage": "loopkit.stages.step",
+    "EvalStage": "loopkit.stages.evaluation",
+    "TeardownStage": "loopkit.stages.teardown",
+    "EVENTS": "loopkit.events",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'loopkit' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,372 @@
+"""Stage 4, evaluation and checkpoint: the log / evaluate / save schedule, evaluation and prediction loops, the
+best model, and checkpoints (through `Checkpointer`).
+
+Contract:
+* `log(logs)`: HF's `Trainer.log` (adds `epoch`, appends to `log_history` with `step`, fires `on_log`).
+* `after_step()`: HF's `_maybe_log_save_evaluate`: a train log when `control.should_log`, an evaluation when
+  `should_evaluate` (then the best metric), a checkpoint when `should_save` (then `on_save`).
+* `evaluate`, `predict`, `evaluation_loop`, `prediction_step`: HF's signatures and metric keys. The loss is summed
+  on the device as it streams (memory does not grow with the eval set); logits and labels are kept only when
+  `compute_metrics` needs them (or for `predict`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+
+from ..checkpoint import Checkpointer
+from ..state import EvalLoopOutput, EvalPrediction, PredictionOutput
+from .base import Stage
+
+
+def speed_metrics(split: str, start_time: float, num_samples=None, num_steps=None) -> dict:
+    runtime = time.time() - start_time
+    result = {f"{split}_runtime": round(runtime, 4)}
+    if runtime == 0:
+        return result
+    if num_samples is not None:
+        result[f"{split}_samples_per_second"] = round(num_samples / runtime, 3)
+    if num_steps is not None:
+        result[f"{split}_steps_per_second"] = round(num_steps / runtime, 3)
+    return result
+
+
+def find_batch_size(inputs) -> int | None:
+    if isinstance(inputs, (list, tuple)):
+        for item in inputs:
+            found = find_batch_size(item)
+            if found is not None:
+                return found
+    elif isinstance(inputs, dict):
+        for value in inputs.values():
+            found = find_batch_size(value)
+            if found is not None:
+                return found
+    elif isinstance(inputs, torch.Tensor):
+        return inputs.shape[0] if inputs.ndim >= 1 else None
+    return None
+
+
+def nested_detach(tensors):
+    if isinstance(tensors, (list, tuple)):
+        return type(tensors)(nested_detach(t) for t in tensors)
+    if isinstance(tensors, dict):
+        return {k: nested_detach(v) for k, v in tensors.items()}
+    return tensors.detach() if isinstance(tensors, torch.Tensor) else tensors
+
+
+def concat_padded(chunks: list, padding_index: int = -100):
+    """Concatenate per-batch arrays along dim 0, padding dim 1 to the longest (HF's `nested_concat`)."""
+    first = chunks[0]
+    if isinstance(first, (list, tuple)):
+        return type(first)(concat_padded([c[i] for c in chunks], padding_index) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: concat_padded([c[k] for c in chunks], padding_index) for k in first}
+    arrays = [c.cpu().numpy() if isinstance(c, torch.Tensor) else np.asarray(c) for c in chunks]
+    if arrays[0].ndim < 2 or all(a.shape[1] == arrays[0].shape[1] for a in arrays):
+        return np.concatenate(arrays, axis=0)
+    width = max(a.shape[1] for a in arrays)
+    out = np.full((sum(a.shape[0] for a in arrays), width) + arrays[0].shape[2:], padding_index,
+                  dtype=arrays[0].dtype)
+    row = 0
+    for a in arrays:
+        out[row:row + a.shape[0], :a.shape[1]] = a
+        row += a.shape[0]
+    return out
+
+
+def to_host(tensors):
+    if isinstance(tensors, (list, tuple)):
+        return type(tensors)(to_host(t) for t in tensors)
+    if isinstance(tensors, dict):
+        return {k: to_host(v) for k, v in tensors.items()}
+    if isinstance(tensors, torch.Tensor):
+        t = tensors.detach().cpu()
+        return t.float() if t.dtype == torch.bfloat16 else t
+    return tensors
+
+
+def plain_metrics(metrics: dict) -> dict:
+    """numpy / tensor scalars -> Python numbers (HF's `denumpify_detensorize`)."""
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, (np.generic, np.ndarray)) and np.size(v) == 1:
+            v = v.item()
+        elif isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        out[k] = v
+    return out
+
+
+class PredictionStore:
+    """Per-batch predictions, labels, inputs or losses kept for `compute_metrics` or `predict`; moved to the host
+    every `eval_accumulation_steps` batches."""
+
+    def __init__(self):
+        self.device_chunks, self.host_chunks = [], []
+
+    def add(self, value):
+        if value is not None:
+            self.device_chunks.append(value)
+
+    def offload(self):
+        self.host_chunks += [to_host(c) for c in self.device_chunks]
+        self.device_chunks = []
+
+    def result(self):
+        self.offload()
+        return concat_padded(self.host_chunks) if self.host_chunks else None
+
+
+class EvalStage(Stage):
+    """The log / evaluate / save schedule, the evaluation loops, the best model and checkpoints."""
+
+    def __init__(self):
+        self.last_logged_step = 0
+        self.total_loss_scalar = 0.0
+        self.model_preparation_time = None
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        return self.loop.checkpointer
+
+    # -- logging --
+    def log(self, logs: dict, start_time=None) -> None:
+        loop = self.loop
+        logs["epoch"] = loop.state.epoch
+        loop.state.log_history.append({**logs, "step": loop.state.global_step})
+        loop.fire("on_log", logs=logs)
+
+    def log_training_progress(self) -> None:
+        """The step log: mean loss per optimizer step since the last log, pre-clip grad norm, LR. The one host sync
+        of the training loop happens here, at logging points only."""
+        loop, step = self.loop, self.loop.step
+        loss_sum = loop.accelerator.gather(step.tr_loss.detach()).mean().item()
+        step.tr_loss.zero_()
+        logs = {"loss": loss_sum / (loop.state.global_step - self.last_logged_step)}
+        if step.grad_norm is not None:
+            logs["grad_norm"] = step.grad_norm.item() if isinstance(step.grad_norm, torch.Tensor) else step.grad_norm
+        logs["learning_rate"] = step.learning_rate
+        self.total_loss_scalar += loss_sum
+        self.last_logged_step = loop.state.global_step
+        loop.store_flos()
+        self.log(logs)
+
+    # -- the schedule after each optimizer step and each epoch --
+    def after_step(self, ignore_keys_for_eval=None) -> None:
+        loop = self.loop
+        if loop.control.should_log and loop.state.global_step > self.last_logged_step:
+            self.log_training_progress()
+        if loop.control.should_evaluate:
+            metrics = self.evaluate_during_training(ignore_keys_for_eval)
+            is_new_best = self.update_best_metric(metrics)
+            if loop.args.save_strategy == "best":
+                loop.control.should_save = is_new_best
+        if loop.control.should_save:
+            self.save_checkpoint()
+            loop.fire("on_save")
+
+    def evaluate_during_training(self, ignore_keys=None, skip_scheduler=False) -> dict:
+        loop = self.loop
+        metrics = loop.evaluate(ignore_keys=ignore_keys)
+        scheduler = loop.lr_scheduler
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not skip_scheduler:
+            name = self.best_metric_key()
+            scheduler.step(metrics[name])
+        return metrics
+
+    def best_metric_key(self) -> str:
+        name = self.loop.args.metric_for_best_model
+        return name if name.startswith("eval_") else f"eval_{name}"
+
+    def update_best_metric(self, metrics: dict) -> bool:
+        args, state = self.loop.args, self.loop.state
+        if args.metric_for_best_model is None:
+            return False
+        key = self.best_metric_key()
+        if key not in metrics:
+            raise KeyError(f"metric_for_best_model={args.metric_for_best_model!r} looks for {key!r}, which the "
+                           f"evaluation did not produce (it has {sorted(metrics)}). Fix: name one of those.")
+        value = metrics[key]
+        if state.best_metric is None:
+            state.best_metric = -math.inf if args.greater_is_better else math.inf
+        better = value > state.best_metric if args.greater_is_better else value < state.best_metric
+        if better:
+            state.best_metric = value
+            if args.save_strategy in ("steps", "epoch", "best"):
+                state.best_global_step = state.global_step
+        return better
+
+    def save_checkpoint(self) -> None:
+        self.loop.store_flos()
+        self.checkpointer.save()
+
+    # -- evaluate / predict --
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        loop = self.loop
+        override = eval_dataset is not None
+        datasets = eval_dataset if override else loop.eval_dataset
+        if isinstance(datasets, dict):
+            metrics = {}
+            for name, dataset in datasets.items():
+                metrics.update(self.evaluate(dataset if override else name, ignore_keys,
+                                             f"{metric_key_prefix}_{name}"))
+            return metrics
+        dataloader = loop.get_eval_dataloader(eval_dataset)
+        start = time.time()
+        output = loop.evaluation_loop(dataloader, description="Evaluation",
+                                      prediction_loss_only=True if loop.compute_metrics is None else None,
+                                      ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        total_batch = loop.args.per_device_eval_batch_size * loop.accelerator.num_processes
+        output.metrics.update(speed_metrics(metric_key_prefix, start, num_samples=output.num_samples,
+                                            num_steps=math.ceil(output.num_samples / total_batch)))
+        self.log(output.metrics)
+        loop.fire("on_evaluate", metrics=output.metrics)
+        return output.metrics
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
+        loop = self.loop
+        dataloader = loop.get_test_dataloader(test_dataset)
+        start = time.time()
+        output = loop.evaluation_loop(dataloader, description="Prediction", ignore_keys=ignore_keys,
+                                      metric_key_prefix=metric_key_prefix)
+        total_batch = loop.args.per_device_eval_batch_size * loop.accelerator.num_processes
+        output.metrics.update(speed_metrics(metric_key_prefix, start, num_samples=output.num_samples,
+                                            num_steps=math.ceil(output.num_samples / total_batch)))
+        loop.fire("on_predict", metrics=output.metrics)
+        return PredictionOutput(output.predictions, output.label_ids, output.metrics)
+
+    def eval_model(self):
+        """The model to evaluate; prepared for evaluation the first time if training has not prepared it."""
+        loop = self.loop
+        if len(loop.accelerator._models) == 0 and loop.model_wrapped is loop.model:
+            start = time.time()
+            loop.model_wrapped = loop.accelerator.prepare_model(loop.model, evaluation_mode=True)
+            self.model_preparation_time = round(time.time() - start, 4)
+        return loop.model_wrapped
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval") -> EvalLoopOutput:
+        loop, args, acc = self.loop, self.loop.args, self.loop.accelerator
+        if prediction_loss_only is None:
+            prediction_loss_only = args.prediction_loss_only
+        model = self.eval_model()
+        model.eval()
+        if callable(getattr(loop.optimizer, "eval", None)):
+            loop.optimizer.eval()
+        loop.callback_handler.eval_dataloader = dataloader
+        batch_size = args.per_device_eval_batch_size
+        keep_for_metrics = not args.batch_eval_metrics or description == "Prediction"
+        preds, labels_store, inputs_store, losses_store = (PredictionStore() for _ in range(4))
+        want_inputs = "inputs" in args.include_for_metrics
+        want_losses = "loss" in args.include_for_metrics
+        # The loss streams into device sums: finite values, and all values (used only if none is finite).
+        sums = torch.zeros(4, dtype=torch.float64, device=acc.device)
+        metrics, observed = None, 0
+        for step, inputs in enumerate(dataloader):
+            observed += find_batch_size(inputs) or 0
+            loss, logits, labels = loop.prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+            main_input = getattr(loop.model, "main_input_name", "input_ids")
+            inputs_decode = inputs[main_input] if want_inputs else None
+            if loss is not None:
+                losses = loop.gather_function(loss.repeat(batch_size))
+                finite = torch.isfinite(losses)
+                sums += torch.stack([torch.where(finite, losses, 0).sum(), finite.sum(), losses.sum(),
+                                     torch.tensor(losses.numel(), device=losses.device)]).double()
+                if want_losses and keep_for_metrics:
+                    losses_store.add(losses)
+            if inputs_decode is not None:
+                inputs_decode = loop.gather_function(acc.pad_across_processes(inputs_decode, dim=1, pad_index=-100))
+                if keep_for_metrics:
+                    inputs_store.add(inputs_decode)
+            if labels is not None:
+                labels = acc.pad_across_processes(labels, dim=1, pad_index=-100)
+            if logits is not None:
+                logits = acc.pad_across_processes(logits, dim=1, pad_index=-100)
+                if loop.preprocess_logits_for_metrics is not None:
+                    logits = loop.preprocess_logits_for_metrics(logits, labels)
+                logits = loop.gather_function(logits)
+                if keep_for_metrics:
+                    preds.add(logits)
+            if labels is not None:
+                labels = loop.gather_function(labels)
+                if keep_for_metrics:
+                    labels_store.add(labels)
+            loop.fire("on_prediction_step")
+            if args.batch_eval_metrics:
+                if loop.compute_metrics is not None and logits is not None and labels is not None:
+                    batch_kwargs = {"losses": loss if want_losses else None,
+                                    "inputs": inputs if want_inputs else None}
+                    metrics = loop.compute_metrics(EvalPrediction(predictions=logits, label_ids=labels,
+                                                                  **batch_kwargs),
+                                                   compute_result=acc.gradient_state.end_of_dataloader)
+            elif args.eval_accumulation_steps is not None and (step + 1) % args.eval_accumulation_steps == 0:
+                for store in (preds, labels_store, inputs_store, losses_store):
+                    store.offload()
+        all_preds, all_labels = preds.result(), labels_store.result()
+        all_inputs, all_losses = inputs_store.result(), losses_store.result()
+        dataset = getattr(dataloader, "dataset", None)
+        num_samples = len(dataset) if hasattr(dataset, "__len__") else observed
+        if num_samples == 0 and observed > 0:
+            num_samples = observed
+        if loop.compute_metrics is not None and all_preds is not None and all_labels is not None \
+                and not args.batch_eval_metrics:
+            metrics = loop.compute_metrics(EvalPrediction(
+                predictions=all_preds, label_ids=all_labels,
+                inputs=all_inputs if want_inputs else None, losses=all_losses if want_losses else None))
+        elif metrics is None:
+            metrics = {}
+        metrics = plain_metrics(metrics)
+        finite_sum, finite_n, total_sum, total_n = sums.tolist()
+        if total_n > 0:
+            use_finite = args.logging_nan_inf_filter and finite_n > 0
+            metrics[f"{metric_key_prefix}_loss"] = finite_sum / finite_n if use_finite else total_sum / total_n
+        if self.model_preparation_time is not None:
+            metrics[f"{metric_key_prefix}_model_preparation_time"] = self.model_preparation_time
+        metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v
+                   for k, v in metrics.items()}
+        return EvalLoopOutput(predictions=all_preds, label_ids=all_labels, metrics=metrics, num_samples=num_samples)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        loop = self.loop
+        label_names = loop.label_names
+        has_labels = bool(label_names) and all(inputs.get(k) is not None for k in label_names)
+        if ignore_keys is None:
+            config = getattr(loop.model, "config", None)
+            ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", ["cache"])) if config else []
+        labels = None
+        if has_labels:
+            labels = nested_detach(tuple(inputs.get(name) for name in label_names))
+            labels = labels[0] if len(labels) == 1 else labels
+        with torch.no_grad():
+            if has_labels:
+                num_items = loop.count_loss_items([inputs])
+                with loop.compute_loss_context_manager():
+                    loss, outputs = loop.compute_loss(model, inputs, return_outputs=True,
+                                                      num_items_in_batch=num_items)
+                loss = loss.detach().mean()
+                logits = tuple(v for k, v in outputs.items() if k not in ignore_keys + ["loss"]) \
+                    if isinstance(outputs, dict) else outputs[1:]
+            else:
+                loss = None
+                with loop.compute_loss_context_manager():
+                    outputs = model(**inputs)
+                logits = tuple(v for k, v in outputs.items() if k not in ignore_keys) \
+                    if isinstance(outputs, dict) else outputs
+        if prediction_loss_only:
+            return loss, None, None
+        logits = nested_detach(logits)
+        if len(logits) == 1:
+            logits = logits[0]
+        return loss, logits, labels
+
+    # -- checkpointed state: the running-loss bookkeeping --
+    def state_dict(self) -> dict:
+        return {"last_logged_step": self.last_logged_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_logged_step = state.get("last_logged_step", self.last_logged_step)

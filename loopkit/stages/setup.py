@@ -1,0 +1,116 @@
+"""Stage 1, setup: seeding, the Accelerate state, the model (or `model_init`), and where a resumed run starts.
+
+Contract:
+* `build(model)` runs once, in `Loop.__init__`: seeds every RNG with `args.seed` (as `Trainer.__init__` does, so the
+  same seed gives the same dropout masks), creates the `Accelerator`, builds the model from `model_init` if no model
+  was given, and moves it to the device.
+* `begin_training(resume_from_checkpoint)` runs at the start of every `train()`: re-seeds and rebuilds the model
+  when `model_init` is used, turns on activation checkpointing, resolves the checkpoint to resume from and loads its
+  weights (before `accelerator.prepare`, as HF does). It returns the checkpoint path or None.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+
+from ..args import config_error
+from ..checkpoint import Checkpointer, load_model_weights
+from .base import Stage
+
+
+def seed_everything(seed: int, full_determinism: bool = False) -> None:
+    """Python, numpy, torch (CPU and every CUDA device): HF's `set_seed` / `enable_full_determinism`."""
+    from accelerate.utils import set_seed
+
+    if full_determinism:
+        os.environ["CUDA_LAUNCH_BLOCKING"] = "1"
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    set_seed(seed)
+
+
+class SetupStage(Stage):
+    """Seeding, the `Accelerator`, the model and the resume point."""
+
+    def build(self, model):
+        loop, args = self.loop, self.loop.args
+        seed_everything(args.seed, args.full_determinism)
+        loop.accelerator = self.create_accelerator()
+        if model is None:
+            if loop.model_init is None:
+                raise config_error("model", None, "Loop needs a model", "pass model=... or model_init=...")
+            model = self.call_model_init()
+        self.set_model(model)
+
+    def create_accelerator(self):
+        from accelerate import Accelerator
+        from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,
+                                      GradientAccumulationPlugin)
+
+        args = self.loop.args
+        # loopkit accumulates gradients itself (like HF Trainer), so Accelerate's own accumulation stays at 1.
+        dataloader_config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.data_seed)
+        kwargs = dict(
+            mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else "no",
+            cpu=args.use_cpu,
+            dataloader_config=dataloader_config,
+            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1),
+            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)],
+        )
+        if args.torch_compile:
+            from accelerate.utils import TorchDynamoPlugin
+
+            kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend=args.torch_compile_backend or "inductor",
+                                                        mode=args.torch_compile_mode)
+        return Accelerator(**kwargs)
+
+    def call_model_init(self, trial=None):
+        model_init = self.loop.model_init
+        n_args = len(inspect.signature(model_init).parameters)
+        if n_args > 1:
+            raise config_error("model_init", model_init, "it must take no argument or one (the trial)",
+                               "define model_init() or model_init(trial)")
+        model = model_init(trial) if n_args == 1 else model_init()
+        if model is None:
+            raise config_error("model_init", model_init, "it returned None", "return the model from model_init")
+        return model
+
+    def set_model(self, model) -> None:
+        """Make `model` the run's model: on the device, introspected for how its loss is computed."""
+        loop = self.loop
+        if getattr(model, "hf_device_map", None) is None:  # a model split by device_map places itself
+            model = model.to(loop.accelerator.device)
+        loop.model = loop.model_wrapped = model
+        if hasattr(getattr(model, "config", None), "use_cache"):
+            model.config.use_cache = loop.args.use_cache
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if hasattr(base, "accepts_loss_kwargs"):
+            loop.model_accepts_loss_kwargs = bool(base.accepts_loss_kwargs)
+        else:
+            params = inspect.signature(base.forward).parameters.values()
+            loop.model_accepts_loss_kwargs = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+
+    def begin_training(self, resume_from_checkpoint, trial=None):
+        loop, args = self.loop, self.loop.args
+        if loop.model_init is not None:
+            seed_everything(args.seed, args.full_determinism)
+            self.set_model(self.call_model_init(trial))
+            loop.optimizer, loop.lr_scheduler = None, None
+        if args.activation_checkpointing:
+            enable = (getattr(loop.model, "activation_checkpointing_enable", None)
+                      or getattr(loop.model, "gradient_checkpointing_enable", None))
+            if enable is None:
+                raise config_error("gradient_checkpointing", True, f"{type(loop.model).__name__} has no "
+                                   "gradient_checkpointing_enable()", "use a transformers model or turn it off")
+            kwargs = args.activation_checkpointing_kwargs or args.gradient_checkpointing_kwargs
+            enable(gradient_checkpointing_kwargs=kwargs) if "gradient" in enable.__name__ else enable(
+                activation_checkpointing_kwargs=kwargs)
+        checkpoint = Checkpointer(loop).resolve(resume_from_checkpoint)
+        if checkpoint is not None:
+            load_model_weights(loop.model, checkpoint)
+        return checkpoint
