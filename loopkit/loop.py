@@ -20,9 +20,10 @@ import time
 
 import torch
 
-from .args import LoopArgs, check_args, config_error
+from .args import LoopArgs, check_args, check_inputs, config_error
 from .checkpoint import Checkpointer
 from .events import DefaultFlow, EventHandler, Printer, ProgressBar, reporting_callbacks
+from .metrics import check_metrics
 from .stages.data import DataStage, find_labels
 from .stages.evaluation import EvalStage
 from .stages.setup import SetupStage
@@ -35,6 +36,7 @@ class Loop:
     """A training run with `transformers.Trainer`'s arguments, methods, attributes and callback events.
 
     Replace `Trainer(` with `Loop(`. Pass `setup=`, `data=`, `step=`, `evaluation=` or `teardown=` to swap a stage.
+    `metrics=[...]` adds streaming evaluation metrics (`loopkit.metrics`), computed batch by batch on the device.
     """
 
     # HF 5.x class attribute: None = infer whether `compute_loss` already normalized over the accumulated batch.
@@ -43,7 +45,7 @@ class Loop:
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, model_init=None, compute_loss_func=None, compute_metrics=None,
                  callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
-                 preprocess_logits_for_metrics=None, *, setup: SetupStage | None = None,
+                 preprocess_logits_for_metrics=None, *, metrics=None, setup: SetupStage | None = None,
                  data: DataStage | None = None, step: StepStage | None = None,
                  evaluation: EvalStage | None = None, teardown: TeardownStage | None = None):
         self.args = args if args is not None else LoopArgs()
@@ -57,6 +59,8 @@ class Loop:
         if self.optimizer is not None and optimizer_cls_and_kwargs is not None:
             raise config_error("optimizer_cls_and_kwargs", optimizer_cls_and_kwargs, "an optimizer was passed too",
                                "pass either optimizers=(opt, sched) or optimizer_cls_and_kwargs")
+        check_inputs(self.args, model=model, model_init=model_init, train_dataset=train_dataset,
+                     eval_dataset=eval_dataset, compute_metrics=compute_metrics, optimizers=optimizers)
         self.setup, self.data, self.step = setup or SetupStage(), data or DataStage(), step or StepStage()
         self.evaluation, self.teardown = evaluation or EvalStage(), teardown or TeardownStage()
         for stage in self.stages:
@@ -65,6 +69,7 @@ class Loop:
 
         # Setup: seeds, Accelerate, the model.
         self.setup.build(model)
+        self.metrics = check_metrics(metrics, self.accelerator.num_processes)  # streaming metrics (loopkit.metrics)
         self.gather_function = self.accelerator.gather_for_metrics
         self.label_names = list(self.args.label_names) if self.args.label_names is not None else \
             find_labels(self.model)
@@ -125,13 +130,13 @@ class Loop:
         self.state.is_hyper_param_search = trial is not None
         self.state.is_local_process_zero = self.accelerator.is_local_main_process
         self.state.is_world_process_zero = self.accelerator.is_main_process
+        self.evaluation.last_logged_step = self.initial_global_step = self.state.global_step
+        self.evaluation.total_loss_scalar = 0.0
+        self.load_stage_states(stage_states)  # data position, running loss, ... (empty for a fresh run)
         resume = self.data.resume_point(checkpoint, self.state.global_step, plan)
 
         # 3. Step: optimizer, scheduler, accelerator.prepare, and their resumed state.
         self.step.prepare(plan.max_steps, checkpoint)
-        self.evaluation.last_logged_step = self.initial_global_step = self.state.global_step
-        self.evaluation.total_loss_scalar = 0.0
-        self.load_stage_states(stage_states)
         handler = self.callback_handler
         handler.model, handler.optimizer, handler.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
         handler.train_dataloader = self.train_dataloader
@@ -155,15 +160,13 @@ class Loop:
 
     def run_epoch(self, epoch, plan, resume, ignore_keys_for_eval):
         """One pass over the data: a window of micro-batches per optimizer step, then the log/eval/save schedule."""
-        trained_any = False
         for window in self.data.windows(epoch, plan, resume):
-            trained_any = True
             completed = self.step.run(window, epoch, plan.steps_in_epoch)
             if completed:
                 self.evaluation.after_step(ignore_keys_for_eval)
             if self.control.should_epoch_stop or self.control.should_training_stop:
                 break
-        if not trained_any:
+        if self.data.micro_batches_done == 0:
             import warnings
 
             warnings.warn(f"Epoch {epoch} yielded no batch: stopping at step {self.state.global_step}. An "
@@ -181,20 +184,25 @@ class Loop:
 
     def load_stage_states(self, states: dict) -> None:
         for name, stage in zip(STAGE_NAMES, self.stages):
-            if name in states:
-                stage.load_state_dict(states[name])
+            stage.load_state_dict(states.get(name, {}))
 
     def restore_callback_states(self) -> None:
         """HF's `restore_callback_states_from_checkpoint`: re-create stateful callbacks from the saved state."""
         if not self.args.restore_callback_states_from_checkpoint:
             return
+        from .state import state_name
+
         saved = self.state.stateful_callbacks
+        seen: dict[str, int] = {}
         for callback in self.callback_handler.callbacks + [self.control]:
-            name = type(callback).__name__
-            if name not in saved and not (callback is self.control and "TrainerControl" in saved):
+            name = state_name(callback)
+            if name not in saved:
                 continue
-            entry = saved.get(name, saved.get("TrainerControl"))
-            entry = entry[0] if isinstance(entry, list) else entry
+            entries = saved[name] if isinstance(saved[name], list) else [saved[name]]
+            index = seen[name] = seen.get(name, -1) + 1  # duplicates of a class restore in order, as in HF
+            if index >= len(entries):
+                continue
+            entry = entries[index]
             for key, value in entry.get("args", {}).items() if callback is self.control else ():
                 setattr(callback, key, value)
             for key, value in entry.get("attributes", {}).items():

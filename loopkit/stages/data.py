@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import inspect
 import math
-import random
 import sys
+import warnings
 from dataclasses import dataclass
-from functools import partial
 
-import numpy as np
-import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from ..args import config_error
+from ..data_order import PositionSeededDataset, WorkerSeeding, is_seekable
 from .base import Stage
 
 
@@ -31,14 +29,6 @@ def has_length(dataset) -> bool:
         return len(dataset) is not None
     except (TypeError, NotImplementedError, AttributeError):
         return False
-
-
-def seed_worker(worker_id: int, num_workers: int, rank: int) -> None:
-    """HF's worker seeding: each worker seeds python, numpy and torch from the loader's base seed."""
-    seed = num_workers * rank + torch.initial_seed() % 2**32
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def find_labels(model) -> list[str]:
@@ -87,6 +77,7 @@ class ResumePoint:
     checkpoint: str
     epochs_trained: int
     micro_batches_to_skip: int
+    dataset_state: dict | None = None  # an iterable dataset's own position (the seek protocol)
 
 
 class DataStage(Stage):
@@ -94,6 +85,10 @@ class DataStage(Stage):
 
     def __init__(self):
         self.collator = None
+        self.train_source = None  # the dataset the train loader reads (after column removal)
+        self.worker_seeding = None
+        self.epoch, self.micro_batches_done = 0, 0
+        self.saved_position = None  # the position read from a checkpoint, used by resume_point()
 
     # -- collation and columns --
     def resolve_collator(self):
@@ -141,12 +136,16 @@ class DataStage(Stage):
                       pin_memory=args.dataloader_pin_memory and loop.accelerator.device.type != "cpu",
                       persistent_workers=args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
                       prefetch_factor=args.dataloader_prefetch_factor)
+        if training:
+            self.train_source = dataset
+            if args.dataloader_num_workers > 0:
+                self.worker_seeding = WorkerSeeding(args.seed, loop.accelerator.process_index)
+                params["worker_init_fn"] = self.worker_seeding
+                if not isinstance(dataset, IterableDataset):
+                    dataset = PositionSeededDataset(dataset, args.seed, loop.accelerator.process_index)
         if not isinstance(dataset, IterableDataset):
             params["sampler"] = self.train_sampler(dataset) if training else self.eval_sampler(dataset)
             params["drop_last"] = args.dataloader_drop_last
-            if training:
-                params["worker_init_fn"] = partial(seed_worker, num_workers=args.dataloader_num_workers,
-                                                   rank=loop.accelerator.process_index)
         return loop.accelerator.prepare(DataLoader(dataset, **params))
 
     def train_sampler(self, dataset):
@@ -204,48 +203,98 @@ class DataStage(Stage):
                             total_batch, args.max_steps * ga, args.max_steps)
 
     def resume_point(self, checkpoint, global_step: int, plan: TrainingPlan) -> ResumePoint | None:
-        """Where a resumed run picks up: whole epochs done, and micro-batches of the current epoch to skip."""
+        """Where a resumed run picks up: whole epochs done, and micro-batches of the current epoch to skip.
+
+        loopkit checkpoints store the position in global samples, so a run resumes on another number of processes
+        with the same global batch. HF checkpoints have no position: it is derived from `global_step` as HF does.
+        """
         if checkpoint is None:
             return None
-        epochs_trained = global_step // plan.num_update_steps_per_epoch
-        skip = 0 if self.loop.args.ignore_data_skip else \
-            (global_step % plan.num_update_steps_per_epoch) * self.loop.args.gradient_accumulation_steps
-        return ResumePoint(checkpoint, epochs_trained, skip)
+        args = self.loop.args
+        if args.ignore_data_skip:
+            return ResumePoint(checkpoint, global_step // plan.num_update_steps_per_epoch, 0)
+        saved = self.saved_position
+        if saved is None:
+            return ResumePoint(checkpoint, global_step // plan.num_update_steps_per_epoch,
+                               (global_step % plan.num_update_steps_per_epoch) * args.gradient_accumulation_steps)
+        samples_per_micro_batch = args.per_device_train_batch_size * self.loop.accelerator.num_processes
+        if saved["samples"] % samples_per_micro_batch:
+            raise config_error("per_device_train_batch_size", args.per_device_train_batch_size,
+                               f"the checkpoint stopped after {saved['samples']} samples of epoch {saved['epoch']}, "
+                               f"which is not a whole number of micro-batches of {samples_per_micro_batch} samples",
+                               "resume with the same global batch size (per-device batch x processes x GA)")
+        epoch, skip = saved["epoch"], saved["samples"] // samples_per_micro_batch
+        if plan.steps_in_epoch and skip >= plan.steps_in_epoch and has_length(self.loop.train_dataloader):
+            epoch, skip = epoch + 1, 0  # the checkpoint closed its epoch
+        return ResumePoint(checkpoint, epoch, skip, saved.get("dataset_state"))
 
     # -- the epoch's micro-batches, grouped by optimizer step --
     def windows(self, epoch: int, plan: TrainingPlan, resume: ResumePoint | None):
+        """Yield one `Window` per optimizer step. See `loopkit/data_order.py` for why this reads no batch ahead and
+        when the RNG of a resumed run is restored."""
         from accelerate import skip_first_batches
+        from accelerate.utils import send_to_device
 
         loop, ga = self.loop, self.loop.args.gradient_accumulation_steps
-        loader, skip, restore_rng_after_first = loop.train_dataloader, 0, False
-        if resume is not None and epoch == resume.epochs_trained:
-            if resume.micro_batches_to_skip > 0:
-                skip = resume.micro_batches_to_skip
-                loader = skip_first_batches(loader, skip)  # skips in the sampler: nothing is read or collated
-                restore_rng_after_first = True
-            else:
-                loop.checkpointer.load_rng(resume.checkpoint)
+        loader, source = loop.train_dataloader, self.train_source
+        resuming = resume is not None and epoch == resume.epochs_trained
+        skip = resume.micro_batches_to_skip if resuming else 0
+        if resuming and skip == 0:
+            loop.checkpointer.load_rng(resume.checkpoint)  # before the iterator: creating it draws from the RNG
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
         inner = getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)
         if hasattr(inner, "set_epoch"):
             inner.set_epoch(epoch)
-        iterator = iter(loader)
+        if self.worker_seeding is not None:
+            self.worker_seeding.epoch = epoch
+        discard = 0
+        if skip and not isinstance(source, IterableDataset):
+            loader = skip_first_batches(loader, skip)  # skips indices in the sampler: nothing is read or collated
+        elif skip and resume.dataset_state is not None and is_seekable(source) and \
+                loop.args.dataloader_num_workers == 0:
+            source.load_state_dict(resume.dataset_state)
+        elif skip:
+            discard = skip
+            warnings.warn(f"Resuming mid-epoch on an iterable dataset that cannot seek: re-reading and discarding "
+                          f"{skip} batches, which costs as much as reading them did. For an O(1) resume give the "
+                          f"dataset state_dict()/load_state_dict() (datasets.IterableDataset has them) and use "
+                          f"dataloader_num_workers=0.")
+        dataset = getattr(loader, "dataset", None)
+        if isinstance(dataset, PositionSeededDataset):
+            dataset.start_epoch(epoch, skip)
+        base = getattr(loader, "base_dataloader", loader)
+        iterator = iter(base)  # the plain loader: no read-ahead (Accelerate's shard fetches one batch ahead)
+        for _ in range(discard):
+            next(iterator, None)
+        if resuming and skip:
+            loop.checkpointer.load_rng(resume.checkpoint)  # the checkpoint's RNG was taken right before this batch
+        device, non_blocking = loop.accelerator.device, getattr(loader, "_non_blocking", False)
         last_window_size = plan.steps_in_epoch % ga or ga
-        index = skip
+        self.epoch, self.micro_batches_done = epoch, skip
         for update in range(skip // ga, plan.num_update_steps_per_epoch):
             size = ga if update != plan.num_update_steps_per_epoch - 1 else last_window_size
             batches = []
             for _ in range(size):
                 try:
-                    batches.append(next(iterator))
+                    batches.append(send_to_device(next(iterator), device, non_blocking=non_blocking))
                 except StopIteration:
                     break
             if not batches:
                 return
-            if restore_rng_after_first:
-                # As HF: the RNG comes back after the first window is fetched, so the skip does not disturb it.
-                loop.checkpointer.load_rng(resume.checkpoint)
-                restore_rng_after_first = False
-            yield Window(batches, index)
-            index += len(batches)
+            first = self.micro_batches_done
+            self.micro_batches_done += len(batches)  # counted before the step: a checkpoint after it includes them
+            yield Window(batches, first)
+
+    # -- checkpointed state: the data position --
+    def state_dict(self) -> dict:
+        loop = self.loop
+        samples = self.micro_batches_done * loop.args.per_device_train_batch_size * loop.accelerator.num_processes
+        position = {"epoch": self.epoch, "micro_batches": self.micro_batches_done, "samples": samples}
+        if isinstance(self.train_source, IterableDataset) and is_seekable(self.train_source) and \
+                loop.args.dataloader_num_workers == 0:
+            position["dataset_state"] = self.train_source.state_dict()
+        return {"position": position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.saved_position = state.get("position")

@@ -122,8 +122,9 @@ class StepStage(Stage):
         self.num_non_embedding_params = (loop.model.num_parameters(exclude_embeddings=True)
                                          if hasattr(loop.model, "num_parameters") else 0)
         self.label_shift = is_causal_lm(loop.model)
-        self.tr_loss = torch.zeros((), device=loop.accelerator.device)
-        self.restored_loss = 0.0
+        if checkpoint is None:
+            self.restored_loss = 0.0
+        self.tr_loss = torch.full((), self.restored_loss, device=loop.accelerator.device)
         self.loss_scale_tokens = loop.args.average_tokens_across_devices and loop.accelerator.num_processes > 1
 
     # -- loss --
@@ -142,6 +143,12 @@ class StepStage(Stage):
                     f"{', '.join(inputs.keys())}). Fix: pass labels in the batch (check label_names and the "
                     f"collator), or give Loop a compute_loss_func, or override compute_loss.")
             loss = outputs["loss"]
+        elif isinstance(outputs, torch.Tensor):
+            # HF would index it (outputs[0]) and fail far from the cause; a bare tensor is never (loss, ...).
+            raise ValueError(
+                f"The model returned a bare tensor of shape {tuple(outputs.shape)}, not outputs with a loss. Fix: "
+                f"return a dict (or ModelOutput) with a 'loss' entry, or give Loop a compute_loss_func, or override "
+                f"compute_loss.")
         else:
             loss = outputs[0]
         if (loop.args.average_tokens_across_devices and num_items_in_batch is not None
@@ -279,4 +286,3 @@ class StepStage(Stage):
         # The loss summed since the last log before the checkpoint, so the first log after a resume is exact
         # (HF Trainer restarts it at 0). `restored_loss` keeps it out of this call's `train_loss`.
         self.restored_loss = state.get("tr_loss", 0.0)
-        self.tr_loss.fill_(self.restored_loss)
