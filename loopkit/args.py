@@ -8,7 +8,9 @@ same attribute names, so the rest of loopkit never asks which one it got.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,9 +33,11 @@ def plain(value: Any) -> Any:
 class LoopArgs:
     """The `TrainingArguments` fields loopkit supports, with transformers 5.24's names and defaults.
 
-    After `__post_init__` the derived defaults match `TrainingArguments`: `eval_steps` falls back to `logging_steps`,
-    `metric_for_best_model` becomes "loss" when `load_best_model_at_end` is on, `greater_is_better` follows the
-    metric's name, and `report_to="none"` becomes `[]`.
+    After `__post_init__` the derived values match `TrainingArguments`' own `__post_init__`: `eval_steps` falls back
+    to `logging_steps`, `metric_for_best_model` becomes "loss" when `load_best_model_at_end` is on (or the scheduler is
+    `reduce_lr_on_plateau` / `greedy`), `greater_is_better` follows the metric's name, `report_to="none"` becomes
+    `[]`, `disable_tqdm=None` follows the transformers logger's level, setting `torch_compile_mode` or
+    `torch_compile_backend` turns `torch_compile` on, and `use_cpu` turns `dataloader_pin_memory` off.
     """
 
     output_dir: str = "trainer_output"
@@ -62,7 +66,7 @@ class LoopArgs:
     logging_nan_inf_filter: bool = True
     report_to: Any = "none"
     run_name: str | None = None
-    disable_tqdm: bool = False
+    disable_tqdm: bool | None = None
     # evaluation
     eval_strategy: str = "no"
     eval_steps: float | None = None
@@ -101,47 +105,63 @@ class LoopArgs:
     label_names: list | None = None
     train_sampling_strategy: str = "random"
     # model transforms
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | None = None
     gradient_checkpointing_kwargs: dict | None = None
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | None = None
     activation_checkpointing_kwargs: dict | None = None
     torch_compile: bool = False
     torch_compile_backend: str | None = None
     torch_compile_mode: str | None = None
-    skip_memory_metrics: bool = True
 
     def __post_init__(self):
+        """The derivations of `TrainingArguments.__post_init__` (5.24), in its order, for the fields we have."""
+        for name in DICT_FIELDS:  # a JSON string from a command line, as TrainingArguments accepts
+            value = getattr(self, name)
+            if isinstance(value, str) and value.startswith("{"):
+                setattr(self, name, json.loads(value))
+        # 5.x renamed gradient_checkpointing*; the old names stay as aliases that mirror the new ones.
+        for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                         ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+            if getattr(self, new) is None and getattr(self, old) is not None:
+                setattr(self, new, getattr(self, old))
+            setattr(self, old, getattr(self, new))
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = self.gradient_checkpointing = False
+        if self.disable_tqdm is None:
+            # TrainingArguments' rule: no bars when transformers' logger is quieter than WARNING. The stdlib logger
+            # is read directly, so building a LoopArgs never imports transformers.
+            self.disable_tqdm = logging.getLogger("transformers").getEffectiveLevel() > logging.WARNING
         for name in ("logging_strategy", "eval_strategy", "save_strategy", "lr_scheduler_type", "optim"):
             setattr(self, name, plain(getattr(self, name)))
-        if self.report_to in (None, "none"):
-            self.report_to = []
-        elif isinstance(self.report_to, str):
-            self.report_to = [self.report_to]
-        if self.gradient_checkpointing and not self.activation_checkpointing:
-            # 5.x renamed it; the old name is kept as an alias, as in TrainingArguments.
-            self.activation_checkpointing = True
-            self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs
         if self.eval_strategy == "steps" and not self.eval_steps:
+            if self.logging_steps <= 0:
+                raise config_error("eval_steps", self.eval_steps, "eval_strategy='steps' needs an interval, and "
+                                   "logging_steps (its fallback) is not positive", "set eval_steps > 0")
             self.eval_steps = self.logging_steps
-        if self.load_best_model_at_end and self.metric_for_best_model is None:
+        if (self.load_best_model_at_end or self.lr_scheduler_type in ("reduce_lr_on_plateau", "greedy")) \
+                and self.metric_for_best_model is None:
             self.metric_for_best_model = "loss"
         if self.greater_is_better is None and self.metric_for_best_model is not None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
-        if self.load_best_model_at_end and self.save_strategy != "best":
-            if self.eval_strategy != self.save_strategy:
-                raise config_error(
-                    "load_best_model_at_end", True,
-                    f"it needs checkpoints at the evaluations, but eval_strategy={self.eval_strategy!r} and "
-                    f"save_strategy={self.save_strategy!r} differ",
-                    "set save_strategy equal to eval_strategy, or save_strategy='best'",
-                )
-            if self.eval_strategy == "steps" and self.save_steps % self.eval_steps != 0:
-                raise config_error(
-                    "save_steps", self.save_steps,
-                    f"load_best_model_at_end needs every save to follow an evaluation, but it is not a multiple "
-                    f"of eval_steps={self.eval_steps}",
-                    "make save_steps a multiple of eval_steps",
-                )
+        if self.report_to in ("all", ["all"]):
+            from transformers.integrations import get_available_reporting_integrations
+
+            self.report_to = get_available_reporting_integrations()
+        elif self.report_to in (None, "none", ["none"]):
+            self.report_to = []
+        elif not isinstance(self.report_to, list):
+            self.report_to = [self.report_to]
+        for name in ("logging_steps", "eval_steps", "save_steps"):  # whole numbers above 1 become ints
+            value = getattr(self, name)
+            if value is not None and value > 1 and value == int(value):
+                setattr(self, name, int(value))
+        check_best_model_schedule(self)
+        if (self.torch_compile_mode is not None or self.torch_compile_backend is not None) and not self.torch_compile:
+            self.torch_compile = True
+        if self.torch_compile and self.torch_compile_backend is None:
+            self.torch_compile_backend = "inductor"
+        if self.use_cpu:
+            self.dataloader_pin_memory = False
 
     # Derived values with TrainingArguments' names, so the loop reads both kinds of args the same way.
     @property
@@ -167,63 +187,171 @@ class LoopArgs:
         return json.dumps(self.to_dict(), indent=2, default=str)
 
 
-# TrainingArguments fields that HF Trainer itself does not use to train (bookkeeping for scripts, log levels,
-# Hub settings that only matter with push_to_hub): a non-default value changes nothing, so it is allowed.
+DICT_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")
+
+# TrainingArguments fields that may take any value under loopkit, because HF Trainer does not change how it trains
+# with them, or because TrainingArguments applies them itself when it is built (so they act under Loop too). A
+# field belongs here only for such a reason; anything else is supported (a LoopArgs field) or refused when changed.
 INERT_FIELDS = frozenset({
-    "do_train", "do_eval", "do_predict", "resume_from_checkpoint", "local_rank", "log_level", "log_level_replica",
-    "log_on_each_node", "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
+    # read by scripts (examples/run_*.py), never by Trainer
+    "do_train", "do_eval", "do_predict", "resume_from_checkpoint",
+    # logging verbosity and where logs go in multi-node runs: what is printed, not what is trained
+    "log_level", "log_level_replica", "log_on_each_node",
+    # read by HF's own integration callbacks (trackio), which loopkit builds from the same args
+    "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
+    # only used when pushing to the Hub, and push_to_hub itself is refused
     "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push", "hub_revision",
-    "ddp_timeout", "ddp_backend", "dataloader_in_order", "length_column_name", "save_on_each_node",
-    "tf32", "accelerator_config", "dataloader_multiprocessing_context", "debug", "logging_dir",
+    # applied by TrainingArguments.__post_init__ (the process group through its `device`, and TF32 backends)
+    "local_rank", "ddp_timeout", "ddp_backend", "tf32",
+    # only read by the group_by_length sampler, and train_sampling_strategy="group_by_length" is refused
+    "length_column_name",
 })
+# Not inert, although they look like plumbing (so they are refused when changed): `dataloader_in_order` and
+# `dataloader_multiprocessing_context` go to the DataLoader (batch order, worker start method), `accelerator_config`
+# builds the Accelerator (`use_seedable_sampler`, `split_batches`, `even_batches`, ... change the data each process
+# sees), `debug="underflow_overflow"` adds detection hooks, and `save_on_each_node` decides which processes write
+# checkpoints in multi-node runs.
 SUPPORTED_FIELDS = frozenset(f.name for f in dataclasses.fields(LoopArgs))
 SUPPORTED_CHOICES = {
     "optim": ("adamw_torch", "adamw_torch_fused"),
+    # transformers' schedulers except "greedy" (GreedyLR steps on eval metrics, which loopkit does only for
+    # reduce_lr_on_plateau); a scheduler type added later is refused until it is reviewed.
+    "lr_scheduler_type": ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                          "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr",
+                          "cosine_warmup_with_min_lr", "warmup_stable_decay"),
     "train_sampling_strategy": ("random", "sequential"),
     "logging_strategy": ("no", "steps", "epoch"),
     "eval_strategy": ("no", "steps", "epoch"),
     "save_strategy": ("no", "steps", "epoch", "best"),
 }
+# The way out, for the refused values users ask for most; otherwise the fix is "leave it at its default".
+FIXES = {
+    "optim": "leave optim at its default and pass optimizers=(torch.optim.SGD(model.parameters(), lr=...), None) "
+             "or optimizer_cls_and_kwargs=(cls, kwargs) to Loop, or override create_optimizer",
+    "lr_scheduler_type": "choose one of those, or build the scheduler yourself: pass optimizers=(optimizer, "
+                         "scheduler) to Loop or override create_scheduler",
+    "train_sampling_strategy": "use 'random' or 'sequential', or return your sampler from a DataStage subclass's "
+                               "train_sampler(dataset) and pass Loop(..., data=YourDataStage())",
+    "label_smoothing_factor": "leave it at 0 and pass compute_loss_func=... that smooths the labels (e.g. "
+                              "torch.nn.functional.cross_entropy(..., label_smoothing=0.1))",
+    "push_to_hub": "leave it False, and after training call loop.save_model(dir) and push that folder with "
+                   "huggingface_hub.upload_folder",
+    "neftune_noise_alpha": "leave it None, or add the embedding noise in a StepStage subclass's compute_loss",
+    "include_num_input_tokens_seen": "leave it 'no', or count tokens in a callback's on_step_begin",
+    "skip_memory_metrics": "leave it True (loopkit does not measure memory)",
+}
+
+
+def check_best_model_schedule(args) -> None:
+    """`load_best_model_at_end` needs a checkpoint at every evaluation (TrainingArguments checks this only when it is
+    built; loopkit checks again in `Loop`, so a field changed afterwards is caught too)."""
+    if not args.load_best_model_at_end or plain(args.save_strategy) == "best":
+        return
+    eval_strategy, save_strategy = plain(args.eval_strategy), plain(args.save_strategy)
+    if eval_strategy != save_strategy:
+        raise config_error(
+            "load_best_model_at_end", True,
+            f"it needs a checkpoint at every evaluation, but eval_strategy={eval_strategy!r} and "
+            f"save_strategy={save_strategy!r} differ",
+            f"set save_strategy={eval_strategy!r} to match eval_strategy, or save_strategy='best'",
+        )
+    save, every = args.save_steps, args.eval_steps
+    # TrainingArguments' rule: a multiple, where fractions of max_steps only combine with fractions.
+    if eval_strategy == "steps" and every and save % every != 0 and \
+            not (save < 1 and every < 1 and round(save * 1_000_000) % round(every * 1_000_000) == 0):
+        raise config_error(
+            "save_steps", args.save_steps,
+            f"load_best_model_at_end needs every save to follow an evaluation, but it is not a multiple "
+            f"of eval_steps={args.eval_steps}",
+            "make save_steps a multiple of eval_steps",
+        )
+
+
+def unsupported_field_error(name: str, value: Any, default: Any) -> LoopConfigError:
+    fix = FIXES.get(name, f"leave {name} at its default ({default!r}), or train with transformers.Trainer")
+    return config_error(name, value, "loopkit does not support this TrainingArguments field, and will not ignore "
+                        "it silently", fix)
+
+
+def check_unsupported_fields(args) -> None:
+    """Every field outside the supported and inert sets must have the value a `TrainingArguments` built with the same
+    supported values has (so values `__post_init__` derives from supported fields count as defaults)."""
+    fields = [f for f in dataclasses.fields(args) if not f.name.startswith("_")]
+    same = {f.name: getattr(args, f.name) for f in fields if f.init and f.name in SUPPORTED_FIELDS}
+    reference = type(args)(**same)
+    for f in fields:
+        if f.name in SUPPORTED_FIELDS or f.name in INERT_FIELDS:
+            continue
+        value, default = plain(getattr(args, f.name)), plain(getattr(reference, f.name))
+        if value != default:
+            raise unsupported_field_error(f.name, value, default)
 
 
 def check_args(args) -> None:
     """Raise `LoopConfigError` for any value loopkit would otherwise ignore or mis-run, naming the field and fix.
 
-    For a `TrainingArguments`, every field outside the supported and inert sets must keep its default, compared
-    against a default `TrainingArguments()` after its own `__post_init__` (which rewrites some defaults).
+    For a `TrainingArguments` (or any args dataclass other than `LoopArgs`), a field outside the supported and inert
+    sets that does not keep its default is refused. That check comes last: it builds a `TrainingArguments` from the
+    supported values, whose own validation would otherwise preempt the clearer messages below.
     """
-    if type(args).__name__ != "LoopArgs" and dataclasses.is_dataclass(args):
-        reference = type(args)(output_dir=args.output_dir)
-        for f in dataclasses.fields(args):
-            if f.name.startswith("_") or f.name in SUPPORTED_FIELDS or f.name in INERT_FIELDS:
-                continue
-            value, default = getattr(args, f.name), getattr(reference, f.name)
-            if plain(value) != plain(default):
-                raise config_error(
-                    f.name, plain(value), "loopkit does not support this TrainingArguments field yet, and will not "
-                    "ignore it silently", f"leave {f.name} at its default ({plain(default)!r}) or use HF Trainer",
-                )
     positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
     for name in positive:
         value = getattr(args, name)
-        if not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise config_error(name, value, "must be a positive integer", f"set {name} to 1 or more")
     for name, choices in SUPPORTED_CHOICES.items():
         value = plain(getattr(args, name))
         if value not in choices:
-            raise config_error(name, value, f"loopkit supports {', '.join(map(repr, choices))}",
-                               f"choose one of those for {name}")
+            fix = FIXES.get(name, f"choose one of those for {name}")
+            raise config_error(name, value, f"loopkit supports {', '.join(map(repr, choices))}", fix)
     if args.bf16 and args.fp16:
-        raise config_error("fp16", True, "bf16 and fp16 are both set", "choose one mixed-precision mode")
+        raise config_error("fp16", True, "bf16=True is set too, and a run has one mixed-precision mode",
+                           "set only one of bf16 and fp16")
     for name, strategy in (("logging_steps", "logging_strategy"), ("save_steps", "save_strategy"),
                            ("eval_steps", "eval_strategy")):
         value = getattr(args, name)
         if plain(getattr(args, strategy)) == "steps" and (value is None or value <= 0):
             raise config_error(name, value, f"{strategy}='steps' needs a positive interval",
                                f"set {name} > 0 (or a fraction of max_steps below 1)")
+    if args.warmup_steps < 0:
+        raise config_error("warmup_steps", args.warmup_steps, "it cannot be negative",
+                           "set warmup_steps >= 0 (a value below 1 is a fraction of max_steps)")
+    if args.dataloader_prefetch_factor is not None and args.dataloader_num_workers == 0:
+        raise config_error("dataloader_prefetch_factor", args.dataloader_prefetch_factor, "it only applies to "
+                           "worker processes, and dataloader_num_workers=0", "set dataloader_num_workers > 0 or "
+                           "leave dataloader_prefetch_factor=None")
     if args.metric_for_best_model is None and args.load_best_model_at_end:
         raise config_error("metric_for_best_model", None, "load_best_model_at_end needs a metric",
                            "set metric_for_best_model, e.g. 'loss'")
     if plain(args.save_strategy) == "best" and args.metric_for_best_model is None:
         raise config_error("save_strategy", "best", "saving the best checkpoint needs a metric to compare",
                            "set metric_for_best_model, e.g. 'loss' or 'accuracy'")
+    check_best_model_schedule(args)
+    if not isinstance(args, LoopArgs) and dataclasses.is_dataclass(args):
+        check_unsupported_fields(args)
+
+
+def check_inputs(args, *, model, model_init, train_dataset, eval_dataset, compute_metrics, optimizers) -> None:
+    """What `Trainer.__init__` rejects about the arguments next to `args`, rejected at construction as there."""
+    from .stages.data import has_length
+
+    if model is not None and model_init is not None:
+        raise config_error("model_init", model_init, "a model was passed too, and train() would replace it with "
+                           "model_init()", "pass either model=... or model_init=...")
+    if model_init is not None and any(o is not None for o in optimizers):
+        passed = tuple(None if o is None else type(o).__name__ for o in optimizers)
+        raise config_error("optimizers", passed, "model_init builds a new model at each train(), which an "
+                           "optimizer built beforehand would not hold", "drop optimizers=... and override "
+                           "create_optimizer / create_scheduler in a Loop subclass instead")
+    if train_dataset is not None and not has_length(train_dataset) and args.max_steps <= 0:
+        raise config_error("max_steps", args.max_steps, f"the train dataset ({type(train_dataset).__name__}) has no "
+                           "__len__, so the number of steps cannot be derived from num_train_epochs",
+                           "set max_steps to the number of optimizer steps to train")
+    if plain(args.eval_strategy) != "no" and eval_dataset is None:
+        raise config_error("eval_strategy", plain(args.eval_strategy), "evaluating during training needs an eval "
+                           "dataset, and none was passed", "pass eval_dataset=... to Loop, or set eval_strategy='no'")
+    if args.batch_eval_metrics and compute_metrics is not None:
+        if "compute_result" not in inspect.signature(compute_metrics).parameters:
+            raise config_error("batch_eval_metrics", True, "compute_metrics is then called after every batch and "
+                               "must know when the last one came", "give compute_metrics a compute_result argument "
+                               "(True on the last batch: return the metrics then), or set batch_eval_metrics=False")

@@ -20,6 +20,9 @@ import os
 import random
 import re
 import shutil
+import threading
+import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -50,16 +53,25 @@ def last_checkpoint(output_dir: str) -> str | None:
     return dirs[-1] if dirs else None
 
 
-def fsync_tree(path: str) -> None:
-    for root, _, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                os.fsync(f.fileno())
+def write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def fsync_dir(path: str) -> None:
     dir_fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def fsync_tree(path: str) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(path)
 
 
 def safe_torch_load(path: str):
@@ -98,16 +110,17 @@ def rng_file_name(num_processes: int, process_index: int) -> str:
     return f"rng_state_{process_index}.pth" if num_processes > 1 else "rng_state.pth"
 
 
-def save_model_files(model, accelerator, output_dir: str, processing_class=None) -> None:
-    """Weights (+ config) in `save_pretrained` layout when the model has it, else a bare `model.safetensors`."""
+def save_model_files(model, accelerator, output_dir: str, processing_class=None, state_dict=None) -> None:
+    """Weights (+ config) in `save_pretrained` layout when the model has it, else a bare `model.safetensors`.
+    `state_dict` (host copies taken earlier) is written instead of the live weights when given."""
     os.makedirs(output_dir, exist_ok=True)
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     if hasattr(unwrapped, "save_pretrained"):
-        unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process)
+        unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
     elif accelerator.is_main_process:
         from safetensors.torch import save_file
 
-        state = {k: v.contiguous() for k, v in unwrapped.state_dict().items()}
+        state = {k: v.contiguous() for k, v in (state_dict or unwrapped.state_dict()).items()}
         save_file(state, os.path.join(output_dir, WEIGHTS_NAME), metadata={"format": "pt"})
     if processing_class is not None and accelerator.is_main_process and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(output_dir)
@@ -141,53 +154,233 @@ def load_model_weights(model, checkpoint: str) -> None:
         model.tie_weights()
 
 
-class Checkpointer:
-    """Writes, finds, rotates and reads checkpoints of one run. Owned by the evaluation-and-checkpoint stage."""
+def checkpoint_problem(path: str) -> str | None:
+    """Why `path` cannot be resumed from, or None. A loopkit folder is complete by construction (it only gets its
+    name once fully written); an HF Trainer folder has no such guarantee, so both are checked the same way: the
+    state parses and every weights file opens."""
+    from safetensors import safe_open
 
-    def __init__(self, loop):
-        self.loop = loop
+    state_path = os.path.join(path, TRAINER_STATE_NAME)
+    try:
+        with open(state_path, encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, ValueError) as exc:
+        return f"{state_path} is missing, corrupt or truncated ({exc})"
+    candidates = [os.path.join(path, n) for n in (WEIGHTS_NAME, "adapter_model.safetensors") if
+                  os.path.isfile(os.path.join(path, n))]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                candidates += sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+        except (OSError, ValueError, KeyError) as exc:
+            return f"{index} is corrupt ({exc})"
+    if not candidates:
+        return f"it has no {WEIGHTS_NAME}"
+    for weights in candidates:
+        try:
+            with safe_open(weights, framework="pt"):  # checks the header and that the data covers the file
+                pass
+        except Exception as exc:
+            return f"{weights} is corrupt or truncated ({exc})"
+    if not os.path.isfile(os.path.join(path, LOOPKIT_STATE_NAME)):
+        warnings.warn(f"{path} was not written by loopkit (no {LOOPKIT_STATE_NAME}, e.g. HF Trainer's): accepted "
+                      f"because its trainer state parses and its weights open; its data position is derived from "
+                      f"global_step.")
+    return None
+
+
+def copy_to_cpu(obj):
+    """A deep copy with every tensor moved to (new) CPU memory: what an asynchronous save writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: copy_to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(copy_to_cpu(v) for v in obj)
+    return obj
+
+
+@dataclass
+class Snapshot:
+    """Everything one checkpoint writes, taken at an optimizer-step boundary."""
+
+    step: int
+    model_state: dict | None  # CPU copies for an asynchronous save; None: write the live model
+    optimizer: dict | None
+    scheduler: dict | None
+    scaler: dict | None
+    rng: dict | None
+    trainer_state_json: str
+    stage_states_json: str
+
+
+LEFTOVER_PREFIXES = (".tmp-", ".old-", ".deleting-")
+SAVE_ERROR_POLICIES = ("raise", "continue", "stop")
+
+
+class Checkpointer:
+    """Writes, finds, rotates and reads checkpoints of one run. Owned by the evaluation-and-checkpoint stage.
+
+    `async_save=True`: the state is copied to host memory at the step boundary and written by a background thread
+    while training goes on (same atomic protocol; one save in flight at a time; single process only).
+    `on_save_error`: what a failed save (a full disk, say) does after the temporary folder is removed and the
+    previous checkpoint left as it was: "raise" (default), "continue" (warn and train on) or "stop" (warn and stop
+    training cleanly).
+    """
+
+    def __init__(self, loop, async_save: bool = False, on_save_error: str = "raise"):
+        from .args import config_error
+
+        if on_save_error not in SAVE_ERROR_POLICIES:
+            raise config_error("on_save_error", on_save_error, f"it must be one of {SAVE_ERROR_POLICIES}",
+                               "pick one of those")
+        self.loop, self.async_save, self.on_save_error = loop, async_save, on_save_error
+        self.writer = None  # the background thread of an asynchronous save
+        self.writer_error = None
+        self.last_saved_step = None
+        self.rng_for_next_save = None  # set when a checkpoint must hold an earlier RNG state (see EvalStage)
 
     # -- writing --
     def save(self) -> str:
         """Save a full checkpoint of the current step atomically; return its final path."""
         loop = self.loop
-        acc, args, state = loop.accelerator, loop.args, loop.state
-        run_dir = args.output_dir
-        name = f"{CHECKPOINT_PREFIX}-{state.global_step}"
-        final = os.path.join(run_dir, name)
-        tmp = os.path.join(run_dir, f".tmp-{name}")
+        acc, state = loop.accelerator, loop.state
+        if self.async_save and acc.num_processes > 1:
+            from .args import config_error
+
+            raise config_error("async_save", True, "asynchronous saving supports one process only",
+                               "use async_save=False under a distributed launch")
+        self.wait()  # one save in flight at a time; raises a background failure first
+        final = os.path.join(loop.args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
+        if state.best_global_step is not None:
+            best = os.path.join(loop.args.output_dir, f"{CHECKPOINT_PREFIX}-{state.best_global_step}")
+            if os.path.isdir(best) or best == final:
+                state.best_model_checkpoint = best
+        snapshot = self.snapshot()
+        self.last_saved_step, self.rng_for_next_save = state.global_step, None
+        if self.async_save:
+            self.writer = threading.Thread(target=self.write_in_background, args=(snapshot,), daemon=False)
+            self.writer.start()
+        else:
+            self.write_handling_errors(snapshot)
+        return final
+
+    def snapshot(self) -> Snapshot:
+        loop, acc, args = self.loop, self.loop.accelerator, self.loop.args
+        copy = copy_to_cpu if self.async_save else (lambda x: x)
+        unwrapped = acc.unwrap_model(loop.model_wrapped, keep_torch_compile=False)
+        full_state = not args.save_only_model
+        loop.state.record_callback_states(loop.callback_handler.callbacks + [loop.control])
+        return Snapshot(
+            step=loop.state.global_step,
+            model_state=copy(unwrapped.state_dict()) if self.async_save else None,
+            optimizer=copy(loop.optimizer.state_dict()) if full_state and acc.is_main_process else None,
+            scheduler=copy(loop.lr_scheduler.state_dict()) if full_state and acc.is_main_process else None,
+            scaler=copy(acc.scaler.state_dict()) if full_state and acc.scaler is not None else None,
+            rng=(self.rng_for_next_save or rng_state()) if full_state else None,
+            trainer_state_json=loop.state.to_json_string(),
+            stage_states_json=json.dumps(loop.stage_states(), indent=2, sort_keys=True),
+        )
+
+    def write_handling_errors(self, snapshot: Snapshot) -> None:
+        try:
+            self.write(snapshot)
+        except Exception as exc:
+            self.report_failure(snapshot, exc)
+
+    def write_in_background(self, snapshot: Snapshot) -> None:
+        try:
+            self.write(snapshot)
+        except Exception as exc:  # handed to the training thread at the next save or at the end
+            self.writer_error = (snapshot, exc)
+
+    def wait(self) -> None:
+        """Wait for an asynchronous save to finish; then act on its failure, if any."""
+        if self.writer is not None:
+            self.writer.join()
+            self.writer = None
+        if self.writer_error is not None:
+            snapshot, exc = self.writer_error
+            self.writer_error = None
+            self.report_failure(snapshot, exc)
+
+    def wait_quietly(self) -> None:
+        """On a failing run: let an asynchronous save finish (its checkpoint stays usable), reporting nothing."""
+        if self.writer is not None:
+            self.writer.join()
+            self.writer = None
+
+    def report_failure(self, snapshot: Snapshot, exc: Exception) -> None:
+        previous = last_checkpoint(self.loop.args.output_dir)
+        message = (f"Saving checkpoint-{snapshot.step} failed ({type(exc).__name__}: {exc}). Nothing was "
+                   f"half-written; the newest complete checkpoint is still {previous}.")
+        if self.on_save_error == "raise":
+            raise RuntimeError(message + " (on_save_error='raise')") from exc
+        warnings.warn(message + f" on_save_error={self.on_save_error!r}: "
+                      + ("training goes on." if self.on_save_error == "continue" else "stopping training."))
+        if self.on_save_error == "stop":
+            self.loop.control.should_training_stop = True
+
+    def write(self, snapshot: Snapshot) -> None:
+        """The atomic protocol: write into `.tmp-checkpoint-N`, fsync, rename to `checkpoint-N`, then rotate."""
+        loop, acc = self.loop, self.loop.accelerator
+        run_dir = loop.args.output_dir
+        name = f"{CHECKPOINT_PREFIX}-{snapshot.step}"
+        final, tmp = os.path.join(run_dir, name), os.path.join(run_dir, f".tmp-{name}")
         if acc.is_main_process:
             os.makedirs(run_dir, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
         acc.wait_for_everyone()
-        save_model_files(loop.model_wrapped, acc, tmp, loop.processing_class)
-        if state.best_global_step is not None:
-            best = os.path.join(run_dir, f"{CHECKPOINT_PREFIX}-{state.best_global_step}")
-            if os.path.isdir(best) or best == final:
-                state.best_model_checkpoint = best
-        if not args.save_only_model:
+        try:
+            save_model_files(loop.model_wrapped, acc, tmp, loop.processing_class, state_dict=snapshot.model_state)
+            if snapshot.optimizer is not None:
+                torch.save(snapshot.optimizer, os.path.join(tmp, OPTIMIZER_NAME))
+                torch.save(snapshot.scheduler, os.path.join(tmp, SCHEDULER_NAME))
+            if snapshot.scaler is not None and acc.is_main_process:
+                torch.save(snapshot.scaler, os.path.join(tmp, SCALER_NAME))
+            if snapshot.rng is not None:
+                torch.save(snapshot.rng, os.path.join(tmp, rng_file_name(acc.num_processes, acc.process_index)))
+            acc.wait_for_everyone()
             if acc.is_main_process:
-                torch.save(loop.optimizer.state_dict(), os.path.join(tmp, OPTIMIZER_NAME))
-                torch.save(loop.lr_scheduler.state_dict(), os.path.join(tmp, SCHEDULER_NAME))
-                if acc.scaler is not None:
-                    torch.save(acc.scaler.state_dict(), os.path.join(tmp, SCALER_NAME))
-            torch.save(rng_state(), os.path.join(tmp, rng_file_name(acc.num_processes, acc.process_index)))
-        acc.wait_for_everyone()
+                write_text(os.path.join(tmp, TRAINER_STATE_NAME), snapshot.trainer_state_json)
+                write_text(os.path.join(tmp, LOOPKIT_STATE_NAME), snapshot.stage_states_json)  # written last
+                fsync_tree(tmp)
+                if os.path.isdir(final):  # a re-save of the same step (after a resume): swap, then drop the old
+                    old = os.path.join(run_dir, f".old-{name}")
+                    os.replace(final, old)
+                    os.replace(tmp, final)
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    os.replace(tmp, final)
+                fsync_dir(run_dir)
+        except BaseException:
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if acc.is_main_process:
-            state.record_callback_states(loop.callback_handler.callbacks + [loop.control])
-            state.save_to_json(os.path.join(tmp, TRAINER_STATE_NAME))
-            with open(os.path.join(tmp, LOOPKIT_STATE_NAME), "w") as f:
-                json.dump(loop.stage_states(), f, indent=2, sort_keys=True)
-            fsync_tree(tmp)
-            if os.path.isdir(final):  # a re-save of the same step (e.g. after resume): replace it whole
-                shutil.rmtree(final)
-            os.replace(tmp, final)
             self.rotate()
         acc.wait_for_everyone()
-        return final
+
+    def remove_leftovers(self) -> None:
+        """Folders a killed save or rotation left behind (never complete checkpoints): removed at train start."""
+        run_dir = self.loop.args.output_dir
+        if not self.loop.accelerator.is_main_process or not os.path.isdir(run_dir):
+            return
+        for entry in os.listdir(run_dir):
+            if entry.startswith(LEFTOVER_PREFIXES) and CHECKPOINT_RE.match(entry.split("-", 1)[1]):
+                shutil.rmtree(os.path.join(run_dir, entry), ignore_errors=True)
+
+    def delete(self, path: str) -> None:
+        """Rename first, so a kill mid-delete never leaves a half-deleted folder named like a checkpoint."""
+        doomed = os.path.join(os.path.dirname(path), ".deleting-" + os.path.basename(path))
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
     def rotate(self) -> None:
         """HF's `save_total_limit` rule: keep the newest and the best, delete the oldest others beyond the limit.
+        With `EvalStage(best_total_limit=k)` the limits are separate: the `save_total_limit` newest checkpoints and
+        the k best (by `metric_for_best_model`) are kept.
 
         Ordering is by step number (HF uses mtimes, which a copy or a restore can reorder).
         """
@@ -195,37 +388,57 @@ class Checkpointer:
         if limit is None or limit <= 0:
             return
         dirs = checkpoint_dirs(self.loop.args.output_dir)
-        best = self.loop.state.best_model_checkpoint
-        protected = {dirs[-1]} if dirs else set()
-        if best is not None and os.path.isdir(best):
-            protected.add(os.path.join(self.loop.args.output_dir, os.path.basename(best)))
-        keep = max(limit, len(protected))
-        deletable = [d for d in dirs if d not in protected]
-        excess = len(dirs) - keep
-        for path in deletable[:max(0, excess)]:
-            shutil.rmtree(path, ignore_errors=True)
+        if not dirs:
+            return
+        best = self.loop.evaluation.best_checkpoints(dirs)
+        if self.loop.evaluation.best_total_limit is not None:
+            keep = set(dirs[-limit:]) | best
+        else:
+            protected = {dirs[-1]} | best
+            others = [d for d in dirs if d not in protected]
+            room = max(limit, len(protected)) - len(protected)  # for the newest unprotected checkpoints
+            keep = protected | set(others[len(others) - room:] if room else [])
+        for path in dirs:
+            if path not in keep:
+                self.delete(path)
 
     def keep_only_best(self) -> None:
-        """End of training with `save_total_limit == 1`: only the best checkpoint survives (HF)."""
+        """End of training with `save_total_limit == 1`: only the best checkpoint survives (HF). Nothing is deleted
+        when the best is not one of this run's checkpoints (else "all but the best" would be everything: transformers
+        PR 25136, and HF 5.24 still does it after resuming into a new output_dir) or when best and regular checkpoints
+        have separate limits (`EvalStage(best_total_limit=...)`)."""
         best = self.loop.state.best_model_checkpoint
         if self.loop.args.save_total_limit != 1 or best is None or not self.loop.accelerator.is_main_process:
             return
-        for path in checkpoint_dirs(self.loop.args.output_dir):
-            if os.path.basename(path) != os.path.basename(best):
-                shutil.rmtree(path, ignore_errors=True)
+        if self.loop.evaluation.best_total_limit is not None:
+            return
+        dirs = checkpoint_dirs(self.loop.args.output_dir)
+        if os.path.realpath(best) not in {os.path.realpath(d) for d in dirs}:
+            return  # e.g. a run resumed into a new output_dir: its best lies elsewhere (HF deletes the whole run here)
+        for path in dirs:
+            if os.path.realpath(path) != os.path.realpath(best):
+                self.delete(path)
 
     # -- reading --
     def resolve(self, resume_from_checkpoint) -> str | None:
+        """The checkpoint folder to resume from. `True`: the newest usable one in `output_dir`, falling back (with
+        a warning) past any that is corrupt; a path: that folder, or a clear error naming the bad file."""
         if resume_from_checkpoint is None or resume_from_checkpoint is False:
             return None
+        output_dir = self.loop.args.output_dir
         if resume_from_checkpoint is True:
-            path = last_checkpoint(self.loop.args.output_dir)
-            if path is None:
-                raise ValueError(f"resume_from_checkpoint=True but no checkpoint-<step> folder exists in "
-                                 f"output_dir={self.loop.args.output_dir!r}. Train without resuming first.")
-            return path
+            for path in reversed(checkpoint_dirs(output_dir)):
+                problem = checkpoint_problem(path)
+                if problem is None:
+                    return path
+                warnings.warn(f"Not resuming from {path}: {problem}. Falling back to the previous checkpoint.")
+            raise ValueError(f"resume_from_checkpoint=True but output_dir={output_dir!r} holds no usable "
+                             f"checkpoint-<step> folder. Train without resuming first.")
         if not os.path.isdir(resume_from_checkpoint):
             raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r} is not a folder.")
+        problem = checkpoint_problem(resume_from_checkpoint)
+        if problem is not None:
+            raise ValueError(f"Cannot resume from {resume_from_checkpoint}: {problem}.")
         return resume_from_checkpoint
 
     @staticmethod
@@ -256,8 +469,13 @@ class Checkpointer:
         if os.path.isfile(scaler_path) and loop.accelerator.scaler is not None:
             loop.accelerator.scaler.load_state_dict(safe_torch_load(scaler_path))
 
-    def load_rng(self, checkpoint: str) -> None:
+    def read_rng(self, checkpoint: str) -> dict | None:
+        """This process's RNG states saved in `checkpoint` (None if it has none, e.g. `save_only_model`)."""
         acc = self.loop.accelerator
         path = os.path.join(checkpoint, rng_file_name(acc.num_processes, acc.process_index))
-        if os.path.isfile(path):
-            restore_rng_state(safe_torch_load(path))
+        single = os.path.join(checkpoint, "rng_state.pth")
+        if not os.path.isfile(path) and acc.num_processes > 1 and os.path.isfile(single):
+            warnings.warn(f"{checkpoint} was saved by one process and is resumed by {acc.num_processes}: every rank "
+                          f"starts from the same RNG state.")
+            path = single
+        return safe_torch_load(path) if os.path.isfile(path) else None

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 
 import torch
 
 from .args import LoopArgs, check_args, check_inputs, config_error
 from .checkpoint import Checkpointer
 from .events import DefaultFlow, EventHandler, Printer, ProgressBar, reporting_callbacks
+from .guards import Preempted, PreemptionWatch
 from .metrics import check_metrics
 from .stages.data import DataStage, find_labels
 from .stages.evaluation import EvalStage
@@ -41,6 +43,9 @@ class Loop:
 
     # HF 5.x class attribute: None = infer whether `compute_loss` already normalized over the accumulated batch.
     loss_is_scaled_for_ga = None
+    # With several processes, preemption and non-finite checks agree through one all-reduce every this many
+    # optimizer steps (see loopkit/guards.py); non-finite values are read back this often on one process too.
+    guard_check_every = 10
 
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, model_init=None, compute_loss_func=None, compute_metrics=None,
@@ -65,7 +70,6 @@ class Loop:
         self.evaluation, self.teardown = evaluation or EvalStage(), teardown or TeardownStage()
         for stage in self.stages:
             stage.bind(self)
-        self.checkpointer = Checkpointer(self)
 
         # Setup: seeds, Accelerate, the model.
         self.setup.build(model)
@@ -83,7 +87,13 @@ class Loop:
         self.callback_handler.model, self.callback_handler.processing_class = self.model, processing_class
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
         self.state, self.control = LoopState(), LoopControl()
+        self.preemption = PreemptionWatch()
         self.fire("on_init_end")
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """Writes and reads checkpoints; part of the evaluation-and-checkpoint stage."""
+        return self.evaluation.checkpointer
 
     @property
     def stages(self):
@@ -102,11 +112,16 @@ class Loop:
         if kwargs:
             raise TypeError(f"train() got unexpected keyword arguments: {', '.join(kwargs)}")
         try:
-            return self.run_training(resume_from_checkpoint, trial, ignore_keys_for_eval)
+            with self.preemption:
+                output = self.run_training(resume_from_checkpoint, trial, ignore_keys_for_eval)
         except BaseException as exc:
+            self.checkpointer.wait_quietly()
             self.fire("on_train_failed", exception=exc)
             self.teardown.release()
             raise
+        if self.preemption.requested:  # the checkpoint is written and the run torn down: leave as documented
+            raise Preempted(128 + self.preemption.signum)
+        return output
 
     def run_training(self, resume_from_checkpoint, trial, ignore_keys_for_eval):
         args = self.args
@@ -147,6 +162,7 @@ class Loop:
         self.fire("on_train_begin")
         if args.eval_on_start:
             self.evaluation.evaluate_during_training(ignore_keys_for_eval, skip_scheduler=True)
+        self.evaluation.run_pending_evaluation(resume, ignore_keys_for_eval)
 
         first_epoch = resume.epochs_trained if resume is not None else 0
         for epoch in range(first_epoch, plan.num_train_epochs):
@@ -164,16 +180,40 @@ class Loop:
             completed = self.step.run(window, epoch, plan.steps_in_epoch)
             if completed:
                 self.evaluation.after_step(ignore_keys_for_eval)
+                self.check_guards()
             if self.control.should_epoch_stop or self.control.should_training_stop:
                 break
         if self.data.micro_batches_done == 0:
-            import warnings
-
             warnings.warn(f"Epoch {epoch} yielded no batch: stopping at step {self.state.global_step}. An "
                           f"IterableDataset shorter than max_steps={self.state.max_steps} ends training here.")
             self.control.should_training_stop = True
         self.fire("on_epoch_end")
         self.evaluation.after_step(ignore_keys_for_eval)
+
+    def check_guards(self) -> None:
+        """Preemption and non-finite values (loopkit/guards.py): act on them at an optimizer-step boundary."""
+        step, several = self.state.global_step, self.accelerator.num_processes > 1
+        due = step % self.guard_check_every == 0
+        if several and not due:
+            return
+        preempted = self.preemption.requested
+        if several:  # one tiny all-reduce: a signal on any rank stops every rank at this same step
+            flag = torch.tensor(float(preempted), device=self.accelerator.device)
+            preempted = self.accelerator.reduce(flag, reduction="max").item() > 0
+            if preempted and self.preemption.signum is None:
+                self.preemption.signum = 15  # another rank was signalled: leave as that rank does (SIGTERM)
+        watch = self.step.nonfinite
+        report = watch.check() if watch is not None and due else None
+        if report is not None:
+            if watch.policy == "raise":
+                raise FloatingPointError(report + " (nonfinite='raise').")
+            warnings.warn(report + f" (nonfinite={watch.policy!r}: those steps were not applied"
+                          + (", stopping with a checkpoint)." if watch.policy == "stop" else ")."))
+        if preempted or (report is not None and watch.policy == "stop"):
+            if self.checkpointer.last_saved_step != step:
+                self.evaluation.save_checkpoint()
+                self.fire("on_save")
+            self.control.should_training_stop = True
 
     # ------------------------------------------------------------------------------------------------------------
     # Resume helpers
@@ -203,10 +243,13 @@ class Loop:
             if index >= len(entries):
                 continue
             entry = entries[index]
-            for key, value in entry.get("args", {}).items() if callback is self.control else ():
-                setattr(callback, key, value)
+            # HF re-creates the callback as `type(cb)(**args)` and then sets the saved attributes; loopkit does the
+            # same but copies the result into the existing object, so a reference the user holds stays live and
+            # the callback keeps its place in the list.
+            restored = type(callback)(**entry.get("args", {}))
             for key, value in entry.get("attributes", {}).items():
-                setattr(callback, key, value)
+                setattr(restored, key, value)
+            vars(callback).update(vars(restored))
 
     def store_flos(self) -> None:
         """Move this process's FLOP count into `state.total_flos` (summed over processes), at logs and saves."""
@@ -251,6 +294,9 @@ class Loop:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         return self.step.training_step(model, inputs, num_items_in_batch)
+
+    def floating_point_ops(self, inputs) -> int:
+        return self.step.floating_point_ops(inputs)
 
     def log(self, logs: dict, start_time=None) -> None:
         self.evaluation.log(logs, start_time)

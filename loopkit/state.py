@@ -58,7 +58,7 @@ class LoopState:
         for callback in callbacks:
             if not is_exportable(callback):
                 continue
-            name = type(callback).__name__
+            name = state_name(callback)
             if name in states:
                 if not isinstance(states[name], list):
                     states[name] = [states[name]]
@@ -107,6 +107,12 @@ class LoopControl:
 
 # HF's name for the class key in `stateful_callbacks`; HF Trainer restores its control from this key.
 CONTROL_STATE_NAME = "TrainerControl"
+
+
+def state_name(callback) -> str:
+    """The key of `callback` in `stateful_callbacks`: its class name, HF's for the control (so the two read each
+    other's `trainer_state.json`)."""
+    return CONTROL_STATE_NAME if isinstance(callback, LoopControl) else type(callback).__name__
 
 
 class TrainOutput(NamedTuple):

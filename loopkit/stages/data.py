@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from ..args import config_error
+from ..checkpoint import restore_rng_state
 from ..data_order import PositionSeededDataset, WorkerSeeding, is_seekable
 from .base import Stage
 
@@ -78,6 +79,7 @@ class ResumePoint:
     epochs_trained: int
     micro_batches_to_skip: int
     dataset_state: dict | None = None  # an iterable dataset's own position (the seek protocol)
+    rng: dict | None = None  # the RNG states to continue from (the checkpoint's, or later: see EvalStage)
 
 
 class DataStage(Stage):
@@ -210,13 +212,14 @@ class DataStage(Stage):
         """
         if checkpoint is None:
             return None
-        args = self.loop.args
+        args, rng = self.loop.args, self.loop.checkpointer.read_rng(checkpoint)
         if args.ignore_data_skip:
-            return ResumePoint(checkpoint, global_step // plan.num_update_steps_per_epoch, 0)
+            return ResumePoint(checkpoint, global_step // plan.num_update_steps_per_epoch, 0, rng=rng)
         saved = self.saved_position
         if saved is None:
             return ResumePoint(checkpoint, global_step // plan.num_update_steps_per_epoch,
-                               (global_step % plan.num_update_steps_per_epoch) * args.gradient_accumulation_steps)
+                               (global_step % plan.num_update_steps_per_epoch) * args.gradient_accumulation_steps,
+                               rng=rng)
         samples_per_micro_batch = args.per_device_train_batch_size * self.loop.accelerator.num_processes
         if saved["samples"] % samples_per_micro_batch:
             raise config_error("per_device_train_batch_size", args.per_device_train_batch_size,
@@ -226,7 +229,7 @@ class DataStage(Stage):
         epoch, skip = saved["epoch"], saved["samples"] // samples_per_micro_batch
         if plan.steps_in_epoch and skip >= plan.steps_in_epoch and has_length(self.loop.train_dataloader):
             epoch, skip = epoch + 1, 0  # the checkpoint closed its epoch
-        return ResumePoint(checkpoint, epoch, skip, saved.get("dataset_state"))
+        return ResumePoint(checkpoint, epoch, skip, saved.get("dataset_state"), rng)
 
     # -- the epoch's micro-batches, grouped by optimizer step --
     def windows(self, epoch: int, plan: TrainingPlan, resume: ResumePoint | None):
@@ -239,8 +242,8 @@ class DataStage(Stage):
         loader, source = loop.train_dataloader, self.train_source
         resuming = resume is not None and epoch == resume.epochs_trained
         skip = resume.micro_batches_to_skip if resuming else 0
-        if resuming and skip == 0:
-            loop.checkpointer.load_rng(resume.checkpoint)  # before the iterator: creating it draws from the RNG
+        if resuming and skip == 0 and resume.rng is not None:
+            restore_rng_state(resume.rng)  # before the iterator: creating it draws from the RNG
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(epoch)
         inner = getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)
@@ -267,8 +270,8 @@ class DataStage(Stage):
         iterator = iter(base)  # the plain loader: no read-ahead (Accelerate's shard fetches one batch ahead)
         for _ in range(discard):
             next(iterator, None)
-        if resuming and skip:
-            loop.checkpointer.load_rng(resume.checkpoint)  # the checkpoint's RNG was taken right before this batch
+        if resuming and skip and resume.rng is not None:
+            restore_rng_state(resume.rng)  # the checkpoint's RNG was taken right before this batch
         device, non_blocking = loop.accelerator.device, getattr(loader, "_non_blocking", False)
         last_window_size = plan.steps_in_epoch % ga or ga
         self.epoch, self.micro_batches_done = epoch, skip

@@ -17,7 +17,7 @@ import os
 import torch
 
 from ..args import config_error
-from ..checkpoint import Checkpointer, load_model_weights
+from ..checkpoint import load_model_weights
 from .base import Stage
 
 
@@ -110,7 +110,8 @@ class SetupStage(Stage):
             kwargs = args.activation_checkpointing_kwargs or args.gradient_checkpointing_kwargs
             enable(gradient_checkpointing_kwargs=kwargs) if "gradient" in enable.__name__ else enable(
                 activation_checkpointing_kwargs=kwargs)
-        checkpoint = Checkpointer(loop).resolve(resume_from_checkpoint)
+        loop.checkpointer.remove_leftovers()
+        checkpoint = loop.checkpointer.resolve(resume_from_checkpoint)
         if checkpoint is not None:
             load_model_weights(loop.model, checkpoint)
         return checkpoint

@@ -20,11 +20,13 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from ..args import config_error
+from ..guards import NONFINITE_POLICIES, NonFiniteWatch
 from .base import Stage
 
 NO_DECAY_PATTERNS = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)",
@@ -61,7 +63,12 @@ def is_causal_lm(model) -> bool:
 class StepStage(Stage):
     """Forward, backward, accumulation, clipping, optimizer and scheduler."""
 
-    def __init__(self):
+    def __init__(self, nonfinite: str = "ignore"):
+        """`nonfinite`: what to do with a non-finite loss or gradient ("ignore", "skip", "stop", "raise"; see
+        `loopkit/guards.py`)."""
+        if nonfinite not in NONFINITE_POLICIES:
+            raise config_error("nonfinite", nonfinite, f"it must be one of {NONFINITE_POLICIES}", "pick one of those")
+        self.nonfinite = NonFiniteWatch(nonfinite) if nonfinite != "ignore" else None
         self.tr_loss = None  # device tensor: sum of step losses since the last log
         self.grad_norm = None  # device tensor: pre-clip norm of the last optimizer step
         self.learning_rate = None  # float: the LR the last optimizer step used
@@ -125,6 +132,14 @@ class StepStage(Stage):
         if checkpoint is None:
             self.restored_loss = 0.0
         self.tr_loss = torch.full((), self.restored_loss, device=loop.accelerator.device)
+        if self.nonfinite is not None:
+            self.nonfinite.start(loop.accelerator.device)
+            inner = getattr(loop.optimizer, "optimizer", loop.optimizer)
+            if self.nonfinite.policy in ("skip", "stop") and loop.accelerator.scaler is None and \
+                    not inner.defaults.get("fused"):
+                raise config_error("nonfinite", self.nonfinite.policy, f"skipping a step without waiting for the "
+                                   f"device needs a fused optimizer, and {type(inner).__name__} is not fused",
+                                   "use optim='adamw_torch_fused' (the default), or nonfinite='raise'")
         self.loss_scale_tokens = loop.args.average_tokens_across_devices and loop.accelerator.num_processes > 1
 
     # -- loss --
@@ -202,18 +217,21 @@ class StepStage(Stage):
         self.current_gradient_accumulation_steps = len(batches)
         fire("on_step_begin")
         last = len(batches) - 1
+        window_loss = 0.0
         for i, inputs in enumerate(batches):
             acc.gradient_state._set_sync_gradients(i == last)
             context = contextlib.nullcontext() if i == last else acc.no_sync(model)
             with context:
                 step_loss = loop.training_step(model, inputs, num_items)
+            if self.nonfinite is not None:
+                window_loss = window_loss + step_loss
             self.accumulate_loss(step_loss)
             self.count_flos(inputs)
             if i != last:
                 fire("on_substep_end")
                 if loop.control.should_epoch_stop or loop.control.should_training_stop:
                     return False
-        self.optimizer_step(model)
+        self.optimizer_step(model, window_loss, (epoch, window.first_index, len(batches)))
         state = loop.state
         state.global_step += 1
         state.epoch = epoch + (window.first_index + len(batches)) / steps_in_epoch
@@ -227,23 +245,34 @@ class StepStage(Stage):
             step_loss = torch.where(torch.isfinite(step_loss), step_loss, self.tr_loss / since)
         self.tr_loss += step_loss
 
+    def floating_point_ops(self, inputs) -> int:
+        """HF's estimate for one forward + backward: 6 x elements of the main input x non-embedding parameters; 0
+        for a model without `num_parameters`. Any mapping counts (collators return `BatchEncoding`, not a dict)."""
+        main = getattr(self.loop.model, "main_input_name", "input_ids")
+        if isinstance(inputs, Mapping) and main in inputs and self.num_non_embedding_params:
+            return 6 * inputs[main].numel() * self.num_non_embedding_params
+        return 0
+
     def count_flos(self, inputs) -> None:
-        main = inputs.get(getattr(self.loop.model, "main_input_name", "input_ids")) if isinstance(inputs, dict) \
-            else None
-        if main is not None and self.num_non_embedding_params:
-            self.loop.current_flos += 6 * main.numel() * self.num_non_embedding_params
+        self.loop.current_flos += float(self.loop.floating_point_ops(inputs))
 
     def clip_gradients(self, model) -> torch.Tensor:
         """Pre-clip total norm; clips to `max_grad_norm` when it is positive (HF logs the norm either way)."""
         max_norm = self.loop.args.max_grad_norm
         return self.loop.accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
 
-    def optimizer_step(self, model) -> None:
+    def optimizer_step(self, model, window_loss=None, where=None) -> None:
         loop, acc, fire = self.loop, self.loop.accelerator, self.loop.fire
         if loop.callback_handler.has_listeners("on_gradients_ready"):
             acc.unscale_gradients()  # fp16: listeners see true gradients; no-op otherwise
             fire("on_gradients_ready")
         self.grad_norm = self.clip_gradients(model)
+        if self.nonfinite is not None:
+            found_inf = self.nonfinite.observe(loop.state.global_step + 1, window_loss, self.grad_norm, where)
+            if self.nonfinite.policy in ("skip", "stop") and acc.scaler is None:
+                # The fused optimizer reads these and leaves parameters and state untouched when found_inf is 1.
+                inner = getattr(loop.optimizer, "optimizer", loop.optimizer)
+                inner.grad_scale, inner.found_inf = None, found_inf
         fire("on_pre_optimizer_step")
         loop.optimizer.step()
         fire("on_optimizer_step")

@@ -35,6 +35,7 @@ class TeardownStage(Stage):
         metrics["total_flos"] = state.total_flos
         metrics["train_loss"] = train_loss
         loop.log(metrics)
+        loop.checkpointer.wait()  # an asynchronous save still in flight
         if loop.args.load_best_model_at_end and state.best_model_checkpoint is not None:
             load_model_weights(loop.accelerator.unwrap_model(loop.model_wrapped), state.best_model_checkpoint)
         loop.checkpointer.keep_only_best()
