@@ -23,6 +23,13 @@ _EXPORTS = {
     "EvalStage": "loopkit.stages.evaluation",
     "TeardownStage": "loopkit.stages.teardown",
     "EVENTS": "loopkit.events",
+    "Checkpointer": "loopkit.checkpoint",
+    "EarlyStopping": "loopkit.callbacks",
+    "Metric": "loopkit.metrics",
+    "Accuracy": "loopkit.metrics",
+    "TokenAccuracy": "loopkit.metrics",
+    "Perplexity": "loopkit.metrics",
+    "PrecisionRecallF1": "loopkit.metrics",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

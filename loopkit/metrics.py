@@ -256,8 +256,14 @@ def check_metrics(metrics, num_processes: int = 1) -> list:
     if metrics is None:
         return []
     if callable(getattr(metrics, "update", None)) and callable(getattr(metrics, "compute", None)):
-        raise TypeError(f"metrics={metrics!r}: expected a list of metrics. Fix: metrics=[{type(metrics).__name__}(...)].")
-    metrics = list(metrics)
+        raise TypeError(f"metrics={metrics!r}: expected a list of metrics. "
+                        f"Fix: metrics=[{type(metrics).__name__}(...)].")
+    try:
+        metrics = list(metrics)
+    except TypeError:
+        raise TypeError(f"metrics={metrics!r}: expected a list of metric objects. Fix: a function of the whole "
+                        f"EvalPrediction goes to compute_metrics=...; metrics=[...] takes loopkit.metrics objects."
+                        ) from None
     for i, metric in enumerate(metrics):
         if isinstance(metric, type):
             raise TypeError(f"metrics[{i}]={metric.__name__} is a class. Fix: pass an instance, {metric.__name__}().")

@@ -88,7 +88,7 @@ def concat_padded(chunks: list, padding_index: int = -100):
 
 
 def to_numpy(tensors):
-    """Nested tensors -> numpy arrays on the host (bfloat16 as float32: numpy has no bfloat16), HF's `nested_numpify`."""
+    """Nested tensors -> numpy arrays on the host (bfloat16 as float32: numpy has none); HF's `nested_numpify`."""
     if isinstance(tensors, (list, tuple)):
         return type(tensors)(to_numpy(t) for t in tensors)
     if isinstance(tensors, dict):
@@ -111,6 +111,11 @@ def plain_metrics(metrics):
     if isinstance(metrics, torch.Tensor) and metrics.numel() == 1:
         return metrics.item()
     return metrics
+
+
+def carries_labels(inputs, label_names) -> bool:
+    """HF's `has_labels`: every label column is in the batch and not None."""
+    return bool(label_names) and all(inputs.get(k) is not None for k in label_names)
 
 
 def with_prefix(key: str, prefix: str) -> str:
@@ -355,6 +360,7 @@ class EvalStage(Stage):
         want_losses = "loss" in args.include_for_metrics
         streaming = loop.metrics
         reset_all(streaming, acc.device)
+        labelled_batches = 0  # streaming metrics, like compute_metrics, need labels
         # The loss streams into device sums: finite values, and all values (used only if none is finite).
         sums = torch.zeros(4, dtype=torch.float64, device=acc.device)
         metrics, observed = None, 0
@@ -369,7 +375,8 @@ class EvalStage(Stage):
             batch = dict(inputs) if streaming and isinstance(inputs, Mapping) else inputs
             loss, logits, labels = loop.prediction_step(model, inputs, prediction_loss_only and not streaming,
                                                         ignore_keys=ignore_keys)
-            if streaming:
+            if streaming and carries_labels(batch, loop.label_names):
+                labelled_batches += 1
                 update_all(streaming, BatchOutputs(loss, logits), batch, real_rows(acc, rows), rows)
                 if prediction_loss_only:
                     logits = labels = None  # used by the streaming metrics only: never kept
@@ -425,7 +432,7 @@ class EvalStage(Stage):
                 inputs=all_inputs if want_inputs else None, losses=all_losses if want_losses else None))
         elif metrics is None:
             metrics = {}
-        if streaming:
+        if streaming and labelled_batches > 0:
             streamed = compute_all(streaming, acc)
             clash = sorted({with_prefix(k, metric_key_prefix) for k in streamed}
                            & {with_prefix(k, metric_key_prefix) for k in metrics})
@@ -449,7 +456,7 @@ class EvalStage(Stage):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         loop = self.loop
         label_names = loop.label_names
-        has_labels = bool(label_names) and all(inputs.get(k) is not None for k in label_names)
+        has_labels = carries_labels(inputs, label_names)
         if ignore_keys is None:
             config = getattr(loop.model, "config", None)
             ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", ["cache"])) if config else []

@@ -38,14 +38,18 @@ class SetupStage(Stage):
     """Seeding, the `Accelerator`, the model and the resume point."""
 
     def build(self, model):
-        loop, args = self.loop, self.loop.args
-        seed_everything(args.seed, args.full_determinism)
+        loop = self.loop
+        self.seed()
         loop.accelerator = self.create_accelerator()
         if model is None:
             if loop.model_init is None:
                 raise config_error("model", None, "Loop needs a model", "pass model=... or model_init=...")
             model = self.call_model_init()
         self.set_model(model)
+
+    def seed(self) -> None:
+        """Seed every RNG from `args.seed` (at construction, and before each `model_init`)."""
+        seed_everything(self.loop.args.seed, self.loop.args.full_determinism)
 
     def create_accelerator(self):
         from accelerate import Accelerator
@@ -98,7 +102,7 @@ class SetupStage(Stage):
     def begin_training(self, resume_from_checkpoint, trial=None):
         loop, args = self.loop, self.loop.args
         if loop.model_init is not None:
-            seed_everything(args.seed, args.full_determinism)
+            self.seed()
             self.set_model(self.call_model_init(trial))
             loop.optimizer, loop.lr_scheduler = None, None
         if args.activation_checkpointing:
