@@ -206,6 +206,9 @@ INERT_FIELDS = frozenset({
     # only read by the group_by_length sampler, and train_sampling_strategy="group_by_length" is refused
     "length_column_name",
 })
+# FSDP and DeepSpeed: `TrainingArguments` turns these into Accelerate plugins (`fsdp_plugin_args`, `deepspeed_plugin`),
+# which the setup stage hands to the `Accelerator` and then checks are active (loopkit/distributed.py).
+ACCELERATE_ENGINE_FIELDS = frozenset({"fsdp", "fsdp_config", "deepspeed"})
 # Not inert, although they look like plumbing (so they are refused when changed): `dataloader_in_order` and
 # `dataloader_multiprocessing_context` go to the DataLoader (batch order, worker start method), `accelerator_config`
 # builds the Accelerator (`use_seedable_sampler`, `split_batches`, `even_batches`, ... change the data each process
@@ -280,7 +283,7 @@ def check_unsupported_fields(args) -> None:
     same = {f.name: getattr(args, f.name) for f in fields if f.init and f.name in SUPPORTED_FIELDS}
     reference = type(args)(**same)
     for f in fields:
-        if f.name in SUPPORTED_FIELDS or f.name in INERT_FIELDS:
+        if f.name in SUPPORTED_FIELDS or f.name in INERT_FIELDS or f.name in ACCELERATE_ENGINE_FIELDS:
             continue
         value, default = plain(getattr(args, f.name)), plain(getattr(reference, f.name))
         if value != default:

@@ -110,6 +110,14 @@ def rng_file_name(num_processes: int, process_index: int) -> str:
     return f"rng_state_{process_index}.pth" if num_processes > 1 else "rng_state.pth"
 
 
+def saved_world_size(checkpoint: str) -> int | None:
+    """How many processes wrote `checkpoint`, from its RNG files (one per rank); None if it has none."""
+    ranks = [name for name in os.listdir(checkpoint) if re.fullmatch(r"rng_state_\d+\.pth", name)]
+    if ranks:
+        return len(ranks)
+    return 1 if os.path.isfile(os.path.join(checkpoint, "rng_state.pth")) else None
+
+
 def save_model_files(model, accelerator, output_dir: str, processing_class=None, state_dict=None) -> None:
     """Weights (+ config) in `save_pretrained` layout when the model has it, else a bare `model.safetensors`.
     `state_dict` (host copies taken earlier) is written instead of the live weights when given."""
@@ -472,10 +480,17 @@ class Checkpointer:
     def read_rng(self, checkpoint: str) -> dict | None:
         """This process's RNG states saved in `checkpoint` (None if it has none, e.g. `save_only_model`)."""
         acc = self.loop.accelerator
-        path = os.path.join(checkpoint, rng_file_name(acc.num_processes, acc.process_index))
-        single = os.path.join(checkpoint, "rng_state.pth")
-        if not os.path.isfile(path) and acc.num_processes > 1 and os.path.isfile(single):
-            warnings.warn(f"{checkpoint} was saved by one process and is resumed by {acc.num_processes}: every rank "
-                          f"starts from the same RNG state.")
-            path = single
-        return safe_torch_load(path) if os.path.isfile(path) else None
+        saved_by = saved_world_size(checkpoint)
+        if saved_by is None:
+            return None
+        if saved_by == acc.num_processes:
+            path = os.path.join(checkpoint, rng_file_name(acc.num_processes, acc.process_index))
+            return safe_torch_load(path) if os.path.isfile(path) else None
+        # Another number of processes: the data position is kept (it is stored in global samples), but the RNG
+        # streams of the ranks cannot be: each rank continues from the saved rank of its own index, if any.
+        if acc.is_main_process:
+            warnings.warn(f"{checkpoint} was saved by {saved_by} process(es) and is resumed by {acc.num_processes}: "
+                          f"the data order continues exactly (same global batch), but random draws (dropout, "
+                          f"random collators) will differ from an uninterrupted run.")
+        rank = acc.process_index if acc.process_index < saved_by else 0
+        return safe_torch_load(os.path.join(checkpoint, rng_file_name(saved_by, rank)))

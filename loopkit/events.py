@@ -18,6 +18,8 @@ loopkit adds two events HF lacks:
 
 from __future__ import annotations
 
+import time
+
 import tqdm.auto as tqdm_auto
 
 # HF's 16 events, in the order a run meets them, then loopkit's additions.
@@ -58,6 +60,7 @@ class EventHandler:
         self.stages = list(stages)
         self.model = self.processing_class = self.optimizer = self.lr_scheduler = None
         self.train_dataloader = self.eval_dataloader = None
+        self.clock = None  # a report.PhaseClock: callback time is counted under "callbacks"
         for cb in callbacks:
             self.add_callback(cb)
 
@@ -111,10 +114,13 @@ class EventHandler:
             lr_scheduler=self.lr_scheduler, train_dataloader=self.train_dataloader,
             eval_dataloader=self.eval_dataloader, **extra,
         )
+        start = time.perf_counter()
         for method in methods:
             result = method(args, state, control, **kwargs)
             if result is not None and event != "on_push_begin":
                 control = result
+        if self.clock is not None:
+            self.clock.add("callbacks", time.perf_counter() - start)
         return control
 
 

@@ -25,6 +25,7 @@ from .args import LoopArgs, check_args, check_inputs, config_error
 from .checkpoint import Checkpointer
 from .events import DefaultFlow, EventHandler, Printer, ProgressBar, reporting_callbacks
 from .guards import Preempted, PreemptionWatch
+from .report import PhaseClock
 from .metrics import check_metrics
 from .stages.data import DataStage, find_labels
 from .stages.evaluation import EvalStage
@@ -88,6 +89,8 @@ class Loop:
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
         self.state, self.control = LoopState(), LoopControl()
         self.preemption = PreemptionWatch()
+        self.clock = self.callback_handler.clock = PhaseClock()  # the run report's time by phase
+        self.samples_seen = self.tokens_seen = 0
         self.fire("on_init_end")
 
     @property
@@ -118,6 +121,7 @@ class Loop:
             self.checkpointer.wait_quietly()
             self.fire("on_train_failed", exception=exc)
             self.teardown.release()
+            self.teardown.write_run_report(f"failed: {type(exc).__name__}: {exc}")
             raise
         if self.preemption.requested:  # the checkpoint is written and the run torn down: leave as documented
             raise Preempted(128 + self.preemption.signum)
@@ -125,6 +129,8 @@ class Loop:
 
     def run_training(self, resume_from_checkpoint, trial, ignore_keys_for_eval):
         args = self.args
+        self.clock.reset()
+        self.samples_seen = self.tokens_seen = 0
         # 1. Setup: the model (model_init), and the checkpoint to resume from, whose weights load now.
         checkpoint = self.setup.begin_training(resume_from_checkpoint, trial)
 
@@ -181,6 +187,7 @@ class Loop:
             if completed:
                 self.evaluation.after_step(ignore_keys_for_eval)
                 self.check_guards()
+                self.clock.step_done(self.state.global_step)
             if self.control.should_epoch_stop or self.control.should_training_stop:
                 break
         if self.data.micro_batches_done == 0:
@@ -321,6 +328,11 @@ class Loop:
 
         save_model_files(self.model_wrapped, self.accelerator, output_dir or self.args.output_dir,
                          self.processing_class)
+
+    def export(self, output_dir: str, example_inputs: dict, formats=("pretrained",)) -> dict:
+        """loopkit addition: export the model as "pretrained", "torch_export" and/or "onnx", each checked against
+        the live model on `example_inputs`; returns {format: (path, max |difference|)}."""
+        return self.teardown.export(output_dir, example_inputs, formats)
 
     def add_callback(self, callback):
         self.callback_handler.add_callback(callback)

@@ -91,6 +91,7 @@ class DataStage(Stage):
         self.worker_seeding = None
         self.epoch, self.micro_batches_done = 0, 0
         self.saved_position = None  # the position read from a checkpoint, used by resume_point()
+        self.eval_loaders = {}  # kept only with persistent workers
 
     # -- collation and columns --
     def resolve_collator(self):
@@ -169,11 +170,28 @@ class DataStage(Stage):
         if eval_dataset is None and loop.eval_dataset is None:
             raise config_error("eval_dataset", None, "evaluation needs an eval dataset",
                                "pass eval_dataset=... to Loop or to evaluate()")
+        key = eval_dataset if isinstance(eval_dataset, str) else "eval"
+        persistent = loop.args.dataloader_persistent_workers and loop.args.dataloader_num_workers > 0
+        if persistent and key in self.eval_loaders and (eval_dataset is None or isinstance(eval_dataset, str)):
+            return self.eval_loaders[key]  # as HF: reuse, instead of starting new workers at every evaluation
         if isinstance(eval_dataset, str):
             eval_dataset = loop.eval_dataset[eval_dataset]
         elif eval_dataset is None:
             eval_dataset = loop.eval_dataset
-        return self.build_dataloader(eval_dataset, loop.args.per_device_eval_batch_size, "evaluation", False)
+        loader = self.build_dataloader(eval_dataset, loop.args.per_device_eval_batch_size, "evaluation", False)
+        if persistent:
+            self.eval_loaders[key] = loader
+        return loader
+
+    def shut_down_workers(self) -> None:
+        """Stop the persistent worker processes of the train and evaluation loaders (the teardown's release)."""
+        for loader in [self.loop.train_dataloader, *self.eval_loaders.values()]:
+            base = getattr(loader, "base_dataloader", loader)
+            iterator = getattr(base, "_iterator", None)  # set only with persistent_workers
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()
+                base._iterator = None
+        self.eval_loaders = {}
 
     def get_test_dataloader(self, test_dataset) -> DataLoader:
         return self.build_dataloader(test_dataset, self.loop.args.per_device_eval_batch_size, "test", False)
@@ -278,11 +296,12 @@ class DataStage(Stage):
         for update in range(skip // ga, plan.num_update_steps_per_epoch):
             size = ga if update != plan.num_update_steps_per_epoch - 1 else last_window_size
             batches = []
-            for _ in range(size):
-                try:
-                    batches.append(send_to_device(next(iterator), device, non_blocking=non_blocking))
-                except StopIteration:
-                    break
+            with loop.clock.span("data"):
+                for _ in range(size):
+                    try:
+                        batches.append(send_to_device(next(iterator), device, non_blocking=non_blocking))
+                    except StopIteration:
+                        break
             if not batches:
                 return
             first = self.micro_batches_done

@@ -205,7 +205,8 @@ class EvalStage(Stage):
         if loop.control.should_evaluate:
             rng_before = rng_state() if loop.preemption.active else None
             try:
-                metrics = self.evaluate_during_training(ignore_keys_for_eval)
+                with loop.clock.span("evaluation"):
+                    metrics = self.evaluate_during_training(ignore_keys_for_eval)
             except EvaluationInterrupted:
                 # Preempted mid-evaluation: the checkpoint the loop now writes remembers the evaluation (and the
                 # save that would have followed) and the RNG from before it; a resumed run does them first.
@@ -293,7 +294,8 @@ class EvalStage(Stage):
 
     def save_checkpoint(self) -> None:
         self.loop.store_flos()
-        self.checkpointer.save()
+        with self.loop.clock.span("checkpoint"):
+            self.checkpointer.save()
 
     # -- evaluate / predict --
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:

@@ -18,6 +18,7 @@ import torch
 
 from ..args import config_error
 from ..checkpoint import load_model_weights
+from ..distributed import active_engine, check_engines_active, check_launch, engine_plugins, requested_engines
 from .base import Stage
 
 
@@ -35,12 +36,21 @@ def seed_everything(seed: int, full_determinism: bool = False) -> None:
 
 
 class SetupStage(Stage):
-    """Seeding, the `Accelerator`, the model and the resume point."""
+    """Seeding, the `Accelerator`, the model and the resume point.
+
+    `fsdp_plugin` / `deepspeed_plugin`: Accelerate plugin objects (`accelerate.utils.FullyShardedDataParallelPlugin`,
+    `DeepSpeedPlugin`) handed to the `Accelerator`, for `LoopArgs` (a `TrainingArguments` carries its own from
+    `fsdp` / `fsdp_config` / `deepspeed`). See loopkit/distributed.py.
+    """
+
+    def __init__(self, fsdp_plugin=None, deepspeed_plugin=None):
+        self.fsdp_plugin, self.deepspeed_plugin = fsdp_plugin, deepspeed_plugin
 
     def build(self, model):
         loop = self.loop
         self.seed()
         loop.accelerator = self.create_accelerator()
+        check_launch(loop.accelerator)  # several processes that Accelerate did not join: refuse (distributed.py)
         if model is None:
             if loop.model_init is None:
                 raise config_error("model", None, "Loop needs a model", "pass model=... or model_init=...")
@@ -57,6 +67,8 @@ class SetupStage(Stage):
                                       GradientAccumulationPlugin)
 
         args = self.loop.args
+        plugins = engine_plugins(args, self.fsdp_plugin, self.deepspeed_plugin)
+        requested = requested_engines(plugins)  # read before the Accelerator, which exports its own flags
         # loopkit accumulates gradients itself (like HF Trainer), so Accelerate's own accumulation stays at 1.
         dataloader_config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.data_seed)
         kwargs = dict(
@@ -71,7 +83,9 @@ class SetupStage(Stage):
 
             kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend=args.torch_compile_backend or "inductor",
                                                         mode=args.torch_compile_mode)
-        return Accelerator(**kwargs)
+        accelerator = Accelerator(**kwargs, **plugins)
+        check_engines_active(accelerator, requested)  # Accelerate drops FSDP on CPU silently: refuse instead
+        return accelerator
 
     def call_model_init(self, trial=None):
         model_init = self.loop.model_init
@@ -87,7 +101,8 @@ class SetupStage(Stage):
     def set_model(self, model) -> None:
         """Make `model` the run's model: on the device, introspected for how its loss is computed."""
         loop = self.loop
-        if getattr(model, "hf_device_map", None) is None:  # a model split by device_map places itself
+        # A model split by device_map places itself; FSDP and DeepSpeed place (and shard) it in `prepare`.
+        if getattr(model, "hf_device_map", None) is None and active_engine(loop.accelerator) is None:
             model = model.to(loop.accelerator.device)
         loop.model = loop.model_wrapped = model
         if hasattr(getattr(model, "config", None), "use_cache"):

@@ -120,6 +120,10 @@ class StepStage(Stage):
             loop.lr_scheduler, self.created_scheduler = None, False
         loop.create_optimizer()
         if loop.model_wrapped is loop.model:
+            # An evaluation before training prepared the bare model for evaluation only (no DDP wrapper), and
+            # Accelerate then treats it as prepared: without dropping that mark, `prepare` would return it
+            # unwrapped and each process would train its own copy.
+            pass  # TEMP
             loop.model_wrapped, loop.optimizer = loop.accelerator.prepare(loop.model, loop.optimizer)
         else:
             loop.optimizer = loop.accelerator.prepare(loop.optimizer)
@@ -204,7 +208,8 @@ class StepStage(Stage):
                 loop.compute_loss_func is not None
         if not scaled:
             loss = loss / self.current_gradient_accumulation_steps
-        loop.accelerator.backward(loss)
+        with loop.clock.span("backward"):
+            loop.accelerator.backward(loss)
         return loss.detach()
 
     # -- one optimizer step --
@@ -221,7 +226,7 @@ class StepStage(Stage):
         for i, inputs in enumerate(batches):
             acc.gradient_state._set_sync_gradients(i == last)
             context = contextlib.nullcontext() if i == last else acc.no_sync(model)
-            with context:
+            with context, loop.clock.span("forward"):
                 step_loss = loop.training_step(model, inputs, num_items)
             if self.nonfinite is not None:
                 window_loss = window_loss + step_loss
@@ -231,7 +236,8 @@ class StepStage(Stage):
                 fire("on_substep_end")
                 if loop.control.should_epoch_stop or loop.control.should_training_stop:
                     return False
-        self.optimizer_step(model, window_loss, (epoch, window.first_index, len(batches)))
+        with loop.clock.span("optimizer"):
+            self.optimizer_step(model, window_loss, (epoch, window.first_index, len(batches)))
         state = loop.state
         state.global_step += 1
         state.epoch = epoch + (window.first_index + len(batches)) / steps_in_epoch
@@ -254,7 +260,15 @@ class StepStage(Stage):
         return 0
 
     def count_flos(self, inputs) -> None:
-        self.loop.current_flos += float(self.loop.floating_point_ops(inputs))
+        """FLOPs (HF's estimate), and the input tokens and samples the run report divides by time. Sizes are
+        tensor metadata: no device sync."""
+        loop = self.loop
+        loop.current_flos += float(loop.floating_point_ops(inputs))
+        main = inputs.get(getattr(loop.model, "main_input_name", "input_ids")) if isinstance(inputs, Mapping) \
+            else None
+        if isinstance(main, torch.Tensor):
+            loop.tokens_seen += main.numel()
+            loop.samples_seen += main.shape[0] if main.ndim else 1
 
     def clip_gradients(self, model) -> torch.Tensor:
         """Pre-clip total norm; clips to `max_grad_norm` when it is positive (HF logs the norm either way)."""

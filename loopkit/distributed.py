@@ -1,0 +1,219 @@
+"""Distributed training through Accelerate: the checks that keep a launch honest, and FSDP / DeepSpeed configuration.
+
+loopkit never builds a process group. The launcher (`torchrun`, `accelerate launch`) starts the processes, and the
+`Accelerator` that the setup stage creates joins them and decides the engine: DDP, FSDP or DeepSpeed. The rest of the
+loop only asks the accelerator (`num_processes`, `gather`, `reduce`, `no_sync`, `wait_for_everyone`).
+
+Two ways a launch can silently train something other than what was asked, both refused here:
+* **Processes that do not know each other.** On a machine without CUDA, `torchrun --nproc_per_node 2` (or
+  `accelerate launch --multi_gpu`) without `ACCELERATE_USE_CPU=1` starts two processes whose `torch.distributed` is
+  initialised, but Accelerate reports a single process (`DistributedType.NO`): each trains its own copy on its own
+  data and the copies drift apart, with no error. `check_launch` raises instead.
+* **An engine that was dropped.** Accelerate 1.15 uses FSDP only for several processes on accelerators: with an FSDP
+  plugin on CPU (or on one process) it runs DDP or nothing, silently; a second `Accelerator` in a process ignores
+  any plugin passed to it. `check_engines_active` raises when FSDP or DeepSpeed was asked for and is not active.
+
+FSDP and DeepSpeed are configured as with HF Trainer (`TrainingArguments(fsdp=..., fsdp_config=...)`, which builds
+`fsdp_plugin_args`, or `deepspeed=...`, which builds `deepspeed_plugin`), by Accelerate plugin objects
+(`SetupStage(fsdp_plugin=..., deepspeed_plugin=...)`), or by the launcher (`accelerate launch --use_fsdp`, a config
+file with DeepSpeed). Checkpoints then go through Accelerate's FSDP / DeepSpeed state-dict functions
+(`save_engine_state` / `load_engine_state`, used by loopkit/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+class DistributedSetupError(RuntimeError):
+    """The processes, or the engine Accelerate chose, are not what the launch asked for. The message says how to
+    launch correctly."""
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes", "on")
+
+
+def launched_world_size() -> int:
+    """How many processes the launcher started: torch.distributed's world size once it is initialised, else the
+    `WORLD_SIZE` the launcher exported (1 for a plain `python script.py`)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return 1
+
+
+CPU_LAUNCH = ("ACCELERATE_USE_CPU=1 torchrun --nproc_per_node {n} train.py   (or: ACCELERATE_USE_CPU=1 accelerate "
+              "launch --multi_gpu --num_processes {n} --num_machines 1 --mixed_precision no --dynamo_backend no "
+              "train.py)")
+
+
+def check_launch(accelerator) -> None:
+    """Refuse to train when the launcher started several processes but Accelerate joined a different number (on a
+    CPU machine: one each, the silent trap described above)."""
+    launched = launched_world_size()
+    if launched <= 1 or accelerator.num_processes == launched:
+        return
+    import torch
+
+    device = "CUDA is available" if torch.cuda.is_available() else "this machine has no CUDA device"
+    raise DistributedSetupError(
+        f"The launcher started {launched} processes (WORLD_SIZE={os.environ.get('WORLD_SIZE')}, torch.distributed "
+        f"initialised: {_dist_initialised()}), but Accelerate runs "
+        f"{accelerator.num_processes} process(es) (distributed_type={accelerator.distributed_type.value}, device "
+        f"{accelerator.device}; {device}). Each process would train its own copy of the model on its own data and "
+        f"the copies would drift apart, so loopkit refuses to train. Fix: on a machine without GPUs force "
+        f"Accelerate's CPU mode: {CPU_LAUNCH.format(n=launched)}, or pass use_cpu=True in the training arguments. "
+        f"On a GPU machine, check that every process sees a GPU (torch.cuda.is_available(), CUDA_VISIBLE_DEVICES) "
+        f"and launch with `accelerate launch --num_processes {launched} train.py` or `torchrun --nproc_per_node "
+        f"{launched} train.py`.")
+
+
+def _dist_initialised() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP and DeepSpeed: what is handed to Accelerate, and the check that it took it
+# ---------------------------------------------------------------------------------------------------------------
+def engine_plugins(args, fsdp_plugin=None, deepspeed_plugin=None) -> dict:
+    """`fsdp_plugin` / `deepspeed_plugin` keyword arguments for `Accelerator(...)`: the plugin objects passed to the
+    setup stage, else the ones `TrainingArguments` built from `fsdp` / `fsdp_config` / `deepspeed` (HF Trainer's
+    `FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)` and `args.deepspeed_plugin`). Only what is set is
+    returned, so a run without them passes nothing and Accelerate falls back to the launcher's environment."""
+    from .args import config_error
+
+    plugin_args = getattr(args, "fsdp_plugin_args", None)
+    if fsdp_plugin is not None and plugin_args:
+        raise config_error("fsdp_plugin", type(fsdp_plugin).__name__, "the training arguments configure FSDP too "
+                           "(fsdp / fsdp_config)", "configure FSDP in one place: the plugin or the arguments")
+    if fsdp_plugin is None and plugin_args:
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        fsdp_plugin = FullyShardedDataParallelPlugin(**plugin_args)
+    args_deepspeed = getattr(args, "deepspeed_plugin", None)
+    if deepspeed_plugin is not None and args_deepspeed is not None:
+        raise config_error("deepspeed_plugin", type(deepspeed_plugin).__name__, "the training arguments configure "
+                           "DeepSpeed too (deepspeed=...)", "configure DeepSpeed in one place: the plugin or the "
+                           "arguments")
+    deepspeed_plugin = deepspeed_plugin if deepspeed_plugin is not None else args_deepspeed
+    if fsdp_plugin is not None and getattr(fsdp_plugin, "fsdp_version", 2) != 2:
+        raise config_error("fsdp_config['version']", fsdp_plugin.fsdp_version, "loopkit supports FSDP2 only (FSDP1 "
+                           "is deprecated in transformers 5.x and needs the optimizer built after wrapping)",
+                           "use fsdp_config={'version': 2} (the default) or FullyShardedDataParallelPlugin("
+                           "fsdp_version=2)")
+    kwargs = {}
+    if fsdp_plugin is not None:
+        kwargs["fsdp_plugin"] = fsdp_plugin
+    if deepspeed_plugin is not None:
+        kwargs["deepspeed_plugin"] = deepspeed_plugin
+    return kwargs
+
+
+def requested_engines(plugins: dict) -> list[str]:
+    """The engines asked for, by plugin or by the launcher's environment (`accelerate launch --use_fsdp` exports
+    ACCELERATE_USE_FSDP=true). Read before the `Accelerator` exists: creating it with a plugin sets those variables."""
+    requested = []
+    if plugins.get("fsdp_plugin") is not None or env_flag("ACCELERATE_USE_FSDP"):
+        requested.append("FSDP")
+    if plugins.get("deepspeed_plugin") is not None or env_flag("ACCELERATE_USE_DEEPSPEED"):
+        requested.append("DeepSpeed")
+    return requested
+
+
+def active_engine(accelerator) -> str | None:
+    """"FSDP", "DeepSpeed" or None (DDP or a single process), as Accelerate runs it."""
+    kind = getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type))
+    return {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}.get(kind)
+
+
+def check_engines_active(accelerator, requested: list[str]) -> None:
+    """Raise when FSDP or DeepSpeed was asked for but Accelerate is running something else."""
+    active = active_engine(accelerator)
+    missing = [engine for engine in requested if engine != active]
+    if not missing:
+        return
+    engine = missing[0]
+    raise DistributedSetupError(
+        f"{engine} was asked for (a plugin, the training arguments or ACCELERATE_USE_{engine.upper()}), but "
+        f"Accelerate runs distributed_type={accelerator.distributed_type.value} with {accelerator.num_processes} "
+        f"process(es) on {accelerator.device}, so training would silently run without {engine}. Accelerate uses "
+        f"{engine} only for several processes on GPUs (or other accelerators), and only from the first Accelerator "
+        f"of a process. Fix: launch on a GPU machine, e.g. `accelerate launch --num_processes 2 "
+        f"{'--use_fsdp ' if engine == 'FSDP' else '--use_deepspeed '}train.py`, or drop the {engine} configuration "
+        f"to train with DDP (or on one process).")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints under FSDP and DeepSpeed: Accelerate's state-dict paths (HF Trainer's _save_checkpoint / _load_*)
+# ---------------------------------------------------------------------------------------------------------------
+def full_state_dict_saved(accelerator) -> bool:
+    """Whether this run's checkpoints hold the whole model as `model.safetensors` (DDP, one process, FSDP with
+    FULL_STATE_DICT, DeepSpeed) rather than FSDP's sharded state-dict folder."""
+    if active_engine(accelerator) != "FSDP":
+        return True
+    return "FULL_STATE_DICT" in str(accelerator.state.fsdp_plugin.state_dict_type)
+
+
+def full_model_state_dict(loop):
+    """The whole model's state dict on the main process, gathered from the shards (a collective: every process must
+    call it), or None where the model is not sharded and `save_pretrained` reads the live weights."""
+    if active_engine(loop.accelerator) is None:
+        return None
+    return loop.accelerator.get_state_dict(loop.model_wrapped)
+
+
+def save_engine_state(loop, folder: str, with_optimizer: bool) -> None:
+    """FSDP / DeepSpeed: the model (when sharded) and the optimizer through Accelerate's functions, on every process.
+    (With DDP or one process the checkpointer writes `optimizer.pt` itself.)"""
+    acc, engine = loop.accelerator, active_engine(loop.accelerator)
+    if engine == "DeepSpeed":
+        # The engine writes its own sharded model + optimizer state (`global_step*/`), as HF Trainer does.
+        loop.model_wrapped.save_checkpoint(folder)
+        return
+    if engine == "FSDP":
+        from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
+
+        plugin = acc.state.fsdp_plugin
+        if not full_state_dict_saved(acc):
+            save_fsdp_model(plugin, acc, loop.model_wrapped, folder)
+        if with_optimizer:
+            save_fsdp_optimizer(plugin, acc, loop.optimizer, loop.model_wrapped, folder)
+
+
+def load_engine_model(loop, checkpoint: str) -> bool:
+    """FSDP with SHARDED_STATE_DICT and DeepSpeed: load the model after `accelerator.prepare`. Returns whether it
+    did (otherwise the weights were loaded from `model.safetensors` before preparing, as without an engine)."""
+    acc, engine = loop.accelerator, active_engine(loop.accelerator)
+    if engine == "FSDP" and not full_state_dict_saved(acc):
+        from accelerate.utils import load_fsdp_model
+
+        load_fsdp_model(acc.state.fsdp_plugin, acc, loop.model_wrapped, checkpoint)
+        return True
+    return False
+
+
+def load_engine_optimizer(loop, checkpoint: str) -> bool:
+    """FSDP / DeepSpeed: the optimizer state (DeepSpeed: the whole engine state). Returns whether the engine path
+    applied."""
+    acc, engine = loop.accelerator, active_engine(loop.accelerator)
+    if engine == "DeepSpeed":
+        loop.model_wrapped.load_checkpoint(checkpoint, load_module_strict=False)
+        return True
+    if engine == "FSDP":
+        from accelerate.utils import load_fsdp_optimizer
+
+        load_fsdp_optimizer(acc.state.fsdp_plugin, acc, loop.optimizer, loop.model_wrapped, checkpoint)
+        return True
+    return False
+
+
+def engine_checkpoint_present(path: str) -> bool:
+    """A sharded FSDP model folder or a DeepSpeed `global_step*` folder: a checkpoint without `model.safetensors`."""
+    return any(name.startswith(("pytorch_model_fsdp_", "global_step")) and os.path.isdir(os.path.join(path, name))
+               for name in os.listdir(path))
