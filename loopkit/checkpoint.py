@@ -27,6 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .distributed import (active_engine, engine_checkpoint_present, full_state_dict_saved, load_engine_model,
+                          load_engine_optimizer, save_engine_state)
+
 CHECKPOINT_PREFIX = "checkpoint"
 CHECKPOINT_RE = re.compile(r"^" + CHECKPOINT_PREFIX + r"-(\d+)$")
 TRAINER_STATE_NAME = "trainer_state.json"
@@ -122,6 +125,11 @@ def save_model_files(model, accelerator, output_dir: str, processing_class=None,
     """Weights (+ config) in `save_pretrained` layout when the model has it, else a bare `model.safetensors`.
     `state_dict` (host copies taken earlier) is written instead of the live weights when given."""
     os.makedirs(output_dir, exist_ok=True)
+    if state_dict is None and active_engine(accelerator) is not None:
+        # FSDP / DeepSpeed: the whole model, gathered from the shards (a collective: every process calls this).
+        state_dict = accelerator.get_state_dict(model)
+        if not accelerator.is_main_process:
+            return
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     if hasattr(unwrapped, "save_pretrained"):
         unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
@@ -183,7 +191,7 @@ def checkpoint_problem(path: str) -> str | None:
                 candidates += sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
         except (OSError, ValueError, KeyError) as exc:
             return f"{index} is corrupt ({exc})"
-    if not candidates:
+    if not candidates and not engine_checkpoint_present(path):  # a sharded FSDP checkpoint has no single file
         return f"it has no {WEIGHTS_NAME}"
     for weights in candidates:
         try:
@@ -279,11 +287,13 @@ class Checkpointer:
         copy = copy_to_cpu if self.async_save else (lambda x: x)
         unwrapped = acc.unwrap_model(loop.model_wrapped, keep_torch_compile=False)
         full_state = not args.save_only_model
+        sharded = active_engine(acc) is not None  # FSDP / DeepSpeed: the optimizer is written by their own path
         loop.state.record_callback_states(loop.callback_handler.callbacks + [loop.control])
         return Snapshot(
             step=loop.state.global_step,
             model_state=copy(unwrapped.state_dict()) if self.async_save else None,
-            optimizer=copy(loop.optimizer.state_dict()) if full_state and acc.is_main_process else None,
+            optimizer=copy(loop.optimizer.state_dict()) if full_state and acc.is_main_process and not sharded
+            else None,
             scheduler=copy(loop.lr_scheduler.state_dict()) if full_state and acc.is_main_process else None,
             scaler=copy(acc.scaler.state_dict()) if full_state and acc.scaler is not None else None,
             rng=(self.rng_for_next_save or rng_state()) if full_state else None,
@@ -341,9 +351,13 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         acc.wait_for_everyone()
         try:
-            save_model_files(loop.model_wrapped, acc, tmp, loop.processing_class, state_dict=snapshot.model_state)
+            if full_state_dict_saved(acc):  # all but FSDP's SHARDED_STATE_DICT: one model.safetensors
+                save_model_files(loop.model_wrapped, acc, tmp, loop.processing_class, state_dict=snapshot.model_state)
+            if active_engine(acc) is not None:  # FSDP / DeepSpeed: Accelerate's paths, on every process
+                save_engine_state(loop, tmp, with_optimizer=not loop.args.save_only_model)
             if snapshot.optimizer is not None:
                 torch.save(snapshot.optimizer, os.path.join(tmp, OPTIMIZER_NAME))
+            if snapshot.scheduler is not None:
                 torch.save(snapshot.scheduler, os.path.join(tmp, SCHEDULER_NAME))
             if snapshot.scaler is not None and acc.is_main_process:
                 torch.save(snapshot.scaler, os.path.join(tmp, SCALER_NAME))
@@ -470,7 +484,12 @@ class Checkpointer:
     def load_optimizer_and_scheduler(self, checkpoint: str) -> None:
         loop = self.loop
         opt_path, sched_path = os.path.join(checkpoint, OPTIMIZER_NAME), os.path.join(checkpoint, SCHEDULER_NAME)
-        if os.path.isfile(opt_path) and os.path.isfile(sched_path):
+        if active_engine(loop.accelerator) is not None:  # FSDP / DeepSpeed: after `prepare`, every process
+            load_engine_model(loop, checkpoint)
+            if not loop.args.save_only_model and load_engine_optimizer(loop, checkpoint) \
+                    and os.path.isfile(sched_path):
+                loop.lr_scheduler.load_state_dict(safe_torch_load(sched_path))
+        elif os.path.isfile(opt_path) and os.path.isfile(sched_path):
             loop.optimizer.load_state_dict(safe_torch_load(opt_path))
             loop.lr_scheduler.load_state_dict(safe_torch_load(sched_path))
         scaler_path = os.path.join(checkpoint, SCALER_NAME)

@@ -16,8 +16,10 @@ Two ways a launch can silently train something other than what was asked, both r
 FSDP and DeepSpeed are configured as with HF Trainer (`TrainingArguments(fsdp=..., fsdp_config=...)`, which builds
 `fsdp_plugin_args`, or `deepspeed=...`, which builds `deepspeed_plugin`), by Accelerate plugin objects
 (`SetupStage(fsdp_plugin=..., deepspeed_plugin=...)`), or by the launcher (`accelerate launch --use_fsdp`, a config
-file with DeepSpeed). Checkpoints then go through Accelerate's FSDP / DeepSpeed state-dict functions
-(`save_engine_state` / `load_engine_state`, used by loopkit/checkpoint.py).
+file with DeepSpeed). Checkpoints then hold the whole model gathered from the shards (`model.safetensors`, except
+with FSDP's SHARDED_STATE_DICT) and the optimizer through Accelerate's FSDP functions or the DeepSpeed engine
+(`save_engine_state`, `load_engine_model`, `load_engine_optimizer`, used by loopkit/checkpoint.py), as HF Trainer
+does. Those paths need GPUs and are not exercised by the CPU test suite.
 """
 
 from __future__ import annotations
@@ -78,6 +80,22 @@ def _dist_initialised() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def prepare_iterable_train_loader(accelerator, dataloader):
+    """Prepare a training loader over an `IterableDataset` so that its plain iteration is already this process's
+    share. With several processes Accelerate's default for iterable data dispatches (process 0 reads each global
+    batch and sends the slices), but only inside its own iterator, which reads one batch ahead; the data stage
+    iterates the underlying loader instead (loopkit/data_order.py), which would give every process the same batches.
+    Without dispatching, Accelerate wraps the dataset in `IterableDatasetShard`: each process reads the stream and
+    keeps its slice of every global batch, the same samples a single process with the global batch would see."""
+    config = accelerator.dataloader_config
+    dispatch = config.dispatch_batches
+    config.dispatch_batches = False
+    try:
+        return accelerator.prepare(dataloader)
+    finally:
+        config.dispatch_batches = dispatch
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # FSDP and DeepSpeed: what is handed to Accelerate, and the check that it took it
 # ---------------------------------------------------------------------------------------------------------------
@@ -102,17 +120,25 @@ def engine_plugins(args, fsdp_plugin=None, deepspeed_plugin=None) -> dict:
                            "DeepSpeed too (deepspeed=...)", "configure DeepSpeed in one place: the plugin or the "
                            "arguments")
     deepspeed_plugin = deepspeed_plugin if deepspeed_plugin is not None else args_deepspeed
-    if fsdp_plugin is not None and getattr(fsdp_plugin, "fsdp_version", 2) != 2:
-        raise config_error("fsdp_config['version']", fsdp_plugin.fsdp_version, "loopkit supports FSDP2 only (FSDP1 "
-                           "is deprecated in transformers 5.x and needs the optimizer built after wrapping)",
-                           "use fsdp_config={'version': 2} (the default) or FullyShardedDataParallelPlugin("
-                           "fsdp_version=2)")
+    if fsdp_plugin is not None:
+        check_fsdp_version(fsdp_plugin)
     kwargs = {}
     if fsdp_plugin is not None:
         kwargs["fsdp_plugin"] = fsdp_plugin
     if deepspeed_plugin is not None:
         kwargs["deepspeed_plugin"] = deepspeed_plugin
     return kwargs
+
+
+def check_fsdp_version(plugin) -> None:
+    """loopkit builds the optimizer before `accelerator.prepare` wraps the model, which is right for FSDP2 only."""
+    from .args import config_error
+
+    if getattr(plugin, "fsdp_version", 2) != 2:
+        raise config_error("fsdp_config['version']", plugin.fsdp_version, "loopkit supports FSDP2 only (FSDP1 is "
+                           "deprecated in transformers 5.x and needs the optimizer built after wrapping)",
+                           "use fsdp_config={'version': 2} (the default), FullyShardedDataParallelPlugin("
+                           "fsdp_version=2) or `accelerate launch --use_fsdp --fsdp_version 2`")
 
 
 def requested_engines(plugins: dict) -> list[str]:
@@ -135,6 +161,8 @@ def active_engine(accelerator) -> str | None:
 def check_engines_active(accelerator, requested: list[str]) -> None:
     """Raise when FSDP or DeepSpeed was asked for but Accelerate is running something else."""
     active = active_engine(accelerator)
+    if active == "FSDP":  # also a plugin Accelerate built from the launcher's environment
+        check_fsdp_version(accelerator.state.fsdp_plugin)
     missing = [engine for engine in requested if engine != active]
     if not missing:
         return
@@ -160,21 +188,14 @@ def full_state_dict_saved(accelerator) -> bool:
     return "FULL_STATE_DICT" in str(accelerator.state.fsdp_plugin.state_dict_type)
 
 
-def full_model_state_dict(loop):
-    """The whole model's state dict on the main process, gathered from the shards (a collective: every process must
-    call it), or None where the model is not sharded and `save_pretrained` reads the live weights."""
-    if active_engine(loop.accelerator) is None:
-        return None
-    return loop.accelerator.get_state_dict(loop.model_wrapped)
-
-
 def save_engine_state(loop, folder: str, with_optimizer: bool) -> None:
     """FSDP / DeepSpeed: the model (when sharded) and the optimizer through Accelerate's functions, on every process.
     (With DDP or one process the checkpointer writes `optimizer.pt` itself.)"""
     acc, engine = loop.accelerator, active_engine(loop.accelerator)
     if engine == "DeepSpeed":
         # The engine writes its own sharded model + optimizer state (`global_step*/`), as HF Trainer does.
-        loop.model_wrapped.save_checkpoint(folder)
+        if with_optimizer:
+            loop.model_wrapped.save_checkpoint(folder)
         return
     if engine == "FSDP":
         from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
@@ -187,8 +208,8 @@ def save_engine_state(loop, folder: str, with_optimizer: bool) -> None:
 
 
 def load_engine_model(loop, checkpoint: str) -> bool:
-    """FSDP with SHARDED_STATE_DICT and DeepSpeed: load the model after `accelerator.prepare`. Returns whether it
-    did (otherwise the weights were loaded from `model.safetensors` before preparing, as without an engine)."""
+    """FSDP with SHARDED_STATE_DICT: load the model shards after `accelerator.prepare`. Returns whether it did
+    (otherwise the weights were loaded from `model.safetensors` before preparing, as without an engine)."""
     acc, engine = loop.accelerator, active_engine(loop.accelerator)
     if engine == "FSDP" and not full_state_dict_saved(acc):
         from accelerate.utils import load_fsdp_model

@@ -87,7 +87,10 @@ class Loop:
         self.callback_handler = EventHandler(default + list(callbacks or []) + [progress], self.stages)
         self.callback_handler.model, self.callback_handler.processing_class = self.model, processing_class
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
-        self.state, self.control = LoopState(), LoopControl()
+        # As in Trainer.__init__: an evaluate() before train() logs (and reports) on the main process only.
+        self.state = LoopState(is_local_process_zero=self.accelerator.is_local_main_process,
+                               is_world_process_zero=self.accelerator.is_main_process)
+        self.control = LoopControl()
         self.preemption = PreemptionWatch()
         self.clock = self.callback_handler.clock = PhaseClock()  # the run report's time by phase
         self.samples_seen = self.tokens_seen = 0

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 from ..args import config_error
 from ..checkpoint import restore_rng_state
 from ..data_order import PositionSeededDataset, WorkerSeeding, is_seekable
+from ..distributed import prepare_iterable_train_loader
 from .base import Stage
 
 
@@ -149,6 +150,8 @@ class DataStage(Stage):
         if not isinstance(dataset, IterableDataset):
             params["sampler"] = self.train_sampler(dataset) if training else self.eval_sampler(dataset)
             params["drop_last"] = args.dataloader_drop_last
+        elif training and loop.accelerator.num_processes > 1:  # sharded without dispatching: see distributed.py
+            return prepare_iterable_train_loader(loop.accelerator, DataLoader(dataset, **params))
         return loop.accelerator.prepare(DataLoader(dataset, **params))
 
     def train_sampler(self, dataset):

@@ -18,7 +18,8 @@ import torch
 
 from ..args import config_error
 from ..checkpoint import load_model_weights
-from ..distributed import active_engine, check_engines_active, check_launch, engine_plugins, requested_engines
+from ..distributed import (active_engine, check_engines_active, check_launch, engine_plugins, full_state_dict_saved,
+                           requested_engines)
 from .base import Stage
 
 
@@ -131,6 +132,6 @@ class SetupStage(Stage):
                 activation_checkpointing_kwargs=kwargs)
         loop.checkpointer.remove_leftovers()
         checkpoint = loop.checkpointer.resolve(resume_from_checkpoint)
-        if checkpoint is not None:
+        if checkpoint is not None and full_state_dict_saved(loop.accelerator):  # else: after `prepare` (FSDP)
             load_model_weights(loop.model, checkpoint)
         return checkpoint

@@ -123,7 +123,7 @@ class StepStage(Stage):
             # An evaluation before training prepared the bare model for evaluation only (no DDP wrapper), and
             # Accelerate then treats it as prepared: without dropping that mark, `prepare` would return it
             # unwrapped and each process would train its own copy.
-            pass  # TEMP
+            vars(loop.model).pop("_is_accelerate_prepared", None)
             loop.model_wrapped, loop.optimizer = loop.accelerator.prepare(loop.model, loop.optimizer)
         else:
             loop.optimizer = loop.accelerator.prepare(loop.optimizer)
