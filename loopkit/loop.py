@@ -61,6 +61,7 @@ class Loop:
         self.model_init, self.compute_loss_func = model_init, compute_loss_func
         self.compute_metrics, self.preprocess_logits_for_metrics = compute_metrics, preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
+        self.scheduler_given = self.lr_scheduler is not None
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         if self.optimizer is not None and optimizer_cls_and_kwargs is not None:
             raise config_error("optimizer_cls_and_kwargs", optimizer_cls_and_kwargs, "an optimizer was passed too",

@@ -110,14 +110,15 @@ class StepStage(Stage):
                 num_training_steps=num_training_steps,
                 scheduler_specific_kwargs=args.lr_scheduler_kwargs,
             )
-            self.created_scheduler = True
         return loop.lr_scheduler
 
     def prepare(self, max_steps: int, checkpoint: str | None):
-        """Optimizer, `accelerator.prepare`, scheduler (re-created each `train()` if loopkit made it), resume."""
+        """Optimizer, `accelerator.prepare`, scheduler, resume. A scheduler the user did not pass in
+        `optimizers=(opt, sched)` is created anew by every `train()` (its length depends on that call's max_steps),
+        through `create_scheduler`, overridden or not."""
         loop = self.loop
-        if getattr(self, "created_scheduler", False):
-            loop.lr_scheduler, self.created_scheduler = None, False
+        if not loop.scheduler_given:
+            loop.lr_scheduler = None
         loop.create_optimizer()
         if loop.model_wrapped is loop.model:
             # An evaluation before training prepared the bare model for evaluation only (no DDP wrapper), and
