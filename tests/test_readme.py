@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def readme_python_blocks() -> list[str]:
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        return re.findall(r"```python\n(.*?)```", f.read(), re.DOTALL)
+        return re.findall(r"```python\n(.*?)```", f.read(), re.DOTALL)  # ```py blocks are illustrations, not run
 
 
 @pytest.fixture
