@@ -5,8 +5,6 @@ import errno
 import json
 import os
 import pickle
-import shutil
-import warnings
 
 import pytest
 import torch
@@ -17,12 +15,6 @@ from loopkit import EvalStage, Loop, LoopArgs, StepStage
 from loopkit.checkpoint import checkpoint_dirs
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_llama():

@@ -23,13 +23,6 @@ from loopkit import Loop, LoopArgs, LoopConfigError
 from loopkit.args import ACCELERATE_ENGINE_FIELDS, INERT_FIELDS, SUPPORTED_FIELDS, check_args
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread; more threads only contend for the cores (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def loop_args(tmp_path, **kwargs) -> LoopArgs:

@@ -23,12 +23,6 @@ sys.path.insert(0, RECIPES)
 import common  # noqa: E402  (examples/recipes/common.py)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class WeightsPerStep:

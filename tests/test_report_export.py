@@ -17,12 +17,6 @@ from loopkit.export import ExportError
 HERE = os.path.dirname(__file__)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_classifier():

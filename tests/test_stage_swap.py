@@ -20,13 +20,6 @@ from loopkit.stages.setup import seed_everything
 N_SAMPLES, BATCH = 12, 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread; more threads only contend for the cores (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class RecordingRegression(TinyRegression):

@@ -25,13 +25,6 @@ SETTINGS = dict(per_device_train_batch_size=2, per_device_eval_batch_size=2, gra
 RTOL = 1e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread; more threads only contend for the cores (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from common import (BOS_ID, FRESH, PAD_ID, ROTTEN, Size, byte_ids, cli, loop_args, output_folder, review_records,
+from common import (BOS_ID, FRESH, PAD_ID, Size, byte_ids, cli, loop_args, output_folder, review_records,
                     tiny_llama, tokenizer)
 from loopkit import Loop, StepStage
 

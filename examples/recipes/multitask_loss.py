@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import nn
 
 from common import ReviewDataset, Size, cli, load_classifier, loop_args, output_folder, review_split

@@ -216,8 +216,8 @@ class StepStage(Stage):
     # -- one optimizer step --
     def run(self, window, epoch: int, steps_in_epoch: int) -> bool:
         """Train on one window. Returns False if a callback stopped training or the epoch mid-window."""
-        loop, acc, args = self.loop, self.loop.accelerator, self.loop.args
-        fire, model, control = loop.fire, loop.model_wrapped, loop.control
+        loop, acc = self.loop, self.loop.accelerator
+        fire, model = loop.fire, loop.model_wrapped
         batches = window.batches
         num_items = loop.count_loss_items(batches)
         self.current_gradient_accumulation_steps = len(batches)

@@ -1,0 +1,104 @@
+"""Smoke tests of the benchmark harness (`python -m benchmarks`, issue 6) on a tiny size: it runs end to end, the
+three contenders do the same work, and the reports are written. No test asserts a speed.
+
+One test drives the real command (worker processes, JSON over pipes) on the per-step benchmark; the other runs
+every other benchmark's schedule, checks and report in this process, with each worker task called directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # `benchmarks/` lives in the repository, next to the installed loopkit
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import BENCHMARKS  # noqa: E402
+from benchmarks.environment import describe  # noqa: E402
+from benchmarks.harness import Suite  # noqa: E402
+from benchmarks.report import comparison_table, write_charts, write_json, write_markdown  # noqa: E402
+from benchmarks.spec import CONTENDERS  # noqa: E402
+from benchmarks.worker import call  # noqa: E402
+
+
+def test_the_command_runs_the_per_step_benchmark_and_writes_the_reports(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    finished = subprocess.run([sys.executable, "-m", "benchmarks", "--size", "tiny", "--only", "overhead",
+                               "--out", str(tmp_path)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["environment"]["versions"]["torch"]
+    rows = results["benchmarks"]["overhead"]["rows"]
+    assert [row["name"] for row in rows] == ["near-null model (16x16 linear)", "tiny LlamaForCausalLM"]
+    for row in rows:
+        assert row["check"]["ok"], row["check"]["detail"]  # same seed, data and steps: the same final model
+        assert set(row["samples"]) == set(CONTENDERS)
+        assert all(value > 0 for samples in row["samples"].values() for value in samples)
+        assert row["ratios"]["loopkit/raw"]["median"] > 0
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| near-null model (16x16 linear) | us/step |" in markdown
+
+
+class InProcessWorker:
+    """Stands in for a worker process: the same request, answered by calling the task here (JSON round trip
+    included, so a task that returns something a pipe cannot carry still fails)."""
+
+    def request(self, module: str, function: str, **kwargs) -> dict:
+        reply = call({"module": module, "function": function, "kwargs": kwargs, "spawned_at": time.time()})
+        return json.loads(json.dumps(reply))
+
+
+class InProcessSuite(Suite):
+    @contextmanager
+    def workers(self, names=CONTENDERS, prefix=""):
+        yield {name: InProcessWorker() for name in names}
+
+    def fresh(self, name, module, function, **kwargs):
+        return InProcessWorker().request(module, function, **kwargs)
+
+    def fresh_many(self, jobs, parallel=2):
+        return [self.fresh(name, module, function, **kwargs) for name, module, function, kwargs in jobs]
+
+
+def test_every_other_benchmark_runs_tiny_with_equal_results_and_reports(tmp_path):
+    import importlib
+
+    suite = InProcessSuite(size="tiny", out_dir=tmp_path, threads=1)
+    suite.environment = describe(threads=1)
+    results = {"environment": {**suite.environment, "size": "tiny"}, "benchmarks": {}}
+    try:
+        for name in BENCHMARKS:
+            if name == "overhead":
+                continue  # the command test above runs it through real worker processes
+            section = importlib.import_module(f"benchmarks.bench_{name}").run(suite)
+            for row in section["rows"]:
+                assert row["check"]["ok"], f"{name} / {row['name']}: {row['check']['detail']}"
+            results["benchmarks"][name] = section
+    finally:
+        suite.cleanup()
+    finetune = results["benchmarks"]["finetune"]["rows"][0]["extra"]["accuracy"]
+    assert len(set(finetune.values())) == 1 and 0 <= finetune["loopkit"] <= 1
+    write_json(results, tmp_path / "results.json")
+    charts = write_charts(results, tmp_path)
+    markdown = write_markdown(results, tmp_path / "results.md", charts)
+    for name in results["benchmarks"]:
+        assert results["benchmarks"][name]["title"] in markdown
+    assert json.loads((tmp_path / "results.json").read_text())["benchmarks"].keys() == results["benchmarks"].keys()
+
+
+def test_a_contender_that_did_other_work_shows_mismatch_instead_of_a_number():
+    from benchmarks.harness import check_equal, comparison_row
+
+    check = check_equal({"raw": 1.0, "hf": 1.0, "loopkit": 1.5}, 1e-5, "final probe loss")
+    row = comparison_row("a row", "ms/step", {"raw": [2.0], "hf": [3.0], "loopkit": [1.234]}, check)
+    table = comparison_table([row])
+    assert not check["ok"] and check["mismatched"] == ["loopkit"]
+    assert "MISMATCH" in table and "1.23" not in table
+    assert "final probe loss differs" in table
