@@ -134,6 +134,16 @@ class StepStage(Stage):
         self.num_non_embedding_params = (loop.model.num_parameters(exclude_embeddings=True)
                                          if hasattr(loop.model, "num_parameters") else 0)
         self.label_shift = is_causal_lm(loop.model)
+        # Plain engines (one process, DDP) without a loss scaler: Accelerate's backward, clip and optimizer wrappers
+        # then only forward to torch, but cost ~250 us a step on a CPU (an optional-package lookup in every
+        # `AcceleratedOptimizer.step`, a per-parameter DTensor scan in every clip). Call torch directly there, with
+        # identical numerics; every other engine keeps Accelerate's path.
+        from accelerate.utils import DistributedType
+
+        acc = loop.accelerator
+        self.direct = acc.scaler is None and acc.distributed_type in (
+            DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+        self.clip_params = list(loop.model_wrapped.parameters())
         if checkpoint is None:
             self.restored_loss = 0.0
         self.tr_loss = torch.full((), self.restored_loss, device=loop.accelerator.device)
@@ -210,7 +220,10 @@ class StepStage(Stage):
         if not scaled:
             loss = loss / self.current_gradient_accumulation_steps
         with loop.clock.span("backward"):
-            loop.accelerator.backward(loss)
+            if self.direct:
+                loss.backward()  # = accelerator.backward here (it divides by its accumulation steps, 1)
+            else:
+                loop.accelerator.backward(loss)
         return loss.detach()
 
     # -- one optimizer step --
@@ -273,8 +286,10 @@ class StepStage(Stage):
 
     def clip_gradients(self, model) -> torch.Tensor:
         """Pre-clip total norm; clips to `max_grad_norm` when it is positive (HF logs the norm either way)."""
-        max_norm = self.loop.args.max_grad_norm
-        return self.loop.accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+        max_norm = self.loop.args.max_grad_norm if self.loop.args.max_grad_norm > 0 else math.inf
+        if self.direct:
+            return torch.nn.utils.clip_grad_norm_(self.clip_params, max_norm)
+        return self.loop.accelerator.clip_grad_norm_(model.parameters(), max_norm)
 
     def optimizer_step(self, model, window_loss=None, where=None) -> None:
         loop, acc, fire = self.loop, self.loop.accelerator, self.loop.fire
@@ -289,7 +304,10 @@ class StepStage(Stage):
                 inner = getattr(loop.optimizer, "optimizer", loop.optimizer)
                 inner.grad_scale, inner.found_inf = None, found_inf
         fire("on_pre_optimizer_step")
-        loop.optimizer.step()
+        if self.direct:
+            getattr(loop.optimizer, "optimizer", loop.optimizer).step()  # what AcceleratedOptimizer.step calls
+        else:
+            loop.optimizer.step()
         fire("on_optimizer_step")
         scheduler = loop.lr_scheduler
         self.learning_rate = scheduler.get_last_lr()[0] if hasattr(scheduler, "get_last_lr") else \
