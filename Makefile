@@ -4,6 +4,7 @@
 #
 #   make demo    fine-tune MiniLM on Rotten Tomatoes reviews (examples/finetune_minilm.py); DEMO_ARGS="..." passes flags
 #   make test    the whole test suite (PYTEST_ARGS="..." passes pytest flags, e.g. PYTEST_ARGS="-x tests/test_import.py")
+#   make bench   loopkit vs HF Trainer vs a hand-written loop (benchmarks/; BENCH_ARGS="--quick" for a short run)
 #
 # Needs python3 (3.10 or newer) with its venv module, and access to PyPI. torch is pinned to the CPU build that lies
 # on the development and CI machines' disk, through constraints/dev.txt.
@@ -22,13 +23,16 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test venv clean-venv
+.PHONY: demo test bench venv clean-venv
 
 demo: $(VENV)/.installed-demo
 	$(VENV_PYTHON) examples/finetune_minilm.py $(DEMO_ARGS)
 
 test: $(VENV)/.installed-test
 	$(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed-test
+	$(VENV_PYTHON) -m benchmarks $(BENCH_ARGS)
 
 venv: $(VENV)/.installed-test
 

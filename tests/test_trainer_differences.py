@@ -106,3 +106,32 @@ def test_nan_loss_filter_logs_like_trainer_without_a_host_sync(tmp_path, monkeyp
     expected, got = hf.state.log_history[0]["loss"], loop.state.log_history[0]["loss"]
     assert math.isfinite(got) and math.isclose(got, expected, rel_tol=1e-6), (got, expected)
     assert len(items) <= 4  # one log (loss, grad norm), the summary and the report: none per step
+
+
+def test_documented_fix_for_models_that_ignore_num_items_in_batch(tmp_path):
+    """BERT's classifier takes **kwargs but averages its loss per batch: with GA=2 the logged loss doubles (as in HF
+    Trainer) unless `loss_is_scaled_for_ga = False`, the README's fix; then GA=2 x 2 equals GA=1 x 4."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    def bert():
+        torch.manual_seed(0)
+        return BertForSequenceClassification(BertConfig(
+            vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 64, (8,), generator=g), "labels": i % 2} for i in range(8)]
+
+    class PerBatchMeanLoop(Loop):
+        loss_is_scaled_for_ga = False
+
+    def first_loss(cls, batch, ga, out):
+        loop = cls(model=bert(), args=hf_args(tmp_path / out, max_steps=1, per_device_train_batch_size=batch,
+                                              gradient_accumulation_steps=ga, logging_steps=1,
+                                              save_strategy="no"), train_dataset=data)
+        loop.train()
+        return loop.state.log_history[0]["loss"]
+
+    full_batch = first_loss(Loop, 4, 1, "a")
+    assert math.isclose(first_loss(PerBatchMeanLoop, 2, 2, "b"), full_batch, rel_tol=1e-5)
+    assert math.isclose(first_loss(Loop, 2, 2, "c"), 2 * full_batch, rel_tol=0.2)  # the trap, documented

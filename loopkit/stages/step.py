@@ -306,6 +306,7 @@ class StepStage(Stage):
         fire("on_pre_optimizer_step")
         if self.direct:
             getattr(loop.optimizer, "optimizer", loop.optimizer).step()  # what AcceleratedOptimizer.step calls
+            loop.optimizer._opt_called = True  # what the scheduler's wrapper of optimizer.step records (else: a warning)
         else:
             loop.optimizer.step()
         fire("on_optimizer_step")

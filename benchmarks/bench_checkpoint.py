@@ -1,0 +1,139 @@
+"""Benchmark 5, checkpoint cost: how long training is blocked by one save of the real MiniLM classifier (22.7 M
+parameters, with its AdamW state), and what the checkpoint's files weigh.
+
+Blocked time = (end of step 2 -> start of step 3, with the save in between) - (end of step 1 -> start of step 2,
+the same work without a save). The hand-written loop saves what a careful engineer would (`save_pretrained`, the
+optimizer and the scheduler); HF Trainer and loopkit write their full checkpoints (loopkit atomically: written to a
+temporary folder, fsynced, renamed). When this loopkit has `EvalStage(async_save=True)`, it is measured too: the
+state is copied at the step boundary and written by a background thread, so the cost moves off the training
+thread; "next step slower by" shows what the writing thread takes from the step that runs beside it.
+"""
+
+from __future__ import annotations
+
+from .harness import check_runs, comparison_row, median, merge_checks
+from .spec import CONTENDERS, TrainSpec
+
+MODULE = "benchmarks.bench_checkpoint"
+TITLE = "Checkpoint cost"
+SAVE_AFTER_STEP = 2
+ASYNC = "loopkit-async"  # loopkit with EvalStage(async_save=True), run by the loopkit worker
+
+
+def spec_for(suite) -> TrainSpec:
+    if suite.size == "tiny":  # the smoke test: the same code on a model that saves in milliseconds
+        return TrainSpec(model="llama-tiny", num_train=64, seq_len=8, batch_size=4, grad_accum=1, max_steps=20,
+                         warmup_steps=2, logging_steps=50,
+                         model_overrides=dict(hidden_size=16, intermediate_size=32, vocab_size=64))
+    return TrainSpec(model="minilm", num_train=64, seq_len=32, batch_size=4, grad_accum=1, max_steps=20,
+                     learning_rate=5e-5, warmup_steps=2, logging_steps=50)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Worker side
+# ---------------------------------------------------------------------------------------------------------------------
+def async_save_supported() -> bool:
+    import inspect
+
+    from loopkit import EvalStage
+
+    return "async_save" in inspect.signature(EvalStage).parameters
+
+
+def save_once(contender: str, spec: dict, output_dir: str, async_save: bool = False) -> dict:
+    import gc
+    import os
+
+    from . import workloads
+    from .contenders import StepClock, train
+
+    spec = TrainSpec.from_dict(spec)
+    trainer_kwargs = {}
+    if async_save:
+        from loopkit import EvalStage
+
+        trainer_kwargs["evaluation"] = EvalStage(async_save=True)
+    clock = StepClock(save_at=[SAVE_AFTER_STEP], stop_at=SAVE_AFTER_STEP + 1)
+    gc.collect()
+    result = train(contender, spec, clock, output_dir, trainer_kwargs=trainer_kwargs)  # returns once saves are done
+    begins, ends = clock.begins, clock.ends
+    gap_without_save = begins[SAVE_AFTER_STEP - 1] - ends[SAVE_AFTER_STEP - 2]
+    gap_with_save = begins[SAVE_AFTER_STEP] - ends[SAVE_AFTER_STEP - 1]
+    step_during_write = ends[SAVE_AFTER_STEP] - begins[SAVE_AFTER_STEP]
+    step_before = ends[SAVE_AFTER_STEP - 1] - begins[SAVE_AFTER_STEP - 1]
+    folder = os.path.join(output_dir, f"checkpoint-{SAVE_AFTER_STEP}")
+    files = {name: os.path.getsize(os.path.join(folder, name)) for name in sorted(os.listdir(folder))}
+    return {"blocked": gap_with_save - gap_without_save, "gap_with_save": gap_with_save,
+            "gap_without_save": gap_without_save, "next_step_slower_by": step_during_write - step_before,
+            "files": files, "total_bytes": sum(files.values()), "global_step": result.global_step,
+            "probe_loss": workloads.probe_loss(result.model, workloads.heldout_rows(spec, 32))}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parent side
+# ---------------------------------------------------------------------------------------------------------------------
+def run(suite) -> dict:
+    spec = spec_for(suite)
+    warmup_rounds, measured_rounds = suite.pick(full=1, quick=0, tiny=0), suite.pick(full=6, quick=2, tiny=1)
+    with suite.workers(prefix="checkpoint-") as workers:
+        runs = list(CONTENDERS)
+        if workers["loopkit"].request(MODULE, "async_save_supported"):
+            runs.append(ASYNC)
+        replies = {name: [] for name in runs}
+        suite.say(f"checkpoint: {spec.model} saves by {', '.join(runs)}, {warmup_rounds}+{measured_rounds} rounds")
+        for _, is_warmup in suite.rounds(warmup_rounds, measured_rounds):
+            for name in runs:
+                contender = "loopkit" if name == ASYNC else name
+                reply = workers[contender].request(MODULE, "save_once", contender=contender, spec=spec.to_dict(),
+                                                   output_dir=suite.scratch_dir(f"checkpoint-{name}"),
+                                                   async_save=name == ASYNC)
+                if not is_warmup:
+                    replies[name].append(reply)
+    check = merge_checks(*check_runs(replies, "probe_loss", 1e-5, "probe loss after step 3"),
+                         *check_runs(replies, "global_step", 0, "optimizer steps"))
+    sync_check = check_for_row(check, "loopkit")
+
+    def samples(key, names=CONTENDERS, scale=1.0):
+        return {name: [r[key] * scale for r in replies[name]] for name in names}
+
+    rows = [comparison_row("training blocked by one save", "s", samples("blocked"), sync_check,
+                           {"gap_without_save": samples("gap_without_save", runs),
+                            "next_step_slower_by": samples("next_step_slower_by", runs)})]
+    if ASYNC in replies:
+        async_samples = {**samples("blocked"), "loopkit": samples("blocked", [ASYNC])[ASYNC]}
+        rows.append(comparison_row("training blocked by one save, loopkit async_save=True", "s", async_samples,
+                                   check_for_row(check, ASYNC)))
+    rows.append(comparison_row("checkpoint size", "MB", samples("total_bytes", scale=1 / 2**20), sync_check,
+                               {"files": {name: replies[name][-1]["files"] for name in runs}}))
+    return {"title": TITLE, "rows": rows, "spec": spec.to_dict(), "runs": runs}
+
+
+def check_for_row(check: dict, loopkit_run: str) -> dict:
+    """The merged check as one row sees it: `loopkit_run` ("loopkit" or the async run) stands for loopkit there."""
+    mismatched = []
+    for name in check["mismatched"]:
+        if name not in ("loopkit", ASYNC):
+            mismatched.append(name)
+        elif name == loopkit_run:
+            mismatched.append("loopkit")
+    return {**check, "mismatched": mismatched, "ok": not mismatched}
+
+
+def markdown(section: dict) -> str:
+    from .report import comparison_table, fmt
+
+    runs = section.get("runs", list(CONTENDERS))
+    files = section["rows"][-1]["extra"]["files"]
+    names = sorted({name for listing in files.values() for name in listing})
+    lines = [comparison_table(section["rows"]), "\nFiles (MB):\n",
+             "| file | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(fmt(files[r][name] / 2**20) if name in files[r] else "-"
+                                               for r in runs) + " |")
+    extra = section["rows"][0]["extra"]
+    lines.append("\n| median seconds | " + " | ".join(runs) + " |\n|---|" + "---|" * len(runs))
+    lines.append("| step-to-step gap without a save | " +
+                 " | ".join(fmt(median(extra["gap_without_save"][r])) for r in runs) + " |")
+    lines.append("| the step after the save, slower by | " +
+                 " | ".join(fmt(median(extra["next_step_slower_by"][r])) for r in runs) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,222 @@
+"""The GPU variant: bf16 training of a GPT-2-small-sized Llama (124 M parameters, tied embeddings, 50,304-token
+vocabulary, 1,024-token sequences) under the hand-written loop, HF Trainer and loopkit, alternating run by run;
+tokens/s, MFU against the device's peak bf16 throughput, peak CUDA memory and host syncs per step.
+
+Run it on any CUDA machine, from the repository root, after the README's set-up (loopkit installed, plus a CUDA
+build of torch):
+
+    python -m benchmarks.gpu                          # writes benchmarks/results/gpu-<device>.{json,md}
+    python -m benchmarks.gpu --peak-tflops 989        # when the device is not in PEAK_BF16_TFLOPS below
+    python -m benchmarks.gpu --device cpu --tiny      # a seconds-long dry run of the same code on a CPU
+
+MFU = achieved model FLOP/s / the device's dense bf16 peak, with model FLOPs per token = 6 N + 12 L H T (N: the
+parameters that take part in matmuls, the tied output projection included; L layers, H hidden size, T sequence
+length; the PaLM / nanoGPT estimate, forward + backward, no activation recomputation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .environment import describe
+from .harness import REPO_ROOT, Suite, check_runs, comparison_row, median, merge_checks
+from .spec import CONTENDERS, TrainSpec
+
+MODULE = "benchmarks.gpu"
+TITLE = "GPU: bf16, GPT-2-small-sized Llama"
+
+# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets, in TFLOP/s. The first match wins, so the
+# more specific names come first.
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
+    ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0),
+)
+
+
+def device_peak_tflops(name: str) -> float | None:
+    for fragment, tflops in PEAK_BF16_TFLOPS:
+        if fragment in name:
+            return tflops
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Worker side
+# ---------------------------------------------------------------------------------------------------------------------
+def flops_per_token(model, seq_len: int) -> float:
+    config = model.config
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings().weight
+    matmul_parameters = sum(p.numel() for p in model.parameters() if p is not embedding)
+    if output is embedding:  # tied: the output projection is a matmul with the embedding's weights
+        matmul_parameters += embedding.numel()
+    return 6 * matmul_parameters + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def gpu_train_steps(contender: str, spec: dict, warmup_steps: int, output_dir: str, count_syncs: bool = False) -> dict:
+    """Train `spec.max_steps` steps; time those after `warmup_steps`, synchronizing the device at both ends."""
+    import gc
+
+    import torch
+
+    from . import workloads
+    from .contenders import StepClock, train
+    from .syncs import HostReadCounter
+
+    spec = TrainSpec.from_dict(spec)
+    cuda = spec.device.startswith("cuda")
+    synchronize = torch.cuda.synchronize if cuda else None
+    clock = StepClock(sync_at=(warmup_steps, spec.max_steps), synchronize=synchronize)
+    counter = HostReadCounter()
+    if count_syncs:
+        clock.listeners.append(lambda step: setattr(counter, "active", warmup_steps <= step < spec.max_steps))
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    if count_syncs:
+        with counter:
+            result = train(contender, spec, clock, output_dir)
+    else:
+        result = train(contender, spec, clock, output_dir)
+    timed_steps = spec.max_steps - warmup_steps
+    seconds_per_step = (clock.ends[-1] - clock.ends[warmup_steps - 1]) / timed_steps
+    reply = {
+        "seconds_per_step": seconds_per_step,
+        "tokens_per_second": spec.samples_per_step * spec.seq_len / seconds_per_step,
+        "flops_per_token": flops_per_token(result.model, spec.seq_len),
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "global_step": result.global_step,
+        "probe_loss": workloads.probe_loss(result.model, workloads.heldout_rows(spec, 8), spec.device),
+        "syncs_per_step": counter.total() / timed_steps if count_syncs else None,
+        "sync_sites": counter.per_site(timed_steps) if count_syncs else None,
+        "device_name": torch.cuda.get_device_name(0) if cuda else "cpu",
+    }
+    del result  # free the device for the next contender: the three workers share one GPU
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return reply
+
+
+def device_versions() -> dict:
+    import torch
+
+    return {"device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parent side
+# ---------------------------------------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda",
+                        help="cuda (default; choose the GPU with CUDA_VISIBLE_DEVICES) or cpu for a dry run")
+    parser.add_argument("--tiny", action="store_true", help="a tiny Llama and a few steps (checks the script)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--grad-accum", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--warmup-steps", type=int, default=10, help="steps of each run not timed")
+    parser.add_argument("--timed-steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds (one warm-up round first)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak, TFLOP/s")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    return parser.parse_args(argv)
+
+
+def spec_from(args) -> TrainSpec:
+    spec = TrainSpec(model="llama-gpt2-small", seq_len=args.seq_len, batch_size=args.batch_size,
+                     grad_accum=args.grad_accum, max_steps=args.warmup_steps + args.timed_steps,
+                     learning_rate=6e-4, warmup_steps=args.warmup_steps, weight_decay=0.1, max_grad_norm=1.0,
+                     logging_steps=10, device=args.device, bf16=True)
+    if args.tiny:
+        spec = spec.replace(seq_len=32, batch_size=2, grad_accum=2, logging_steps=2,
+                            model_overrides=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=2, num_key_value_heads=2, vocab_size=256))
+    return spec.replace(num_train=spec.samples_per_step * spec.max_steps)
+
+
+def run(args) -> dict:
+    suite = Suite(size="full", out_dir=args.out, threads=0 if args.device.startswith("cuda") else 1)
+    spec = spec_from(args)
+    warmup = args.warmup_steps if not args.tiny else 2
+    if args.tiny:
+        spec = spec.replace(max_steps=warmup + 4, num_train=spec.samples_per_step * (warmup + 4))
+    rounds = (1, args.rounds) if not args.tiny else (0, 1)
+    replies = {c: [] for c in CONTENDERS}
+    try:
+        with suite.workers(prefix="gpu-") as workers:
+            device = workers["raw"].request(MODULE, "device_versions")
+            suite.say(f"gpu: {device['device_name']}, {rounds[0]}+{rounds[1]} rounds of {spec.max_steps} steps")
+            for _, is_warmup in suite.rounds(*rounds):
+                for c in CONTENDERS:
+                    reply = workers[c].request(MODULE, "gpu_train_steps", contender=c, spec=spec.to_dict(),
+                                               warmup_steps=warmup, output_dir=suite.scratch_dir(f"gpu-{c}"))
+                    if not is_warmup:
+                        replies[c].append(reply)
+            syncs = {c: workers[c].request(MODULE, "gpu_train_steps", contender=c, spec=spec.to_dict(),
+                                           warmup_steps=warmup, output_dir=suite.scratch_dir(f"gpu-{c}"),
+                                           count_syncs=True) for c in CONTENDERS}
+    finally:
+        suite.cleanup()
+    peak = args.peak_tflops or device_peak_tflops(device["device_name"])
+    flops = replies["raw"][0]["flops_per_token"]
+    # bf16 on a GPU is not bitwise reproducible across differently ordered kernels: a loose tolerance.
+    check = merge_checks(*check_runs(replies, "probe_loss", 2e-2, "final probe loss"),
+                         *check_runs(replies, "global_step", 0, "optimizer steps"))
+    tokens = {c: [r["tokens_per_second"] for r in replies[c]] for c in CONTENDERS}
+    rows = [comparison_row("time per optimizer step", "ms/step",
+                           {c: [r["seconds_per_step"] * 1e3 for r in replies[c]] for c in CONTENDERS}, check)]
+    mfu = {c: (median(tokens[c]) * flops / (peak * 1e12) if peak else None) for c in CONTENDERS}
+    peak_memory = {c: max((r["peak_memory_gb"] or 0) for r in replies[c]) or None for c in CONTENDERS}
+    return {"title": TITLE, "rows": rows, "device": device, "peak_tflops": peak, "flops_per_token": flops,
+            "tokens_per_second": tokens, "mfu": mfu, "peak_memory_gb": peak_memory,
+            "syncs_per_step": {c: syncs[c]["syncs_per_step"] for c in CONTENDERS},
+            "sync_sites": {c: syncs[c]["sync_sites"] for c in CONTENDERS},
+            "spec": spec.to_dict(), "environment": {**describe(0), "device": device["device_name"]},
+            "started_at": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(suite.started))}
+
+
+def markdown(section: dict) -> str:
+    from .report import comparison_table, fmt
+
+    device = section["device"]
+    spec = section["spec"]
+    versions = ", ".join(f"{k} {v}" for k, v in section["environment"]["versions"].items())
+    lines = [f"# {section['title']}\n",
+             f"- Device: {device['device_name']} (CUDA {device['cuda']}), dense bf16 peak "
+             f"{fmt(section['peak_tflops'])} TFLOP/s; host CPU {section['environment']['cpu_model']}",
+             f"- Software: {versions}; run {section['started_at']}",
+             f"- Work: batch {spec['batch_size']} x accumulation {spec['grad_accum']} x {spec['seq_len']} tokens "
+             f"per step, {fmt(section['flops_per_token'] / 1e9)} GFLOP per token\n",
+             comparison_table(section["rows"]), "",
+             "| | " + " | ".join(CONTENDERS) + " |", "|---|" + "---|" * len(CONTENDERS),
+             "| tokens/s (median) | " + " | ".join(fmt(median(section["tokens_per_second"][c])) for c in CONTENDERS)
+             + " |",
+             "| MFU | " + " | ".join(f"{section['mfu'][c]:.1%}" if section["mfu"][c] is not None else "n/a (pass "
+                                    "--peak-tflops)" for c in CONTENDERS) + " |",
+             "| peak CUDA memory (GB) | " + " | ".join(fmt(section["peak_memory_gb"][c]) for c in CONTENDERS) + " |",
+             "| host syncs per step | " + " | ".join(fmt(section["syncs_per_step"][c]) for c in CONTENDERS) + " |"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    section = run(args)
+    name = "gpu-" + "".join(ch if ch.isalnum() else "-" for ch in section["device"]["device_name"]).strip("-")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(section, indent=1, default=str))
+    (args.out / f"{name}.md").write_text(markdown(section) + "\n")
+    print(markdown(section))
+    print(f"\nwrote {args.out / (name + '.json')} and {args.out / (name + '.md')}", file=sys.stderr)
+    return 0 if all(row["check"]["ok"] for row in section["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""The parent side: worker processes, the alternating schedule, statistics and result rows.
+
+The parent never imports torch or transformers. Contenders run in worker processes (`benchmarks.worker`), one
+JSON request per line:
+* persistent workers, one per contender, for throughput-style benchmarks: no contender shares a process with
+  another, and rounds alternate A B C A B C ... so slow drift of the machine hits every contender alike;
+* fresh processes, one per measurement, where the process's own history matters (time to first step, import
+  cost, peak memory).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .spec import CONTENDERS
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SIZES = ("full", "quick", "tiny")
+
+
+class WorkerError(RuntimeError):
+    """A task failed inside a worker; the message carries the worker's traceback."""
+
+
+class Worker:
+    """One Python process answering `request()`s in order. Its own prints go to a log file."""
+
+    def __init__(self, name: str, log_dir: Path, env: dict):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self.log = open(self.log_path, "a")
+        self.spawned_at = time.time()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.worker"], cwd=REPO_ROOT, env=env, text=True, bufsize=1,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+
+    def send(self, module: str, function: str, **kwargs) -> None:
+        request = {"module": module, "function": function, "kwargs": kwargs, "spawned_at": self.spawned_at}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+
+    def receive(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            code = self.process.wait()
+            raise WorkerError(f"worker {self.name} exited with code {code}; see {self.log_path}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise WorkerError(f"{self.name}: {reply['error']}\n(log: {self.log_path})")
+        return reply["result"]
+
+    def request(self, module: str, function: str, **kwargs) -> dict:
+        self.send(module, function, **kwargs)
+        return self.receive()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+@dataclass
+class Suite:
+    """Settings and services shared by the benchmarks of one `python -m benchmarks` run."""
+
+    size: str = "full"
+    out_dir: Path = REPO_ROOT / "benchmarks" / "results"
+    threads: int = 1
+    started: float = field(default_factory=time.time)
+    environment: dict = field(default_factory=dict)  # benchmarks.environment.describe(), filled in by __main__
+
+    def __post_init__(self):
+        if self.size not in SIZES:
+            raise ValueError(f"size={self.size!r}: choose one of {', '.join(SIZES)}")
+        self.out_dir = Path(self.out_dir)
+        self.log_dir = self.out_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.scratch = Path(tempfile.mkdtemp(prefix="loopkit-bench-"))
+
+    def pick(self, full, quick, tiny=None):
+        """The value for this run's size (`tiny` defaults to `quick`)."""
+        return {"full": full, "quick": quick, "tiny": quick if tiny is None else tiny}[self.size]
+
+    def env(self) -> dict:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                   PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        if self.threads > 0:
+            env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads),
+                       LOOPKIT_BENCH_THREADS=str(self.threads))
+        return env
+
+    def say(self, message: str) -> None:
+        print(f"[{time.time() - self.started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    def scratch_dir(self, name: str) -> str:
+        path = self.scratch / name
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        return str(path)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    @contextmanager
+    def workers(self, names=CONTENDERS, prefix: str = ""):
+        """One persistent worker per name, started together (their imports overlap), closed at the end."""
+        started = {name: Worker(f"{prefix}{name}", self.log_dir, self.env()) for name in names}
+        try:
+            for worker in started.values():
+                worker.request("benchmarks.worker", "ready")
+            yield started
+        finally:
+            for worker in started.values():
+                worker.close()
+
+    def fresh(self, name: str, module: str, function: str, **kwargs) -> dict:
+        """Run one task in a brand-new process; `spawned_at` in the task is that process's start."""
+        worker = Worker(name, self.log_dir, self.env())
+        try:
+            return worker.request(module, function, **kwargs)
+        finally:
+            worker.close()
+
+    def fresh_many(self, jobs: list, parallel: int = 2) -> list:
+        """`fresh()` for each (name, module, function, kwargs) job, `parallel` processes at a time, results in job
+        order. Only for measurements that other processes cannot disturb (peak memory), never for timings."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+            futures = [pool.submit(self.fresh, name, module, function, **kwargs)
+                       for name, module, function, kwargs in jobs]
+            return [future.result() for future in futures]
+
+    def rounds(self, warmup: int, measured: int):
+        """(round number, is_warmup) for an alternating schedule: warm-up rounds first, then measured ones."""
+        for index in range(warmup + measured):
+            yield index, index < warmup
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Statistics and rows
+# ---------------------------------------------------------------------------------------------------------------------
+RATIO_PAIRS = (("loopkit", "raw"), ("loopkit", "hf"), ("hf", "raw"))
+
+
+def median(values):
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(values) if values else None
+
+
+def paired_ratio(numerators: list, denominators: list) -> dict | None:
+    """Median, min and max of round-by-round ratios. Rounds alternate contenders, so each pair of samples was taken
+    under nearly the same machine conditions; the median of paired ratios cancels drift better than a ratio of
+    medians."""
+    pairs = [a / b for a, b in zip(numerators, denominators) if a is not None and b]
+    if not pairs:
+        return None
+    return {"median": statistics.median(pairs), "min": min(pairs), "max": max(pairs), "n": len(pairs)}
+
+
+def check_equal(values: dict, rtol: float, what: str, atol: float = 0.0) -> dict:
+    """Did every contender end where the reference did? The reference is the raw loop if present, else HF.
+    Returns {"ok", "detail", "mismatched", "values"}; a mismatched contender's numbers are not reported."""
+    reference = "raw" if "raw" in values else "hf" if "hf" in values else next(iter(values))
+    expected = values[reference]
+    mismatched = [name for name, value in values.items()
+                  if value is None or expected is None
+                  or abs(value - expected) > atol + rtol * abs(expected)]
+    if mismatched:
+        detail = f"{what} differs from {reference}'s " + ", ".join(
+            f"{name}={values[name]!r}" for name in mismatched) + f" vs {expected!r} (rtol {rtol:g})"
+    else:
+        detail = f"equal {what} (rtol {rtol:g})"
+    return {"ok": not mismatched, "detail": detail, "mismatched": mismatched, "values": values}
+
+
+def check_runs(replies: dict, key: str, rtol: float, what: str) -> list[dict]:
+    """`check_equal` on `key` for every round: `replies[contender][round]` are the workers' answers."""
+    rounds = min(len(runs) for runs in replies.values())
+    return [check_equal({c: runs[i][key] for c, runs in replies.items()}, rtol, what) for i in range(rounds)]
+
+
+def merge_checks(*checks: dict) -> dict:
+    mismatched = sorted({name for c in checks for name in c["mismatched"]})
+    failing = [c["detail"] for c in checks if not c["ok"]]
+    details = dict.fromkeys(failing or [c["detail"] for c in checks])  # unique, in order
+    return {"ok": not mismatched, "mismatched": mismatched, "detail": "; ".join(details),
+            "values": [c["values"] for c in checks]}
+
+
+def comparison_row(name: str, unit: str, samples: dict, check: dict | None = None, extra: dict | None = None,
+                   higher_is_better: bool = False) -> dict:
+    """A row comparing contenders on one measurement: raw samples (per measured round), medians, paired ratios."""
+    return {
+        "name": name, "unit": unit, "higher_is_better": higher_is_better, "samples": samples,
+        "median": {c: median(v) for c, v in samples.items()},
+        "ratios": {f"{a}/{b}": paired_ratio(samples[a], samples[b])
+                   for a, b in RATIO_PAIRS if a in samples and b in samples},
+        "check": check or {"ok": True, "detail": "", "mismatched": [], "values": None},
+        "extra": extra or {},
+    }
+
+
+SIZE_UNITS = ("MB", "GB", "KB", "bytes")
+# Peak RSS moves by a few pages from run to run: memory within 1% counts as equal.
+MEMORY_TOLERANCE = 0.01
+
+
+def loopkit_flags(row: dict) -> list[str]:
+    """Where loopkit is worse than HF Trainer, or more than 2% worse than the raw loop, on this row (slower for
+    times, larger for memory and sizes). A flag says "within noise" when the round-by-round ratios fall on both
+    sides of 1."""
+    if "loopkit" in row["check"]["mismatched"] or row["higher_is_better"]:
+        return []
+    memory = row["unit"] in SIZE_UNITS
+    worse = "larger" if memory else "slower"
+    flags = []
+    for other, threshold, label in (("hf", 1.0, "HF Trainer"), ("raw", 1.02, "the raw loop")):
+        ratio = row["ratios"].get(f"loopkit/{other}")
+        if not ratio or ratio["median"] <= max(threshold, 1 + MEMORY_TOLERANCE if memory else 0):
+            continue
+        noise = f"within noise: rounds ranged {ratio['min']:.2f}-{ratio['max']:.2f}" \
+            if ratio["n"] > 1 and ratio["min"] < 1 < ratio["max"] else ""
+        if other == "hf":
+            details = f"{ratio['median']:.3f}x" + (f", {noise}" if noise else "")
+            flags.append(f"{worse} than {label} ({details})")
+        else:
+            flags.append(f"{(ratio['median'] - 1) * 100:.1f}% {worse} than {label}" + (f" ({noise})" if noise else ""))
+    return flags

