@@ -168,6 +168,13 @@ def main() -> None:
     run_training(out, "iterable", 2, iterable=True)
     run_training(out, "resume", 2, resume_from=os.path.join(out, "adamw", f"checkpoint-{SAVE_AT}"))
     run_preemption(out, 2)
+    # Leave the process group before the interpreter exits: tearing gloo down in atexit order sometimes aborts a
+    # rank ("terminate called without an active exception"), which fails the launch after all work is done.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
