@@ -21,3 +21,8 @@ class Stage:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+def base_model(model):
+    """The model under a PEFT wrapper (its forward signature and class decide columns, labels and loss counting)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -23,7 +23,7 @@ from ..args import config_error
 from ..checkpoint import restore_rng_state
 from ..data_order import PositionSeededDataset, WorkerSeeding, is_seekable
 from ..distributed import prepare_iterable_train_loader
-from .base import Stage
+from .base import Stage, base_model
 
 
 def has_length(dataset) -> bool:
@@ -35,7 +35,7 @@ def has_length(dataset) -> bool:
 
 def find_labels(model) -> list[str]:
     """HF's default `label_names`: the forward parameters whose name contains "label" (+ QA positions)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     params = inspect.signature(type(base).forward).parameters
     if "QuestionAnswering" in type(base).__name__:
         return [p for p in params if "label" in p or p in ("start_positions", "end_positions")]
@@ -110,7 +110,7 @@ class DataStage(Stage):
 
     def signature_columns(self) -> set[str]:
         model = self.loop.model
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = base_model(model)
         columns = set(inspect.signature(base.forward).parameters)
         return columns | {"label", "label_ids"} | set(self.loop.label_names)
 

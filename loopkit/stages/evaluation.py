@@ -364,7 +364,9 @@ class EvalStage(Stage):
         reset_all(streaming, acc.device)
         labelled_batches = 0  # streaming metrics, like compute_metrics, need labels
         # The loss streams into device sums: finite values, and all values (used only if none is finite).
-        sums = torch.zeros(4, dtype=torch.float64, device=acc.device)
+        sums = torch.zeros(3, dtype=torch.float64, device=acc.device)
+        total_n = 0  # gathered loss values: a shape, so counted on the host
+        main_input = getattr(loop.model, "main_input_name", "input_ids")
         metrics, observed = None, 0
         interruptible = loop.preemption.active and acc.num_processes == 1  # ranks must not leave collectives
         for step, inputs in enumerate(dataloader):
@@ -382,14 +384,13 @@ class EvalStage(Stage):
                 update_all(streaming, BatchOutputs(loss, logits), batch, real_rows(acc, rows), rows)
                 if prediction_loss_only:
                     logits = labels = None  # used by the streaming metrics only: never kept
-            main_input = getattr(loop.model, "main_input_name", "input_ids")
             inputs_decode = inputs[main_input] if want_inputs else None
             losses = None
             if loss is not None:
                 losses = loop.gather_function(loss.repeat(batch_size))
                 finite = torch.isfinite(losses)
-                sums += torch.stack([torch.where(finite, losses, 0).sum(), finite.sum(), losses.sum(),
-                                     torch.tensor(losses.numel(), device=losses.device)]).double()
+                sums += torch.stack([torch.where(finite, losses, 0).sum(), finite.sum(), losses.sum()]).double()
+                total_n += losses.numel()
                 if want_losses and keep_for_metrics:
                     losses_store.add(losses)
             if inputs_decode is not None:
@@ -443,7 +444,7 @@ class EvalStage(Stage):
                                  f"streaming metric (name=...) or drop the key from compute_metrics.")
             metrics = {**metrics, **streamed}
         metrics = plain_metrics(metrics)
-        finite_sum, finite_n, total_sum, total_n = sums.tolist()
+        finite_sum, finite_n, total_sum = sums.tolist()
         if total_n > 0:
             use_finite = args.logging_nan_inf_filter and finite_n > 0
             metrics[f"{metric_key_prefix}_loss"] = finite_sum / finite_n if use_finite else total_sum / total_n

@@ -20,7 +20,7 @@ from ..args import config_error
 from ..checkpoint import load_model_weights
 from ..distributed import (active_engine, check_engines_active, check_launch, engine_plugins, full_state_dict_saved,
                            requested_engines)
-from .base import Stage
+from .base import Stage, base_model
 
 
 def seed_everything(seed: int, full_determinism: bool = False) -> None:
@@ -108,7 +108,7 @@ class SetupStage(Stage):
         loop.model = loop.model_wrapped = model
         if hasattr(getattr(model, "config", None), "use_cache"):
             model.config.use_cache = loop.args.use_cache
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = base_model(model)
         if hasattr(base, "accepts_loss_kwargs"):
             loop.model_accepts_loss_kwargs = bool(base.accepts_loss_kwargs)
         else:

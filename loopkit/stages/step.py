@@ -27,7 +27,7 @@ from torch import nn
 
 from ..args import config_error
 from ..guards import NONFINITE_POLICIES, NonFiniteWatch
-from .base import Stage
+from .base import Stage, base_model
 
 NO_DECAY_PATTERNS = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)",
                                                r"_norm(?:$|\.)")]
@@ -49,7 +49,7 @@ def decay_parameter_names(module: nn.Module) -> list[str]:
 def is_causal_lm(model) -> bool:
     """Causal LMs shift labels inside their loss, so their token count is `labels[..., 1:]`. Unlike HF Trainer
     (which keys this on `loss_type` and so miscounts GPT-2), loopkit counts shifted labels for every causal LM."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     config = getattr(base, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         return False
