@@ -336,7 +336,7 @@ def check_args(args) -> None:
 
 def check_inputs(args, *, model, model_init, train_dataset, eval_dataset, compute_metrics, optimizers) -> None:
     """What `Trainer.__init__` rejects about the arguments next to `args`, rejected at construction as there."""
-    from .stages.data import has_length
+    from .batches import has_length
 
     if model is not None and model_init is not None:
         raise config_error("model_init", model_init, "a model was passed too, and train() would replace it with "

@@ -16,6 +16,7 @@ Security: weights go through safetensors, state through JSON, and every `torch.l
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -236,44 +237,51 @@ SAVE_ERROR_POLICIES = ("raise", "continue", "stop")
 
 
 class Checkpointer:
-    """Writes, finds, rotates and reads checkpoints of one run. Owned by the evaluation-and-checkpoint stage.
+    """Writes, finds, rotates and reads the checkpoints of one run: a run-level component the `Loop` builds (from
+    the evaluation stage's `checkpoint_options()`) and hands to the stages through the run state.
 
     `async_save=True`: the state is copied to host memory at the step boundary and written by a background thread
     while training goes on (same atomic protocol; one save in flight at a time; single process only).
     `on_save_error`: what a failed save (a full disk, say) does after the temporary folder is removed and the
     previous checkpoint left as it was: "raise" (default), "continue" (warn and train on) or "stop" (warn and stop
-    training cleanly).
+    training cleanly). `best_total_limit`: see `EvalStage`.
+
+    Reads `run.args`, `run.accelerator`, `run.state`, `run.model_wrapped`, `run.optimizer`, `run.lr_scheduler`,
+    `run.processing_class`, `run.events`; writes `state.best_model_checkpoint` and `state.stateful_callbacks`.
     """
 
-    def __init__(self, loop, async_save: bool = False, on_save_error: str = "raise"):
+    def __init__(self, run, async_save: bool = False, on_save_error: str = "raise",
+                 best_total_limit: int | None = None):
         from .args import config_error
 
         if on_save_error not in SAVE_ERROR_POLICIES:
             raise config_error("on_save_error", on_save_error, f"it must be one of {SAVE_ERROR_POLICIES}",
                                "pick one of those")
-        self.loop, self.async_save, self.on_save_error = loop, async_save, on_save_error
+        self.run, self.async_save, self.on_save_error = run, async_save, on_save_error
+        self.best_total_limit = best_total_limit
         self.writer = None  # the background thread of an asynchronous save
         self.writer_error = None
         self.last_saved_step = None
-        self.rng_for_next_save = None  # set when a checkpoint must hold an earlier RNG state (see EvalStage)
+        self.rng_for_next_save = None  # set when a checkpoint must hold an earlier RNG state (see Schedule)
 
     # -- writing --
-    def save(self) -> str:
-        """Save a full checkpoint of the current step atomically; return its final path."""
-        loop = self.loop
-        acc, state = loop.accelerator, loop.state
+    def save(self, stage_states: dict) -> str:
+        """Save a full checkpoint of the current step atomically, with `stage_states` (JSON values by stage name)
+        as `loopkit_state.json`; return its final path."""
+        run = self.run
+        acc, state = run.accelerator, run.state
         if self.async_save and acc.num_processes > 1:
             from .args import config_error
 
             raise config_error("async_save", True, "asynchronous saving supports one process only",
                                "use async_save=False under a distributed launch")
         self.wait()  # one save in flight at a time; raises a background failure first
-        final = os.path.join(loop.args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
+        final = os.path.join(run.args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
         if state.best_global_step is not None:
-            best = os.path.join(loop.args.output_dir, f"{CHECKPOINT_PREFIX}-{state.best_global_step}")
+            best = os.path.join(run.args.output_dir, f"{CHECKPOINT_PREFIX}-{state.best_global_step}")
             if os.path.isdir(best) or best == final:
                 state.best_model_checkpoint = best
-        snapshot = self.snapshot()
+        snapshot = self.snapshot(stage_states)
         self.last_saved_step, self.rng_for_next_save = state.global_step, None
         if self.async_save:
             self.writer = threading.Thread(target=self.write_in_background, args=(snapshot,), daemon=False)
@@ -282,23 +290,23 @@ class Checkpointer:
             self.write_handling_errors(snapshot)
         return final
 
-    def snapshot(self) -> Snapshot:
-        loop, acc, args = self.loop, self.loop.accelerator, self.loop.args
+    def snapshot(self, stage_states: dict) -> Snapshot:
+        run, acc, args = self.run, self.run.accelerator, self.run.args
         copy = copy_to_cpu if self.async_save else (lambda x: x)
-        unwrapped = acc.unwrap_model(loop.model_wrapped, keep_torch_compile=False)
+        unwrapped = acc.unwrap_model(run.model_wrapped, keep_torch_compile=False)
         full_state = not args.save_only_model
         sharded = active_engine(acc) is not None  # FSDP / DeepSpeed: the optimizer is written by their own path
-        loop.state.record_callback_states(loop.callback_handler.callbacks + [loop.control])
+        run.state.record_callback_states(run.events.callbacks + [run.control])
         return Snapshot(
-            step=loop.state.global_step,
+            step=run.state.global_step,
             model_state=copy(unwrapped.state_dict()) if self.async_save else None,
-            optimizer=copy(loop.optimizer.state_dict()) if full_state and acc.is_main_process and not sharded
+            optimizer=copy(run.optimizer.state_dict()) if full_state and acc.is_main_process and not sharded
             else None,
-            scheduler=copy(loop.lr_scheduler.state_dict()) if full_state and acc.is_main_process else None,
+            scheduler=copy(run.lr_scheduler.state_dict()) if full_state and acc.is_main_process else None,
             scaler=copy(acc.scaler.state_dict()) if full_state and acc.scaler is not None else None,
             rng=(self.rng_for_next_save or rng_state()) if full_state else None,
-            trainer_state_json=loop.state.to_json_string(),
-            stage_states_json=json.dumps(loop.stage_states(), indent=2, sort_keys=True),
+            trainer_state_json=run.state.to_json_string(),
+            stage_states_json=json.dumps(stage_states, indent=2, sort_keys=True),
         )
 
     def write_handling_errors(self, snapshot: Snapshot) -> None:
@@ -330,7 +338,7 @@ class Checkpointer:
             self.writer = None
 
     def report_failure(self, snapshot: Snapshot, exc: Exception) -> None:
-        previous = last_checkpoint(self.loop.args.output_dir)
+        previous = last_checkpoint(self.run.args.output_dir)
         message = (f"Saving checkpoint-{snapshot.step} failed ({type(exc).__name__}: {exc}). Nothing was "
                    f"half-written; the newest complete checkpoint is still {previous}.")
         if self.on_save_error == "raise":
@@ -338,12 +346,12 @@ class Checkpointer:
         warnings.warn(message + f" on_save_error={self.on_save_error!r}: "
                       + ("training goes on." if self.on_save_error == "continue" else "stopping training."))
         if self.on_save_error == "stop":
-            self.loop.control.should_training_stop = True
+            self.run.control.should_training_stop = True
 
     def write(self, snapshot: Snapshot) -> None:
         """The atomic protocol: write into `.tmp-checkpoint-N`, fsync, rename to `checkpoint-N`, then rotate."""
-        loop, acc = self.loop, self.loop.accelerator
-        run_dir = loop.args.output_dir
+        run, acc = self.run, self.run.accelerator
+        run_dir = run.args.output_dir
         name = f"{CHECKPOINT_PREFIX}-{snapshot.step}"
         final, tmp = os.path.join(run_dir, name), os.path.join(run_dir, f".tmp-{name}")
         if acc.is_main_process:
@@ -352,9 +360,9 @@ class Checkpointer:
         acc.wait_for_everyone()
         try:
             if full_state_dict_saved(acc):  # all but FSDP's SHARDED_STATE_DICT: one model.safetensors
-                save_model_files(loop.model_wrapped, acc, tmp, loop.processing_class, state_dict=snapshot.model_state)
+                save_model_files(run.model_wrapped, acc, tmp, run.processing_class, state_dict=snapshot.model_state)
             if active_engine(acc) is not None:  # FSDP / DeepSpeed: Accelerate's paths, on every process
-                save_engine_state(loop, tmp, with_optimizer=not loop.args.save_only_model)
+                save_engine_state(run, tmp, with_optimizer=not run.args.save_only_model)
             if snapshot.optimizer is not None:
                 torch.save(snapshot.optimizer, os.path.join(tmp, OPTIMIZER_NAME))
             if snapshot.scheduler is not None:
@@ -386,8 +394,8 @@ class Checkpointer:
 
     def remove_leftovers(self) -> None:
         """Folders a killed save or rotation left behind (never complete checkpoints): removed at train start."""
-        run_dir = self.loop.args.output_dir
-        if not self.loop.accelerator.is_main_process or not os.path.isdir(run_dir):
+        run_dir = self.run.args.output_dir
+        if not self.run.accelerator.is_main_process or not os.path.isdir(run_dir):
             return
         for entry in os.listdir(run_dir):
             if entry.startswith(LEFTOVER_PREFIXES) and CHECKPOINT_RE.match(entry.split("-", 1)[1]):
@@ -399,6 +407,37 @@ class Checkpointer:
         os.replace(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
 
+    def checkpoint_scores(self, dirs: list[str]) -> dict[str, float]:
+        """`metric_for_best_model` of each checkpoint folder in `dirs` whose step was evaluated (from `log_history`,
+        which resumes with the run); non-finite values are left out."""
+        from .schedule import best_metric_key
+
+        args = self.run.args
+        if args.metric_for_best_model is None:
+            return {}
+        key = best_metric_key(args)
+        by_step = {entry["step"]: entry[key] for entry in self.run.state.log_history if key in entry}
+        scores = {}
+        for path in dirs:
+            step = int(CHECKPOINT_RE.match(os.path.basename(path)).group(1))
+            if step in by_step and math.isfinite(by_step[step]):
+                scores[path] = by_step[step]
+        return scores
+
+    def best_checkpoints(self, dirs: list[str]) -> set[str]:
+        """The folders among `dirs` that rotation must keep as best: `state.best_model_checkpoint` (HF), plus, with
+        `best_total_limit=k`, the k best scored checkpoints (ties: the earlier step, as a strict improvement
+        decides the best)."""
+        recorded = self.run.state.best_model_checkpoint
+        # Compared as real paths: `output_dir` may be relative, and a resumed run's best may lie in another folder.
+        best = {d for d in dirs if recorded is not None and os.path.realpath(d) == os.path.realpath(recorded)}
+        if self.best_total_limit is not None:
+            scores = self.checkpoint_scores(dirs)
+            sign = -1 if self.run.args.greater_is_better else 1
+            ranked = sorted(scores, key=lambda path: (sign * scores[path], dirs.index(path)))
+            best.update(ranked[:self.best_total_limit])
+        return best
+
     def rotate(self) -> None:
         """HF's `save_total_limit` rule: keep the newest and the best, delete the oldest others beyond the limit.
         With `EvalStage(best_total_limit=k)` the limits are separate: the `save_total_limit` newest checkpoints and
@@ -406,14 +445,14 @@ class Checkpointer:
 
         Ordering is by step number (HF uses mtimes, which a copy or a restore can reorder).
         """
-        limit = self.loop.args.save_total_limit
+        limit = self.run.args.save_total_limit
         if limit is None or limit <= 0:
             return
-        dirs = checkpoint_dirs(self.loop.args.output_dir)
+        dirs = checkpoint_dirs(self.run.args.output_dir)
         if not dirs:
             return
-        best = self.loop.evaluation.best_checkpoints(dirs)
-        if self.loop.evaluation.best_total_limit is not None:
+        best = self.best_checkpoints(dirs)
+        if self.best_total_limit is not None:
             keep = set(dirs[-limit:]) | best
         else:
             protected = {dirs[-1]} | best
@@ -429,12 +468,12 @@ class Checkpointer:
         when the best is not one of this run's checkpoints (else "all but the best" would be everything: transformers
         PR 25136, and HF 5.24 still does it after resuming into a new output_dir) or when best and regular checkpoints
         have separate limits (`EvalStage(best_total_limit=...)`)."""
-        best = self.loop.state.best_model_checkpoint
-        if self.loop.args.save_total_limit != 1 or best is None or not self.loop.accelerator.is_main_process:
+        best = self.run.state.best_model_checkpoint
+        if self.run.args.save_total_limit != 1 or best is None or not self.run.accelerator.is_main_process:
             return
-        if self.loop.evaluation.best_total_limit is not None:
+        if self.best_total_limit is not None:
             return
-        dirs = checkpoint_dirs(self.loop.args.output_dir)
+        dirs = checkpoint_dirs(self.run.args.output_dir)
         if os.path.realpath(best) not in {os.path.realpath(d) for d in dirs}:
             return  # e.g. a run resumed into a new output_dir: its best lies elsewhere (HF deletes the whole run here)
         for path in dirs:
@@ -447,7 +486,7 @@ class Checkpointer:
         a warning) past any that is corrupt; a path: that folder, or a clear error naming the bad file."""
         if resume_from_checkpoint is None or resume_from_checkpoint is False:
             return None
-        output_dir = self.loop.args.output_dir
+        output_dir = self.run.args.output_dir
         if resume_from_checkpoint is True:
             for path in reversed(checkpoint_dirs(output_dir)):
                 problem = checkpoint_problem(path)
@@ -482,23 +521,23 @@ class Checkpointer:
             return json.load(f)
 
     def load_optimizer_and_scheduler(self, checkpoint: str) -> None:
-        loop = self.loop
+        run = self.run
         opt_path, sched_path = os.path.join(checkpoint, OPTIMIZER_NAME), os.path.join(checkpoint, SCHEDULER_NAME)
-        if active_engine(loop.accelerator) is not None:  # FSDP / DeepSpeed: after `prepare`, every process
-            load_engine_model(loop, checkpoint)
-            if not loop.args.save_only_model and load_engine_optimizer(loop, checkpoint) \
+        if active_engine(run.accelerator) is not None:  # FSDP / DeepSpeed: after `prepare`, every process
+            load_engine_model(run, checkpoint)
+            if not run.args.save_only_model and load_engine_optimizer(run, checkpoint) \
                     and os.path.isfile(sched_path):
-                loop.lr_scheduler.load_state_dict(safe_torch_load(sched_path))
+                run.lr_scheduler.load_state_dict(safe_torch_load(sched_path))
         elif os.path.isfile(opt_path) and os.path.isfile(sched_path):
-            loop.optimizer.load_state_dict(safe_torch_load(opt_path))
-            loop.lr_scheduler.load_state_dict(safe_torch_load(sched_path))
+            run.optimizer.load_state_dict(safe_torch_load(opt_path))
+            run.lr_scheduler.load_state_dict(safe_torch_load(sched_path))
         scaler_path = os.path.join(checkpoint, SCALER_NAME)
-        if os.path.isfile(scaler_path) and loop.accelerator.scaler is not None:
-            loop.accelerator.scaler.load_state_dict(safe_torch_load(scaler_path))
+        if os.path.isfile(scaler_path) and run.accelerator.scaler is not None:
+            run.accelerator.scaler.load_state_dict(safe_torch_load(scaler_path))
 
     def read_rng(self, checkpoint: str) -> dict | None:
         """This process's RNG states saved in `checkpoint` (None if it has none, e.g. `save_only_model`)."""
-        acc = self.loop.accelerator
+        acc = self.run.accelerator
         saved_by = saved_world_size(checkpoint)
         if saved_by is None:
             return None

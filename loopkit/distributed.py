@@ -188,48 +188,48 @@ def full_state_dict_saved(accelerator) -> bool:
     return "FULL_STATE_DICT" in str(accelerator.state.fsdp_plugin.state_dict_type)
 
 
-def save_engine_state(loop, folder: str, with_optimizer: bool) -> None:
+def save_engine_state(run, folder: str, with_optimizer: bool) -> None:
     """FSDP / DeepSpeed: the model (when sharded) and the optimizer through Accelerate's functions, on every process.
     (With DDP or one process the checkpointer writes `optimizer.pt` itself.)"""
-    acc, engine = loop.accelerator, active_engine(loop.accelerator)
+    acc, engine = run.accelerator, active_engine(run.accelerator)
     if engine == "DeepSpeed":
         # The engine writes its own sharded model + optimizer state (`global_step*/`), as HF Trainer does.
         if with_optimizer:
-            loop.model_wrapped.save_checkpoint(folder)
+            run.model_wrapped.save_checkpoint(folder)
         return
     if engine == "FSDP":
         from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
 
         plugin = acc.state.fsdp_plugin
         if not full_state_dict_saved(acc):
-            save_fsdp_model(plugin, acc, loop.model_wrapped, folder)
+            save_fsdp_model(plugin, acc, run.model_wrapped, folder)
         if with_optimizer:
-            save_fsdp_optimizer(plugin, acc, loop.optimizer, loop.model_wrapped, folder)
+            save_fsdp_optimizer(plugin, acc, run.optimizer, run.model_wrapped, folder)
 
 
-def load_engine_model(loop, checkpoint: str) -> bool:
+def load_engine_model(run, checkpoint: str) -> bool:
     """FSDP with SHARDED_STATE_DICT: load the model shards after `accelerator.prepare`. Returns whether it did
     (otherwise the weights were loaded from `model.safetensors` before preparing, as without an engine)."""
-    acc, engine = loop.accelerator, active_engine(loop.accelerator)
+    acc, engine = run.accelerator, active_engine(run.accelerator)
     if engine == "FSDP" and not full_state_dict_saved(acc):
         from accelerate.utils import load_fsdp_model
 
-        load_fsdp_model(acc.state.fsdp_plugin, acc, loop.model_wrapped, checkpoint)
+        load_fsdp_model(acc.state.fsdp_plugin, acc, run.model_wrapped, checkpoint)
         return True
     return False
 
 
-def load_engine_optimizer(loop, checkpoint: str) -> bool:
+def load_engine_optimizer(run, checkpoint: str) -> bool:
     """FSDP / DeepSpeed: the optimizer state (DeepSpeed: the whole engine state). Returns whether the engine path
     applied."""
-    acc, engine = loop.accelerator, active_engine(loop.accelerator)
+    acc, engine = run.accelerator, active_engine(run.accelerator)
     if engine == "DeepSpeed":
-        loop.model_wrapped.load_checkpoint(checkpoint, load_module_strict=False)
+        run.model_wrapped.load_checkpoint(checkpoint, load_module_strict=False)
         return True
     if engine == "FSDP":
         from accelerate.utils import load_fsdp_optimizer
 
-        load_fsdp_optimizer(acc.state.fsdp_plugin, acc, loop.optimizer, loop.model_wrapped, checkpoint)
+        load_fsdp_optimizer(acc.state.fsdp_plugin, acc, run.optimizer, run.model_wrapped, checkpoint)
         return True
     return False
 

@@ -49,7 +49,7 @@ def is_noop(method) -> bool:
 
 
 class EventHandler:
-    """Holds the callbacks and the current objects callbacks receive as keywords, and fires events.
+    """Holds the callbacks (and the stages, which hear events first) and fires events.
 
     The per-event lists of bound methods are built once (and rebuilt when callbacks change), so firing an event that
     nobody listens to costs a dict lookup and a flag reset.
@@ -58,11 +58,10 @@ class EventHandler:
     def __init__(self, callbacks, stages):
         self.callbacks = []
         self.stages = list(stages)
-        self.model = self.processing_class = self.optimizer = self.lr_scheduler = None
-        self.train_dataloader = self.eval_dataloader = None
         self.clock = None  # a report.PhaseClock: callback time is counted under "callbacks"
         for cb in callbacks:
             self.add_callback(cb)
+        self._rebuild()  # the stages' listeners, with no callback at all
 
     # -- the callback list (Trainer.add_callback / pop_callback / remove_callback) --
     def add_callback(self, callback):
@@ -102,18 +101,17 @@ class EventHandler:
         return bool(self.listeners[event])
 
     # -- dispatch --
-    def fire(self, event: str, args, state, control, **extra):
+    def fire(self, event: str, run, **extra):
+        """Call every listener of `event` with HF's arguments, taken from `run` (a `loopkit.run.RunState`);
+        returns the control (`RunState.fire` stores it)."""
+        args, state, control = run.args, run.state, run.control
         reset = FLAG_RESETS.get(event)
         if reset is not None:
             reset(control)
         methods = self.listeners[event]
         if not methods:
             return control
-        kwargs = dict(
-            model=self.model, processing_class=self.processing_class, optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler, train_dataloader=self.train_dataloader,
-            eval_dataloader=self.eval_dataloader, **extra,
-        )
+        kwargs = {**run.event_objects(), **extra}
         start = time.perf_counter()
         for method in methods:
             result = method(args, state, control, **kwargs)

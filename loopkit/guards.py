@@ -67,6 +67,15 @@ class PreemptionWatch:
         return self.signum is not None
 
 
+def preemption_agreed(preemption: PreemptionWatch, accelerator) -> bool:
+    """Several processes: one tiny all-reduce, so a signal on any rank stops every rank at this same step."""
+    flag = torch.tensor(float(preemption.requested), device=accelerator.device)
+    agreed = accelerator.reduce(flag, reduction="max").item() > 0
+    if agreed and preemption.signum is None:
+        preemption.signum = 15  # another rank was signalled: leave as that rank does (SIGTERM)
+    return agreed
+
+
 class NonFiniteWatch:
     """Counts optimizer steps with a non-finite loss or gradient norm, on the device, between two checks."""
 

@@ -46,6 +46,7 @@ into a number in `compute`; `reset` and `sync` come with the base class:
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -127,6 +128,32 @@ def first_tensor(logits) -> torch.Tensor:
     return logits[0] if isinstance(logits, (tuple, list)) else logits
 
 
+def batch_labels(metric, batch) -> torch.Tensor:
+    """`batch[metric.label_key]`, or an error naming the key and what the batch has (a tuple batch is read by
+    position)."""
+    key = metric.label_key
+    try:
+        return batch[key]
+    except (KeyError, IndexError, TypeError):
+        has = f"keys {sorted(map(str, batch))}" if isinstance(batch, Mapping) else \
+            f"{len(batch)} positions" if isinstance(batch, (list, tuple)) else f"type {type(batch).__name__}"
+        raise KeyError(f"{type(metric).__name__}(label_key={key!r}) reads the labels from batch[{key!r}], which this "
+                       f"batch lacks (it has {has}). Fix: label_key=<the labels' key>, or their position in a tuple "
+                       f"batch (label_key=1).") from None
+
+
+def warn_if_nothing_counted(metric, counted: torch.Tensor) -> bool:
+    """At `compute` (one host read per evaluation): a metric that counted no label is NaN, and says why. Returns
+    whether nothing was counted."""
+    empty = int(counted) == 0
+    if empty:
+        warnings.warn(f"Streaming metric {type(metric).__name__} ({metric.name!r}) counted no label in this "
+                      f"evaluation, so it is NaN: every label was ignore_index={metric.ignore_index}. Likely cause: "
+                      f"labels masked or truncated away, or ignore_index/label_key not matching the data.",
+                      stacklevel=3)
+    return empty
+
+
 def aligned(logits: torch.Tensor, labels: torch.Tensor, shift: bool):
     """Logits and labels position by position; `shift` pairs position t's logits with label t+1 (causal LMs)."""
     if shift:
@@ -148,12 +175,13 @@ class Accuracy(Metric):
         self.add_state("total", torch.zeros((), dtype=torch.int64))
 
     def update(self, outputs, batch):
-        logits, labels = aligned(first_tensor(outputs.logits), batch[self.label_key], self.shift)
+        logits, labels = aligned(first_tensor(outputs.logits), batch_labels(self, batch), self.shift)
         counted = labels != self.ignore_index
         self.correct += ((logits.argmax(-1) == labels) & counted).sum()
         self.total += counted.sum()
 
     def compute(self):
+        warn_if_nothing_counted(self, self.total)
         return self.correct.double() / self.total
 
 
@@ -185,13 +213,14 @@ class Perplexity(Metric):
         self.add_state("tokens", torch.zeros((), dtype=torch.int64))
 
     def update(self, outputs, batch):
-        logits, labels = aligned(first_tensor(outputs.logits), batch[self.label_key], self.shift)
+        logits, labels = aligned(first_tensor(outputs.logits), batch_labels(self, batch), self.shift)
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                               ignore_index=self.ignore_index, reduction="sum")
         self.nll_sum += nll.double()
         self.tokens += (labels != self.ignore_index).sum()
 
     def compute(self):
+        warn_if_nothing_counted(self, self.tokens)
         return torch.exp(self.nll_sum / self.tokens)
 
 
@@ -220,7 +249,7 @@ class PrecisionRecallF1(Metric):
             self.add_state(state, torch.zeros(num_classes, dtype=torch.int64))
 
     def update(self, outputs, batch):
-        logits, labels = aligned(first_tensor(outputs.logits), batch[self.label_key], self.shift)
+        logits, labels = aligned(first_tensor(outputs.logits), batch_labels(self, batch), self.shift)
         predictions, labels = logits.argmax(-1).reshape(-1), labels.reshape(-1)
         counted = (labels != self.ignore_index).long()
         # Ignored positions are sent to class 0 with weight 0: no boolean indexing, hence no host sync.
@@ -244,6 +273,8 @@ class PrecisionRecallF1(Metric):
             for i, class_name in enumerate(self.class_names):
                 result.update({f"precision_{class_name}": precision[i], f"recall_{class_name}": recall[i],
                                f"f1_{class_name}": f1[i]})
+        if warn_if_nothing_counted(self, self.actual.sum()):  # 0 of 0 is undefined, not a silent 0.0
+            result = {key: torch.full_like(value, torch.nan) for key, value in result.items()}
         return {f"{self.prefix}{key}": value for key, value in result.items()}
 
 
@@ -319,6 +350,22 @@ def update_all(metrics, outputs: BatchOutputs, batch, rows: int, batch_rows: int
         batch = first_rows(batch, rows, batch_rows)
     for metric in metrics:
         metric.update(outputs, batch)
+
+
+def warn_no_rows(metrics, label_names, last_batch) -> None:
+    """An evaluation whose batches reached no streaming metric: they report nothing (as HF's compute_metrics without
+    labels), and say why instead of staying silent."""
+    names = ", ".join(getattr(m, "name", None) or type(m).__name__ for m in metrics)
+    if last_batch is None:
+        cause = "the eval set gave no batch"
+    elif not label_names:
+        cause = "label_names is empty (the model's forward has no argument named like 'label')"
+    else:
+        has = sorted(map(str, last_batch)) if isinstance(last_batch, Mapping) else type(last_batch).__name__
+        cause = f"no batch carried every column of label_names={list(label_names)} (the last batch has {has})"
+    warnings.warn(f"The streaming metrics ({names}) received no labelled batch in this evaluation and report "
+                  f"nothing: {cause}. Fix: put the labels in the batches (check the collator and "
+                  f"remove_unused_columns), or name them with TrainingArguments(label_names=[...]).", stacklevel=3)
 
 
 def compute_all(metrics, accelerator) -> dict:

@@ -107,26 +107,27 @@ def peak_device_memory_mb() -> float | None:
     return None
 
 
-def build_report(loop, status: str, train_metrics: dict | None = None) -> dict:
-    """The report of a live run (called by the teardown stage)."""
-    state, clock = loop.state, loop.clock
+def build_report(run, status: str, counters: dict, train_metrics: dict | None = None) -> dict:
+    """The report of a live run (called by the teardown stage): `run` is the `RunState`, `counters` the input
+    tokens and samples trained on."""
+    state, clock = run.state, run.clock
     runtime = time.perf_counter() - clock.started
     evals = [h for h in state.log_history if any(k.startswith("eval_") and k.endswith("_loss") for k in h)]
     return {
         "status": status,
-        "output_dir": loop.args.output_dir,
+        "output_dir": run.args.output_dir,
         "global_step": state.global_step,
         "max_steps": state.max_steps,
         "epoch": state.epoch,
         "final_metrics": evals[-1] if evals else {},
         "best_metric": state.best_metric,
-        "metric_for_best_model": loop.args.metric_for_best_model,
+        "metric_for_best_model": run.args.metric_for_best_model,
         "best_checkpoint": state.best_model_checkpoint,
         "train_metrics": train_metrics or {},
         "total_seconds": round(runtime, 3),
-        "samples_per_second": round(loop.samples_seen / runtime, 3) if runtime else None,
-        "tokens_per_second": round(loop.tokens_seen / runtime, 3) if runtime else None,
-        "input_tokens": loop.tokens_seen,
+        "samples_per_second": round(counters["samples"] / runtime, 3) if runtime else None,
+        "tokens_per_second": round(counters["tokens"] / runtime, 3) if runtime else None,
+        "input_tokens": counters["tokens"],
         "peak_host_memory_mb": peak_host_memory_mb(),
         "peak_device_memory_mb": peak_device_memory_mb(),
         "time_by_phase": clock.breakdown(),

@@ -115,6 +115,27 @@ def state_name(callback) -> str:
     return CONTROL_STATE_NAME if isinstance(callback, LoopControl) else type(callback).__name__
 
 
+def restore_callback_states(callbacks, saved: dict) -> None:
+    """HF's `restore_callback_states_from_checkpoint`: re-create stateful callbacks (and the control) from the
+    checkpoint's `stateful_callbacks`. HF re-creates each as `type(cb)(**args)` and sets the saved attributes; loopkit
+    does the same but copies the result into the existing object, so a reference the user holds stays live and the
+    callback keeps its place in the list."""
+    seen: dict[str, int] = {}
+    for callback in callbacks:
+        name = state_name(callback)
+        if name not in saved:
+            continue
+        entries = saved[name] if isinstance(saved[name], list) else [saved[name]]
+        index = seen[name] = seen.get(name, -1) + 1  # duplicates of a class restore in order, as in HF
+        if index >= len(entries):
+            continue
+        entry = entries[index]
+        restored = type(callback)(**entry.get("args", {}))
+        for key, value in entry.get("attributes", {}).items():
+            setattr(restored, key, value)
+        vars(callback).update(vars(restored))
+
+
 class TrainOutput(NamedTuple):
     global_step: int
     training_loss: float

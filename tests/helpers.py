@@ -13,6 +13,7 @@ import importlib.util
 import io
 import os
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -172,3 +173,74 @@ def assert_same_weights(model_a, model_b, rtol: float):
         diff = (tensor.double() - other.double()).abs().max().item()
         scale = other.double().abs().max().item()
         assert diff <= rtol * max(scale, 1e-12), f"weight {name}: max diff {diff:.3g} (scale {scale:.3g})"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Streaming metrics recomputed with numpy from predict()'s arrays (padded with -100 along dim 1)
+# ---------------------------------------------------------------------------------------------------------------
+def _aligned(logits, labels, shift: bool):
+    logits, labels = np.asarray(logits, dtype=np.float64), np.asarray(labels)
+    return (logits[:, :-1], labels[:, 1:]) if shift else (logits, labels)
+
+
+def numpy_accuracy(logits, labels, shift: bool = False) -> float:
+    """Share of labels (not -100) equal to the argmax; `shift` pairs position t with label t+1 (causal LMs)."""
+    logits, labels = _aligned(logits, labels, shift)
+    counted = labels != -100
+    return float(((logits.argmax(-1) == labels) & counted).sum() / counted.sum())
+
+
+def numpy_perplexity(logits, labels, shift: bool = False) -> float:
+    """exp of the mean negative log-likelihood over all labels that are not -100, in float64."""
+    logits, labels = _aligned(logits, labels, shift)
+    counted = labels != -100
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    picked = np.take_along_axis(log_probs, np.where(counted, labels, 0)[..., None], -1)[..., 0]
+    return float(np.exp(-(picked * counted).sum() / counted.sum()))
+
+
+def numpy_prf1(logits, labels, num_classes: int, per_class: bool = True) -> dict:
+    """scikit-learn's precision / recall / F1 with zero_division=0: macro over the classes present in the labels or
+    the predictions, and per class (`precision_<c>`, ...); labels equal to -100 are skipped."""
+    predictions, labels = np.asarray(logits).argmax(-1).ravel(), np.asarray(labels).ravel()
+    predictions, labels = predictions[labels != -100], labels[labels != -100]
+    result, present = {}, {"precision": [], "recall": [], "f1": []}
+    for c in range(num_classes):
+        predicted, actual = (predictions == c).sum(), (labels == c).sum()
+        tp = ((predictions == c) & (labels == c)).sum()
+        scores = {"precision": tp / predicted if predicted else 0.0, "recall": tp / actual if actual else 0.0,
+                  "f1": 2 * tp / (predicted + actual) if predicted + actual else 0.0}
+        if per_class:
+            result.update({f"{key}_{c}": float(value) for key, value in scores.items()})
+        if predicted + actual:
+            for key, value in scores.items():
+                present[key].append(value)
+    return {**{key: float(np.mean(values)) for key, values in present.items()}, **result}
+
+
+def small_run(tmp_path, stages=(), **fields):
+    """What a stage needs from a run, without a `Loop` (the stage contract): a `RunState` with an accelerator,
+    events, state, clock, preemption watch, checkpointer and a `log` that appends to the log history; `stages` are
+    bound to it."""
+    from accelerate import Accelerator
+
+    from loopkit import LoopArgs
+    from loopkit.checkpoint import Checkpointer
+    from loopkit.events import EventHandler
+    from loopkit.guards import PreemptionWatch
+    from loopkit.report import PhaseClock
+    from loopkit.run import RunState
+    from loopkit.state import LoopState
+
+    run = RunState(args=fields.pop("args", LoopArgs(output_dir=str(tmp_path), report_to="none")), **fields)
+    run.accelerator = Accelerator(cpu=True)
+    run.gather_function = run.accelerator.gather_for_metrics
+    run.events = EventHandler([], stages)
+    run.state, run.clock, run.preemption = LoopState(), PhaseClock(), PreemptionWatch()
+    run.checkpointer = Checkpointer(run)
+    run.log = lambda logs, start_time=None: run.state.log_history.append(dict(logs))
+    for stage in stages:
+        stage.bind(run)
+    return run
+

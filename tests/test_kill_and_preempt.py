@@ -78,7 +78,7 @@ def test_sigterm_during_evaluation_runs_the_evaluation_on_resume(tmp_path, refer
     assert result.returncode == 143, result.stderr[-2000:]
     state = json.load(open(out / "checkpoint-4" / "trainer_state.json"))
     assert not any("eval_loss" in h for h in state["log_history"]), "the abandoned evaluation was logged"
-    assert json.load(open(out / "checkpoint-4" / "loopkit_state.json"))["evaluation"]["pending_evaluation"]
+    assert json.load(open(out / "checkpoint-4" / "loopkit_state.json"))["schedule"]["pending_evaluation"]
     result = run_child(out)
     assert result.returncode == 0, result.stderr[-3000:]
     final_state = json.load(open(sorted(checkpoint_dirs(str(out)))[-1] + "/trainer_state.json"))

@@ -117,7 +117,7 @@ def test_first_log_after_resume_keeps_the_running_loss(tmp_path):
     resumed_logs = {h["step"]: h["loss"] for h in resumed.state.log_history if "loss" in h}
     assert resumed_logs[4] == full_logs[4] and resumed_logs[6] == full_logs[6]
     # train_loss covers only this call's steps (4, 5, 6), as HF defines it
-    step3 = json.load(open(tmp_path / "a" / "checkpoint-3" / "loopkit_state.json"))["step"]["tr_loss"]
+    step3 = json.load(open(tmp_path / "a" / "checkpoint-3" / "loopkit_state.json"))["running_loss"]["tr_loss"]
     expected = (full_logs[4] * 2 - step3 + full_logs[6] * 2) / 3
     assert out.training_loss == pytest.approx(expected, rel=1e-6)
     assert os.path.isfile(tmp_path / "b" / "checkpoint-6" / "trainer_state.json")

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from torch.utils.data import SequentialSampler
 
 from loopkit import DataStage, EvalStage, Loop, LoopArgs, SetupStage, StepStage, TeardownStage
+from loopkit.checkpoint import save_model_files
 from loopkit.stages.setup import seed_everything
 
 N_SAMPLES, BATCH = 12, 4
@@ -142,7 +143,7 @@ class ShiftedSeedSetup(SetupStage):
 
     def build(self, model):
         super().build(model)
-        seed_everything(self.loop.args.seed + 100)
+        seed_everything(self.run.args.seed + 100)
 
 
 def test_setup_stage_that_changes_the_seeding(tmp_path):
@@ -162,7 +163,7 @@ class WeightNormEval(EvalStage):
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
-        output.metrics[f"{metric_key_prefix}_weight_norm"] = self.loop.model.linear.weight.norm().item()
+        output.metrics[f"{metric_key_prefix}_weight_norm"] = self.run.model.linear.weight.norm().item()
         return output
 
 
@@ -194,9 +195,10 @@ class SaveFinalTeardown(TeardownStage):
     def __init__(self):
         self.releases = 0
 
-    def finish_training(self, plan, start_time):
-        output = super().finish_training(plan, start_time)
-        self.loop.save_model(os.path.join(self.loop.args.output_dir, "final"))
+    def finish_training(self, plan, start_time, train_loss, steps_run):
+        output = super().finish_training(plan, start_time, train_loss, steps_run)
+        run = self.run
+        save_model_files(run.model_wrapped, run.accelerator, os.path.join(run.args.output_dir, "final"))
         return output
 
     def release(self):

@@ -76,7 +76,7 @@ class CompositeLossStep(StepStage):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs["labels"]
         outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
-        loss = composite_loss(self.loop.model, outputs.logits, labels, self.config)["loss"]
+        loss = composite_loss(self.run.model, outputs.logits, labels, self.config)["loss"]
         return (loss, outputs) if return_outputs else loss
 
 

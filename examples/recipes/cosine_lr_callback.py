@@ -53,13 +53,13 @@ class CosineScheduleStep(StepStage):
         self.min_lr = min_lr
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
-        loop = self.loop
-        if loop.lr_scheduler is None:
-            base_lr = loop.args.learning_rate
-            loop.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-                optimizer or loop.optimizer,
+        run = self.run  # the run state (loopkit/run.py): this stage owns the optimizer and the scheduler
+        if run.lr_scheduler is None:
+            base_lr = run.args.learning_rate
+            run.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                optimizer or run.optimizer,
                 lambda step: cosine_lr(step, num_training_steps, base_lr, self.min_lr) / base_lr)
-        return loop.lr_scheduler
+        return run.lr_scheduler
 
 
 def main(tiny: bool = False, output_dir: str | None = None, style: str = "callback", max_steps: int = -1,

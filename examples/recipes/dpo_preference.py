@@ -22,14 +22,18 @@ either raises ("element 0 of tensors does not require grad") or, made to run, le
 AdamW skips every parameter. A preference loss must be built from the *policy's* log-probabilities, as here; the
 reward model can only decide how much each pair counts.
 
-Style: `DPOStep(StepStage)` replaces `compute_loss` (an HF-style `Loop` subclass overriding `compute_loss` works
-the same way). `remove_unused_columns=False`, since the pair columns are not arguments of the model's `forward`.
+Style: the step stage `PreferenceStep` from `examples/stages/dpo_step.py` (here also named `DPOStep`) replaces
+`compute_loss` and keeps the reference model; it is written against the stage contract only. An HF-style `Loop`
+subclass overriding `compute_loss` works the same way. `remove_unused_columns=False`, since the pair columns are not
+arguments of the model's `forward`.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import random
+import sys
 from collections import defaultdict
 
 import torch
@@ -38,7 +42,10 @@ from torch.utils.data import Dataset
 
 from common import (BOS_ID, FRESH, PAD_ID, Size, byte_ids, cli, loop_args, output_folder, review_records,
                     tiny_llama, tokenizer)
-from loopkit import Loop, StepStage
+from loopkit import Loop
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "stages"))
+from dpo_step import PreferenceStep, dpo_margin, pair_logprobs, response_logprob  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -147,48 +154,9 @@ def reward_weights(reward_model, pairs) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# DPO
+# DPO: the step stage lives in examples/stages/dpo_step.py (written against the stage contract only)
 # ----------------------------------------------------------------------------------------------------------------
-def response_logprob(model, ids, attention_mask, response_mask) -> torch.Tensor:
-    """Sum of log p(byte | previous bytes) over each sequence's response bytes."""
-    logits = model(input_ids=ids, attention_mask=attention_mask).logits[:, :-1].float()
-    token_logprob = logits.log_softmax(-1).gather(2, ids[:, 1:, None]).squeeze(2)
-    return (token_logprob * response_mask[:, 1:]).sum(1)
-
-
-def pair_logprobs(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chosen and rejected log-probabilities from one forward over both halves."""
-    both = {name: torch.cat([batch[f"chosen_{name}"], batch[f"rejected_{name}"]])
-            for name in ("ids", "attention_mask", "response_mask")}
-    logprob = response_logprob(model, both["ids"], both["attention_mask"], both["response_mask"])
-    return logprob.chunk(2)
-
-
-def dpo_margin(policy, reference, batch) -> torch.Tensor:
-    chosen, rejected = pair_logprobs(policy, batch)
-    with torch.no_grad():
-        ref_chosen, ref_rejected = pair_logprobs(reference, batch)
-    return (chosen - ref_chosen) - (rejected - ref_rejected)
-
-
-class DPOStep(StepStage):
-    """The step stage with DPO's loss against a frozen reference policy."""
-
-    def __init__(self, reference, beta: float = 0.1):
-        super().__init__()
-        self.reference = reference.eval().requires_grad_(False)
-        self.beta = beta
-        self.history = []  # per micro-batch: (loss, mean margin), device tensors (recorded without a sync)
-
-    def prepare(self, max_steps, checkpoint):
-        super().prepare(max_steps, checkpoint)
-        self.reference.to(self.loop.accelerator.device)
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        margin = dpo_margin(model, self.reference, inputs)
-        loss = (-nn.functional.logsigmoid(self.beta * margin) * inputs["weight"]).mean()
-        self.history.append((loss.detach(), margin.detach().mean()))
-        return (loss, {"margin": margin}) if return_outputs else loss
+DPOStep = PreferenceStep
 
 
 def whole_batch(dataset: PairDataset) -> dict:

@@ -63,7 +63,7 @@ class MultiTaskStep(StepStage):
         outputs = model(**inputs)
         loss = outputs["main_loss"] + self.alpha * outputs["aux_loss"]
         if model.training:
-            self.history.append((self.loop.state.global_step, self.alpha, outputs["main_loss"].detach(),
+            self.history.append((self.run.state.global_step, self.alpha, outputs["main_loss"].detach(),
                                  outputs["aux_loss"].detach()))
         outputs["loss"] = loss
         return (loss, outputs) if return_outputs else loss

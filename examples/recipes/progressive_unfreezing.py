@@ -79,13 +79,13 @@ class UnfreezingStep(StepStage):
         self.resuming_from = None
 
     def unfreeze(self, count: int) -> None:
-        model = self.loop.model
+        model = self.run.model
         count = min(count, len(encoder_layers(model)))
         newly_trainable = set_trainable_layers(model, count)
-        held = {id(p) for group in self.loop.optimizer.param_groups for p in group["params"]}
+        held = {id(p) for group in self.run.optimizer.param_groups for p in group["params"]}
         missing = [p for p in newly_trainable if id(p) not in held]
         if missing:
-            self.add_param_group(missing, weight_decay=self.loop.args.weight_decay)
+            self.add_param_group(missing, weight_decay=self.run.args.weight_decay)
         self.trainable_layers = count
 
     def prepare(self, max_steps, checkpoint):
@@ -96,13 +96,13 @@ class UnfreezingStep(StepStage):
         scheduler = super().create_scheduler(num_training_steps, optimizer)
         # `prepare` loads a checkpoint's optimizer state right after this, and that state has one param group per
         # layer unfrozen so far: rebuild those groups first, from this stage's state saved in the checkpoint.
-        saved = self.loop.checkpointer.read_stage_states(self.resuming_from).get("step", {}) \
+        saved = self.run.checkpointer.read_stage_states(self.resuming_from).get("step", {}) \
             if self.resuming_from else {}
         self.unfreeze(saved.get("trainable_layers") or self.top_layers)
         return scheduler
 
     def on_epoch_begin(self, args, state, control, **kwargs):
-        self.unfreeze(trainable_layer_count(state.epoch, self.top_layers, len(encoder_layers(self.loop.model))))
+        self.unfreeze(trainable_layer_count(state.epoch, self.top_layers, len(encoder_layers(self.run.model))))
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "trainable_layers": self.trainable_layers}

@@ -40,7 +40,7 @@ class SpikeSkippingStep(StepStage):
         norm = super().clip_gradients(model)  # the pre-clip norm (the gradients are clipped in place)
         value = float(norm)  # host control flow below needs the value: one sync per step
         if len(self.recent_norms) >= self.min_history and value > self.factor * statistics.median(self.recent_norms):
-            self.skipped_steps.append(self.loop.state.global_step + 1)  # the step being completed
+            self.skipped_steps.append(self.run.state.global_step + 1)  # the step being completed
             model.zero_grad(set_to_none=True)  # no gradient: the optimizer leaves every parameter as it is
         else:
             self.recent_norms.append(value)
@@ -56,7 +56,7 @@ class WithInjectedSpikes(SpikeSkippingStep):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self.loop.state.global_step + 1 not in self.spike_steps or not model.training:
+        if self.run.state.global_step + 1 not in self.spike_steps or not model.training:
             return result
         return (result[0] * self.scale, result[1]) if return_outputs else result * self.scale
 

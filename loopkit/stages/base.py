@@ -1,19 +1,28 @@
-"""What every stage shares: a reference to the `Loop` it serves, and checkpointable state."""
+"""What every stage shares: the run state it is bound to, checkpointable state, and the lifecycle.
+
+Lifecycle of a stage within a `Loop` (see the README's "Stages" section for each stage's contract):
+
+    stage.bind(run)              once, in Loop.__init__: `self.run` is the `loopkit.run.RunState`
+    stage.load_state_dict(d)     at each train(): {} for a fresh run, the checkpoint's entry when resuming
+    stage.prepare(...)           at each train(), where the stage has one (data: plan; step: optimizer, prepare)
+    stage.on_<event>(...)        during the run: a stage hears each event before the callbacks do
+    stage.state_dict()           at each checkpoint: JSON values only, written to `loopkit_state.json`
+
+A stage reads what it needs from `self.run` and the arguments of its methods, writes only the run-state fields the
+table in `loopkit/run.py` gives it, and returns what it produces. It never reads another stage's attributes or
+the `Loop`'s, so it can be built and tested with a small `RunState` and no `Loop` at all.
+"""
 
 from __future__ import annotations
 
 
 class Stage:
-    """One phase of a run. `Loop` binds each stage to itself; a stage reads and writes the run through `self.loop`.
+    """One phase of a run, bound to a `RunState`."""
 
-    A stage may define any event method (`on_epoch_end`, ...): it is called before the callbacks for that event.
-    `state_dict()` / `load_state_dict()` carry what the stage must remember across a resume (JSON values only).
-    """
+    run = None
 
-    loop = None
-
-    def bind(self, loop) -> "Stage":
-        self.loop = loop
+    def bind(self, run) -> "Stage":
+        self.run = run
         return self
 
     def state_dict(self) -> dict:

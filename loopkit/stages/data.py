@@ -5,8 +5,14 @@ Contract:
   Accelerate-prepared loaders exactly as HF Trainer does: a `RandomSampler` that Accelerate turns into its seedable
   sampler, so epoch `e` visits `torch.randperm(n, generator=manual_seed(seed + e))` (`data_seed` if set).
 * `plan(train_dataloader)` does the step and epoch arithmetic (`TrainingPlan`, HF's formulas).
-* `windows(epoch, plan, resume)` yields one `Window` of micro-batches per optimizer step of the epoch, skipping the
-  micro-batches a resumed run already trained without collating them.
+* `resume_point(checkpoint, global_step, plan)` says where a resumed run picks up (a `ResumePoint`).
+* `windows(epoch, plan, resume)` yields one `Window` of micro-batches per optimizer step of the epoch from
+  `run.train_dataloader`, skipping the micro-batches a resumed run already trained without collating them.
+* `state_dict()` is the data position (epoch, micro-batches, samples; an iterable dataset's own state).
+
+Reads `run.args`, `run.accelerator`, `run.model`, `run.label_names`, `run.train_dataset`, `run.eval_dataset`,
+`run.data_collator`, `run.processing_class`, `run.train_dataloader`, `run.clock`, `run.checkpointer`; writes no
+run-state field. Owns HF's overridable `get_train_dataloader`, `get_eval_dataloader`, `get_test_dataloader`.
 """
 
 from __future__ import annotations
@@ -20,17 +26,11 @@ from dataclasses import dataclass
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from ..args import config_error
+from ..batches import has_length, without_columns
 from ..checkpoint import restore_rng_state
 from ..data_order import PositionSeededDataset, WorkerSeeding, is_seekable
 from ..distributed import prepare_iterable_train_loader
 from .base import Stage, base_model
-
-
-def has_length(dataset) -> bool:
-    try:
-        return len(dataset) is not None
-    except (TypeError, NotImplementedError, AttributeError):
-        return False
 
 
 def find_labels(model) -> list[str]:
@@ -43,14 +43,22 @@ def find_labels(model) -> list[str]:
 
 
 class RemoveColumnsCollator:
-    """Drops the keys the model's forward does not take before the user's collator sees a feature dict."""
+    """Drops the keys the model's forward does not take before the user's collator sees a feature mapping."""
 
     def __init__(self, collator, keep: set[str]):
         self.collator, self.keep = collator, keep
 
     def __call__(self, features):
-        features = [{k: v for k, v in f.items() if k in self.keep} if isinstance(f, dict) else f for f in features]
-        return self.collator(features)
+        return self.collator([without_columns(feature, self.keep) for feature in features])
+
+
+def set_epoch(loader, epoch: int) -> None:
+    """Tell the loader (and Accelerate's seedable sampler inside it) which epoch starts: it fixes the order."""
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+    inner = getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)
+    if hasattr(inner, "set_epoch"):
+        inner.set_epoch(epoch)
 
 
 @dataclass
@@ -96,10 +104,10 @@ class DataStage(Stage):
 
     # -- collation and columns --
     def resolve_collator(self):
-        loop = self.loop
-        if loop.data_collator is not None:
-            return loop.data_collator
-        pc = loop.processing_class
+        run = self.run
+        if run.data_collator is not None:
+            return run.data_collator
+        pc = run.processing_class
         if pc is not None and callable(getattr(pc, "pad", None)) and hasattr(pc, "model_input_names"):
             from transformers.data.data_collator import DataCollatorWithPadding
 
@@ -109,15 +117,14 @@ class DataStage(Stage):
         return default_data_collator
 
     def signature_columns(self) -> set[str]:
-        model = self.loop.model
-        base = base_model(model)
+        base = base_model(self.run.model)
         columns = set(inspect.signature(base.forward).parameters)
-        return columns | {"label", "label_ids"} | set(self.loop.label_names)
+        return columns | {"label", "label_ids"} | set(self.run.label_names)
 
     def with_model_columns(self, dataset, collator, description: str):
         """`remove_unused_columns`: drop what the forward does not take (columns of a `datasets.Dataset`, else
         the keys of each feature dict, before the collator)."""
-        if not self.loop.args.remove_unused_columns:
+        if not self.run.args.remove_unused_columns:
             return dataset, collator
         keep = self.signature_columns()
         column_names = getattr(dataset, "column_names", None)
@@ -131,64 +138,69 @@ class DataStage(Stage):
         return dataset, RemoveColumnsCollator(collator, keep)
 
     # -- dataloaders (HF's get_*_dataloader; `Loop` exposes them under the same names) --
-    def build_dataloader(self, dataset, batch_size: int, description: str, training: bool) -> DataLoader:
-        loop, args = self.loop, self.loop.args
-        if self.collator is None:
-            self.collator = self.resolve_collator()
-        dataset, collator = self.with_model_columns(dataset, self.collator, description)
+    def build_dataloader(self, dataset, batch_size: int, description: str, training: bool,
+                         collator=None) -> DataLoader:
+        """An Accelerate-prepared loader over `dataset`, collated by `collator` (default: the run's collator, or
+        HF's default for the processing class)."""
+        run, args = self.run, self.run.args
+        if collator is None:
+            if self.collator is None:
+                self.collator = self.resolve_collator()
+            collator = self.collator
+        dataset, collator = self.with_model_columns(dataset, collator, description)
         params = dict(batch_size=batch_size, collate_fn=collator, num_workers=args.dataloader_num_workers,
-                      pin_memory=args.dataloader_pin_memory and loop.accelerator.device.type != "cpu",
+                      pin_memory=args.dataloader_pin_memory and run.accelerator.device.type != "cpu",
                       persistent_workers=args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
                       prefetch_factor=args.dataloader_prefetch_factor)
         if training:
             self.train_source = dataset
             if args.dataloader_num_workers > 0:
-                self.worker_seeding = WorkerSeeding(args.seed, loop.accelerator.process_index)
+                self.worker_seeding = WorkerSeeding(args.seed, run.accelerator.process_index)
                 params["worker_init_fn"] = self.worker_seeding
                 if not isinstance(dataset, IterableDataset):
-                    dataset = PositionSeededDataset(dataset, args.seed, loop.accelerator.process_index)
+                    dataset = PositionSeededDataset(dataset, args.seed, run.accelerator.process_index)
         if not isinstance(dataset, IterableDataset):
             params["sampler"] = self.train_sampler(dataset) if training else self.eval_sampler(dataset)
             params["drop_last"] = args.dataloader_drop_last
-        elif training and loop.accelerator.num_processes > 1:  # sharded without dispatching: see distributed.py
-            return prepare_iterable_train_loader(loop.accelerator, DataLoader(dataset, **params))
-        return loop.accelerator.prepare(DataLoader(dataset, **params))
+        elif training and run.accelerator.num_processes > 1:  # sharded without dispatching: see distributed.py
+            return prepare_iterable_train_loader(run.accelerator, DataLoader(dataset, **params))
+        return run.accelerator.prepare(DataLoader(dataset, **params))
 
     def train_sampler(self, dataset):
-        if self.loop.args.train_sampling_strategy == "sequential":
+        if self.run.args.train_sampling_strategy == "sequential":
             return SequentialSampler(dataset)
         return RandomSampler(dataset)  # Accelerate swaps in its seedable sampler: seed + epoch fixes the order
 
     def eval_sampler(self, dataset):
-        return SequentialSampler(dataset) if self.loop.accelerator.num_processes == 1 else None
+        return SequentialSampler(dataset) if self.run.accelerator.num_processes == 1 else None
 
     def get_train_dataloader(self) -> DataLoader:
-        loop = self.loop
-        if loop.train_dataset is None:
+        run = self.run
+        if run.train_dataset is None:
             raise config_error("train_dataset", None, "training needs a train dataset", "pass train_dataset=...")
-        return self.build_dataloader(loop.train_dataset, loop.args.per_device_train_batch_size, "training", True)
+        return self.build_dataloader(run.train_dataset, run.args.per_device_train_batch_size, "training", True)
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
-        loop = self.loop
-        if eval_dataset is None and loop.eval_dataset is None:
+        run = self.run
+        if eval_dataset is None and run.eval_dataset is None:
             raise config_error("eval_dataset", None, "evaluation needs an eval dataset",
                                "pass eval_dataset=... to Loop or to evaluate()")
         key = eval_dataset if isinstance(eval_dataset, str) else "eval"
-        persistent = loop.args.dataloader_persistent_workers and loop.args.dataloader_num_workers > 0
+        persistent = run.args.dataloader_persistent_workers and run.args.dataloader_num_workers > 0
         if persistent and key in self.eval_loaders and (eval_dataset is None or isinstance(eval_dataset, str)):
             return self.eval_loaders[key]  # as HF: reuse, instead of starting new workers at every evaluation
         if isinstance(eval_dataset, str):
-            eval_dataset = loop.eval_dataset[eval_dataset]
+            eval_dataset = run.eval_dataset[eval_dataset]
         elif eval_dataset is None:
-            eval_dataset = loop.eval_dataset
-        loader = self.build_dataloader(eval_dataset, loop.args.per_device_eval_batch_size, "evaluation", False)
+            eval_dataset = run.eval_dataset
+        loader = self.build_dataloader(eval_dataset, run.args.per_device_eval_batch_size, "evaluation", False)
         if persistent:
             self.eval_loaders[key] = loader
         return loader
 
     def shut_down_workers(self) -> None:
         """Stop the persistent worker processes of the train and evaluation loaders (the teardown's release)."""
-        for loader in [self.loop.train_dataloader, *self.eval_loaders.values()]:
+        for loader in [self.run.train_dataloader, *self.eval_loaders.values()]:
             base = getattr(loader, "base_dataloader", loader)
             iterator = getattr(base, "_iterator", None)  # set only with persistent_workers
             if iterator is not None and hasattr(iterator, "_shutdown_workers"):
@@ -197,11 +209,11 @@ class DataStage(Stage):
         self.eval_loaders = {}
 
     def get_test_dataloader(self, test_dataset) -> DataLoader:
-        return self.build_dataloader(test_dataset, self.loop.args.per_device_eval_batch_size, "test", False)
+        return self.build_dataloader(test_dataset, self.run.args.per_device_eval_batch_size, "test", False)
 
     # -- step and epoch arithmetic --
     def plan(self, dataloader) -> TrainingPlan:
-        args, acc = self.loop.args, self.loop.accelerator
+        args, acc = self.run.args, self.run.accelerator
         ga = args.gradient_accumulation_steps
         total_batch = args.per_device_train_batch_size * ga * acc.num_processes
         if has_length(dataloader):
@@ -233,7 +245,7 @@ class DataStage(Stage):
         """
         if checkpoint is None:
             return None
-        args, rng = self.loop.args, self.loop.checkpointer.read_rng(checkpoint)
+        args, rng = self.run.args, self.run.checkpointer.read_rng(checkpoint)
         if args.ignore_data_skip:
             return ResumePoint(checkpoint, global_step // plan.num_update_steps_per_epoch, 0, rng=rng)
         saved = self.saved_position
@@ -241,14 +253,14 @@ class DataStage(Stage):
             return ResumePoint(checkpoint, global_step // plan.num_update_steps_per_epoch,
                                (global_step % plan.num_update_steps_per_epoch) * args.gradient_accumulation_steps,
                                rng=rng)
-        samples_per_micro_batch = args.per_device_train_batch_size * self.loop.accelerator.num_processes
+        samples_per_micro_batch = args.per_device_train_batch_size * self.run.accelerator.num_processes
         if saved["samples"] % samples_per_micro_batch:
             raise config_error("per_device_train_batch_size", args.per_device_train_batch_size,
                                f"the checkpoint stopped after {saved['samples']} samples of epoch {saved['epoch']}, "
                                f"which is not a whole number of micro-batches of {samples_per_micro_batch} samples",
                                "resume with the same global batch size (per-device batch x processes x GA)")
         epoch, skip = saved["epoch"], saved["samples"] // samples_per_micro_batch
-        if plan.steps_in_epoch and skip >= plan.steps_in_epoch and has_length(self.loop.train_dataloader):
+        if plan.steps_in_epoch and skip >= plan.steps_in_epoch and has_length(self.run.train_dataloader):
             epoch, skip = epoch + 1, 0  # the checkpoint closed its epoch
         return ResumePoint(checkpoint, epoch, skip, saved.get("dataset_state"), rng)
 
@@ -256,50 +268,19 @@ class DataStage(Stage):
     def windows(self, epoch: int, plan: TrainingPlan, resume: ResumePoint | None):
         """Yield one `Window` per optimizer step. See `loopkit/data_order.py` for why this reads no batch ahead and
         when the RNG of a resumed run is restored."""
-        from accelerate import skip_first_batches
         from accelerate.utils import send_to_device
 
-        loop, ga = self.loop, self.loop.args.gradient_accumulation_steps
-        loader, source = loop.train_dataloader, self.train_source
+        run, ga = self.run, self.run.args.gradient_accumulation_steps
         resuming = resume is not None and epoch == resume.epochs_trained
         skip = resume.micro_batches_to_skip if resuming else 0
-        if resuming and skip == 0 and resume.rng is not None:
-            restore_rng_state(resume.rng)  # before the iterator: creating it draws from the RNG
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        inner = getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)
-        if hasattr(inner, "set_epoch"):
-            inner.set_epoch(epoch)
-        if self.worker_seeding is not None:
-            self.worker_seeding.epoch = epoch
-        discard = 0
-        if skip and not isinstance(source, IterableDataset):
-            loader = skip_first_batches(loader, skip)  # skips indices in the sampler: nothing is read or collated
-        elif skip and resume.dataset_state is not None and is_seekable(source) and \
-                loop.args.dataloader_num_workers == 0:
-            source.load_state_dict(resume.dataset_state)
-        elif skip:
-            discard = skip
-            warnings.warn(f"Resuming mid-epoch on an iterable dataset that cannot seek: re-reading and discarding "
-                          f"{skip} batches, which costs as much as reading them did. For an O(1) resume give the "
-                          f"dataset state_dict()/load_state_dict() (datasets.IterableDataset has them) and use "
-                          f"dataloader_num_workers=0.")
-        dataset = getattr(loader, "dataset", None)
-        if isinstance(dataset, PositionSeededDataset):
-            dataset.start_epoch(epoch, skip)
-        base = getattr(loader, "base_dataloader", loader)
-        iterator = iter(base)  # the plain loader: no read-ahead (Accelerate's shard fetches one batch ahead)
-        for _ in range(discard):
-            next(iterator, None)
-        if resuming and skip and resume.rng is not None:
-            restore_rng_state(resume.rng)  # the checkpoint's RNG was taken right before this batch
-        device, non_blocking = loop.accelerator.device, getattr(loader, "_non_blocking", False)
+        iterator, loader = self.epoch_iterator(epoch, skip, resume if resuming else None)
+        device, non_blocking = run.accelerator.device, getattr(loader, "_non_blocking", False)
         last_window_size = plan.steps_in_epoch % ga or ga
         self.epoch, self.micro_batches_done = epoch, skip
         for update in range(skip // ga, plan.num_update_steps_per_epoch):
             size = ga if update != plan.num_update_steps_per_epoch - 1 else last_window_size
             batches = []
-            with loop.clock.span("data"):
+            with run.clock.span("data"):
                 for _ in range(size):
                     try:
                         batches.append(send_to_device(next(iterator), device, non_blocking=non_blocking))
@@ -311,13 +292,54 @@ class DataStage(Stage):
             self.micro_batches_done += len(batches)  # counted before the step: a checkpoint after it includes them
             yield Window(batches, first)
 
+    def epoch_iterator(self, epoch: int, skip: int, resume: ResumePoint | None):
+        """The iterator over the epoch's micro-batches, positioned after the first `skip` (a resumed epoch), and
+        the loader it reads. The checkpoint's RNG is restored exactly where the uninterrupted run stood."""
+        if resume is not None and skip == 0 and resume.rng is not None:
+            restore_rng_state(resume.rng)  # before the iterator: creating it draws from the RNG
+        loader = self.run.train_dataloader
+        set_epoch(loader, epoch)
+        if self.worker_seeding is not None:
+            self.worker_seeding.epoch = epoch
+        loader, discard = self.skip_batches(loader, skip, resume)
+        dataset = getattr(loader, "dataset", None)
+        if isinstance(dataset, PositionSeededDataset):
+            dataset.start_epoch(epoch, skip)
+        base = getattr(loader, "base_dataloader", loader)
+        iterator = iter(base)  # the plain loader: no read-ahead (Accelerate's shard fetches one batch ahead)
+        for _ in range(discard):
+            next(iterator, None)
+        if resume is not None and skip and resume.rng is not None:
+            restore_rng_state(resume.rng)  # the checkpoint's RNG was taken right before this batch
+        return iterator, loader
+
+    def skip_batches(self, loader, skip: int, resume: ResumePoint | None):
+        """Skip the first `skip` micro-batches as cheaply as the data allows: in the sampler (map-style), by the
+        dataset's own seek (an iterable with `load_state_dict`), or by reading and discarding them. Returns the
+        loader to read and how many batches still have to be discarded."""
+        source = self.train_source
+        if not skip:
+            return loader, 0
+        if not isinstance(source, IterableDataset):
+            from accelerate import skip_first_batches
+
+            return skip_first_batches(loader, skip), 0  # skips indices in the sampler: nothing read or collated
+        if resume.dataset_state is not None and is_seekable(source) and self.run.args.dataloader_num_workers == 0:
+            source.load_state_dict(resume.dataset_state)
+            return loader, 0
+        warnings.warn(f"Resuming mid-epoch on an iterable dataset that cannot seek: re-reading and discarding "
+                      f"{skip} batches, which costs as much as reading them did. For an O(1) resume give the "
+                      f"dataset state_dict()/load_state_dict() (datasets.IterableDataset has them) and use "
+                      f"dataloader_num_workers=0.")
+        return loader, skip
+
     # -- checkpointed state: the data position --
     def state_dict(self) -> dict:
-        loop = self.loop
-        samples = self.micro_batches_done * loop.args.per_device_train_batch_size * loop.accelerator.num_processes
+        run = self.run
+        samples = self.micro_batches_done * run.args.per_device_train_batch_size * run.accelerator.num_processes
         position = {"epoch": self.epoch, "micro_batches": self.micro_batches_done, "samples": samples}
         if isinstance(self.train_source, IterableDataset) and is_seekable(self.train_source) and \
-                loop.args.dataloader_num_workers == 0:
+                run.args.dataloader_num_workers == 0:
             position["dataset_state"] = self.train_source.state_dict()
         return {"position": position}
 

@@ -1,17 +1,20 @@
-"""Stage 4, evaluation and checkpoint: the log / evaluate / save schedule, evaluation and prediction loops, the
-best model, and checkpoints (through `Checkpointer`).
+"""Stage 4, evaluation: HF's `evaluate`, `predict`, `evaluation_loop` and `prediction_step`, batch by batch.
 
 Contract:
-* `log(logs)`: HF's `Trainer.log` (adds `epoch`, appends to `log_history` with `step`, fires `on_log`).
-* `after_step()`: HF's `_maybe_log_save_evaluate`: a train log when `control.should_log`, an evaluation when
-  `should_evaluate` (then the best metric), a checkpoint when `should_save` (then `on_save`).
-* `evaluate`, `predict`, `evaluation_loop`, `prediction_step`: HF's signatures and metric keys. The loss is summed
-  on the device as it streams (memory does not grow with the eval set); logits and labels are kept only when
-  `compute_metrics` needs them (or for `predict`). Streaming metrics (`Loop(metrics=[...])`, `loopkit.metrics`) see
-  every batch's logits on the device and keep only running sums.
-* The best model: `update_best_metric` (HF's `_determine_best_metric`), and `best_checkpoints`, the folders that
-  checkpoint rotation must keep: the best one (HF), or with `EvalStage(best_total_limit=k)` the k best by
-  `metric_for_best_model`, under a limit separate from `save_total_limit` (which then counts the newest only).
+* `evaluate`, `predict`, `evaluation_loop`, `prediction_step`: HF's signatures and metric keys; `evaluate` logs its
+  metrics (`run.log`) and fires `on_evaluate`, `predict` fires `on_predict`.
+* The loss is summed on the device as it streams (`LossSum`: memory does not grow with the eval set); logits and
+  labels are kept only when `compute_metrics` needs them or for `predict` (`PredictionStore`). Streaming metrics
+  (`Loop(metrics=[...])`, `loopkit.metrics`) see every batch's logits on the device and keep only running sums.
+* `checkpoint_options()`: how checkpoints are written (`async_save`, `on_save_error`, `best_total_limit`); the
+  `Loop` hands them to the run's `Checkpointer`, which writes and rotates them. When to log, evaluate and save is
+  the `Schedule`'s business (loopkit/schedule.py), not this stage's.
+
+Reads `run.args`, `run.accelerator`, `run.model`, `run.model_wrapped`, `run.optimizer`, `run.label_names`,
+`run.metrics`, `run.compute_metrics`, `run.preprocess_logits_for_metrics`, `run.compute_loss`,
+`run.count_loss_items`, `run.compute_loss_context_manager`, `run.gather_function`, `run.preemption`, and gets its
+loaders through the `get_eval_dataloader` / `get_test_dataloader` callables in the run state; writes
+`run.eval_dataloader`.
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ import os
 import time
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 
-from ..checkpoint import CHECKPOINT_RE, Checkpointer, restore_rng_state, rng_state
+from ..batches import (carries_labels, concat_padded, find_batch_size, has_length, nested_detach, plain_metrics,
+                       shallow_copy, to_numpy)
 from ..guards import EvaluationInterrupted
-from ..metrics import BatchOutputs, compute_all, real_rows, reset_all, update_all
+from ..metrics import BatchOutputs, compute_all, real_rows, reset_all, update_all, warn_no_rows
 from ..state import EvalLoopOutput, EvalPrediction, PredictionOutput
 from .base import Stage
 
@@ -41,81 +44,6 @@ def speed_metrics(split: str, start_time: float, num_samples=None, num_steps=Non
     if num_steps is not None:
         result[f"{split}_steps_per_second"] = round(num_steps / runtime, 3)
     return result
-
-
-def find_batch_size(inputs) -> int | None:
-    if isinstance(inputs, (list, tuple)):
-        for item in inputs:
-            found = find_batch_size(item)
-            if found is not None:
-                return found
-    elif isinstance(inputs, dict):
-        for value in inputs.values():
-            found = find_batch_size(value)
-            if found is not None:
-                return found
-    elif isinstance(inputs, torch.Tensor):
-        return inputs.shape[0] if inputs.ndim >= 1 else None
-    return None
-
-
-def nested_detach(tensors):
-    if isinstance(tensors, (list, tuple)):
-        return type(tensors)(nested_detach(t) for t in tensors)
-    if isinstance(tensors, dict):
-        return {k: nested_detach(v) for k, v in tensors.items()}
-    return tensors.detach() if isinstance(tensors, torch.Tensor) else tensors
-
-
-def concat_padded(chunks: list, padding_index: int = -100):
-    """Concatenate per-batch arrays along dim 0, padding dim 1 to the longest (HF's `nested_concat`)."""
-    first = chunks[0]
-    if isinstance(first, (list, tuple)):
-        return type(first)(concat_padded([c[i] for c in chunks], padding_index) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {k: concat_padded([c[k] for c in chunks], padding_index) for k in first}
-    arrays = [np.asarray(c) for c in chunks]
-    if arrays[0].ndim < 2 or all(a.shape[1] == arrays[0].shape[1] for a in arrays):
-        return np.concatenate(arrays, axis=0)
-    width = max(a.shape[1] for a in arrays)
-    out = np.full((sum(a.shape[0] for a in arrays), width) + arrays[0].shape[2:], padding_index,
-                  dtype=arrays[0].dtype)
-    row = 0
-    for a in arrays:
-        out[row:row + a.shape[0], :a.shape[1]] = a
-        row += a.shape[0]
-    return out
-
-
-def to_numpy(tensors):
-    """Nested tensors -> numpy arrays on the host (bfloat16 as float32: numpy has none); HF's `nested_numpify`."""
-    if isinstance(tensors, (list, tuple)):
-        return type(tensors)(to_numpy(t) for t in tensors)
-    if isinstance(tensors, dict):
-        return {k: to_numpy(v) for k, v in tensors.items()}
-    if isinstance(tensors, torch.Tensor):
-        t = tensors.detach().cpu()
-        return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
-    return tensors
-
-
-def plain_metrics(metrics):
-    """numpy scalars and one-element tensors -> Python numbers, through lists and dicts (HF's
-    `denumpify_detensorize`)."""
-    if isinstance(metrics, (list, tuple)):
-        return type(metrics)(plain_metrics(m) for m in metrics)
-    if isinstance(metrics, dict):
-        return type(metrics)({k: plain_metrics(v) for k, v in metrics.items()})
-    if isinstance(metrics, np.generic):
-        return metrics.item()
-    if isinstance(metrics, torch.Tensor) and metrics.numel() == 1:
-        return metrics.item()
-    return metrics
-
-
-def carries_labels(inputs, label_names) -> bool:
-    """HF's `has_labels`: every label column is in the batch and not None."""
-    return bool(label_names) and all(inputs.get(k) is not None for k in label_names)
 
 
 def with_prefix(key: str, prefix: str) -> str:
@@ -147,13 +75,56 @@ class PredictionStore:
         return concat_padded(self.host_chunks) if self.concat else self.host_chunks
 
 
+class LossSum:
+    """The evaluation loss summed on the device in float64 as it streams: the finite values and their count, and
+    all values (used only when none is finite). The number of values is a shape, so it is counted on the host."""
+
+    def __init__(self, device):
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self.count = 0
+
+    def add(self, losses: torch.Tensor) -> None:
+        finite = torch.isfinite(losses)
+        self.sums += torch.stack([torch.where(finite, losses, 0).sum(), finite.sum(), losses.sum()]).double()
+        self.count += losses.numel()
+
+    def mean(self, nan_inf_filter: bool) -> float | None:
+        if self.count == 0:
+            return None
+        finite_sum, finite_n, total_sum = self.sums.tolist()
+        return finite_sum / finite_n if nan_inf_filter and finite_n > 0 else total_sum / self.count
+
+
+class EvalAccumulators:
+    """What one evaluation keeps: the loss sum, the predictions / labels / inputs / losses for `compute_metrics` or
+    `predict` (when `keep`), and the sample and labelled-batch counts."""
+
+    def __init__(self, device, concat: bool, keep: bool, description: str):
+        self.description = description  # "Evaluation" or "Prediction"
+        self.loss = LossSum(device)
+        self.preds, self.labels, self.inputs, self.losses = (PredictionStore(concat) for _ in range(4))
+        self.keep = keep
+        self.observed = 0  # samples seen on this process (the sample count of a dataset without a length)
+        self.labelled_batches = 0  # batches the streaming metrics saw (they need labels, like compute_metrics)
+        self.last_batch = None  # for the warning when no batch carried labels
+
+    def offload(self) -> None:
+        for store in (self.preds, self.labels, self.inputs, self.losses):
+            store.offload()
+
+    def add(self, store: PredictionStore, value) -> None:
+        if self.keep:
+            store.add(value)
+
+
 class EvalStage(Stage):
-    """The log / evaluate / save schedule, the evaluation loops, the best model and checkpoints.
+    """Evaluation and prediction, and the options of the run's checkpoints.
 
     `best_total_limit=k` keeps the k best checkpoints (by `metric_for_best_model`) under their own limit: rotation
     then keeps the `save_total_limit` newest checkpoints plus the k best, and the end of training deletes nothing
     more. Without it, HF's rule applies: `save_total_limit` counts every checkpoint, the newest and the best are
-    protected, and with a limit of 1 only the best survives the end of training.
+    protected, and with a limit of 1 only the best survives the end of training. `async_save` and `on_save_error`:
+    see `loopkit.checkpoint.Checkpointer`.
     """
 
     def __init__(self, best_total_limit: int | None = None, async_save: bool = False, on_save_error: str = "raise"):
@@ -162,326 +133,224 @@ class EvalStage(Stage):
 
             raise config_error("best_total_limit", best_total_limit, "it is the number of best checkpoints to keep",
                                "pass a positive integer, or None for HF's single protected best")
-        self.best_total_limit = best_total_limit
-        self.checkpoint_options = dict(async_save=async_save, on_save_error=on_save_error)
-        self.checkpointer = None
-        self.pending_evaluation = None  # an evaluation a preemption interrupted (resumed runs do it first)
-        self.last_logged_step = 0
-        self.total_loss_scalar = 0.0
+        self.options = dict(best_total_limit=best_total_limit, async_save=async_save, on_save_error=on_save_error)
+        self.prepared_for_eval = None  # (model, the model prepared for evaluation) before any training
         self.model_preparation_time = None
 
-    def bind(self, loop) -> "EvalStage":
-        super().bind(loop)
-        self.checkpointer = Checkpointer(loop, **self.checkpoint_options)
-        return self
-
-    # -- logging --
-    def log(self, logs: dict, start_time=None) -> None:
-        loop = self.loop
-        logs["epoch"] = loop.state.epoch
-        loop.state.log_history.append({**logs, "step": loop.state.global_step})
-        loop.fire("on_log", logs=logs)
-
-    def log_training_progress(self) -> None:
-        """The step log: mean loss per optimizer step since the last log, pre-clip grad norm, LR. The one host sync
-        of the training loop happens here, at logging points only."""
-        loop, step = self.loop, self.loop.step
-        loss_sum = loop.accelerator.gather(step.tr_loss.detach()).mean().item()
-        step.tr_loss.zero_()
-        logs = {"loss": loss_sum / (loop.state.global_step - self.last_logged_step)}
-        if step.grad_norm is not None:
-            logs["grad_norm"] = step.grad_norm.item() if isinstance(step.grad_norm, torch.Tensor) else step.grad_norm
-        logs["learning_rate"] = step.learning_rate
-        self.total_loss_scalar += loss_sum
-        self.last_logged_step = loop.state.global_step
-        loop.store_flos()
-        self.log(logs)
-
-    # -- the schedule after each optimizer step and each epoch --
-    def after_step(self, ignore_keys_for_eval=None) -> None:
-        loop = self.loop
-        if loop.control.should_log and loop.state.global_step > self.last_logged_step:
-            self.log_training_progress()
-        if loop.control.should_evaluate:
-            rng_before = rng_state() if loop.preemption.active else None
-            try:
-                with loop.clock.span("evaluation"):
-                    metrics = self.evaluate_during_training(ignore_keys_for_eval)
-            except EvaluationInterrupted:
-                # Preempted mid-evaluation: the checkpoint the loop now writes remembers the evaluation (and the
-                # save that would have followed) and the RNG from before it; a resumed run does them first.
-                self.pending_evaluation = {"should_save": bool(loop.control.should_save)}
-                loop.checkpointer.rng_for_next_save = rng_before
-                return
-            is_new_best = self.update_best_metric(metrics)
-            if loop.args.save_strategy == "best":
-                loop.control.should_save = is_new_best
-        if loop.control.should_save:
-            self.save_checkpoint()
-            loop.fire("on_save")
-
-    def run_pending_evaluation(self, resume, ignore_keys_for_eval=None) -> None:
-        """After a resume: the evaluation a preemption interrupted, and the save scheduled after it. It starts from
-        the RNG state saved before it, and training then continues from the state it leaves."""
-        pending, self.pending_evaluation = self.pending_evaluation, None
-        if pending is None or resume is None:
-            return
-        if resume.rng is not None:
-            restore_rng_state(resume.rng)
-        self.loop.control.should_evaluate = True
-        self.loop.control.should_save = pending["should_save"]
-        self.after_step(ignore_keys_for_eval)
-        resume.rng = rng_state()
-
-    def evaluate_during_training(self, ignore_keys=None, skip_scheduler=False) -> dict:
-        loop = self.loop
-        metrics = loop.evaluate(ignore_keys=ignore_keys)
-        scheduler = loop.lr_scheduler
-        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not skip_scheduler:
-            name = self.best_metric_key()
-            scheduler.step(metrics[name])
-        return metrics
-
-    def best_metric_key(self) -> str:
-        name = self.loop.args.metric_for_best_model
-        return name if name.startswith("eval_") else f"eval_{name}"
-
-    def update_best_metric(self, metrics: dict) -> bool:
-        args, state = self.loop.args, self.loop.state
-        if args.metric_for_best_model is None:
-            return False
-        key = self.best_metric_key()
-        if key not in metrics:
-            raise KeyError(f"metric_for_best_model={args.metric_for_best_model!r} looks for {key!r}, which the "
-                           f"evaluation did not produce (it has {sorted(metrics)}). Fix: name one of those.")
-        value = metrics[key]
-        if state.best_metric is None:
-            state.best_metric = -math.inf if args.greater_is_better else math.inf
-        better = value > state.best_metric if args.greater_is_better else value < state.best_metric
-        if better:
-            state.best_metric = value
-            if args.save_strategy in ("steps", "epoch", "best"):
-                state.best_global_step = state.global_step
-        return better
-
-    def checkpoint_scores(self, dirs: list[str]) -> dict[str, float]:
-        """`metric_for_best_model` of each checkpoint folder in `dirs` whose step was evaluated (from `log_history`,
-        which resumes with the run); non-finite values are left out."""
-        if self.loop.args.metric_for_best_model is None:
-            return {}
-        key = self.best_metric_key()
-        by_step = {entry["step"]: entry[key] for entry in self.loop.state.log_history if key in entry}
-        scores = {}
-        for path in dirs:
-            step = int(CHECKPOINT_RE.match(os.path.basename(path)).group(1))
-            if step in by_step and math.isfinite(by_step[step]):
-                scores[path] = by_step[step]
-        return scores
-
-    def best_checkpoints(self, dirs: list[str]) -> set[str]:
-        """The folders among `dirs` that rotation must keep as best: `state.best_model_checkpoint` (HF), plus, with
-        `best_total_limit=k`, the k best scored checkpoints (ties: the earlier step, as a strict improvement
-        decides the best)."""
-        recorded = self.loop.state.best_model_checkpoint
-        # Compared as real paths: `output_dir` may be relative, and a resumed run's best may lie in another folder.
-        best = {d for d in dirs if recorded is not None and os.path.realpath(d) == os.path.realpath(recorded)}
-        if self.best_total_limit is not None:
-            scores = self.checkpoint_scores(dirs)
-            sign = -1 if self.loop.args.greater_is_better else 1
-            ranked = sorted(scores, key=lambda path: (sign * scores[path], dirs.index(path)))
-            best.update(ranked[:self.best_total_limit])
-        return best
-
-    def save_checkpoint(self) -> None:
-        self.loop.store_flos()
-        with self.loop.clock.span("checkpoint"):
-            self.checkpointer.save()
+    def checkpoint_options(self) -> dict:
+        """Keyword arguments for the run's `Checkpointer`."""
+        return dict(self.options)
 
     # -- evaluate / predict --
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
-        loop = self.loop
+        run = self.run
         override = eval_dataset is not None
-        datasets = eval_dataset if override else loop.eval_dataset
+        datasets = eval_dataset if override else run.eval_dataset
         if isinstance(datasets, dict):
             metrics = {}
             for name, dataset in datasets.items():
                 metrics.update(self.evaluate(dataset if override else name, ignore_keys,
                                              f"{metric_key_prefix}_{name}"))
             return metrics
-        dataloader = loop.get_eval_dataloader(eval_dataset)
+        dataloader = run.get_eval_dataloader(eval_dataset)
         # Without compute_metrics no predictions are kept (streaming metrics still see every batch's logits).
-        output = self.timed_loop(dataloader, "Evaluation", True if loop.compute_metrics is None else None,
+        output = self.timed_loop(dataloader, "Evaluation", True if run.compute_metrics is None else None,
                                  ignore_keys, metric_key_prefix)
-        self.log(output.metrics)
-        loop.fire("on_evaluate", metrics=output.metrics)
+        run.log(output.metrics)
+        run.fire("on_evaluate", metrics=output.metrics)
         return output.metrics
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
-        loop = self.loop
-        dataloader = loop.get_test_dataloader(test_dataset)
+        dataloader = self.run.get_test_dataloader(test_dataset)
         output = self.timed_loop(dataloader, "Prediction", None, ignore_keys, metric_key_prefix)
-        loop.fire("on_predict", metrics=output.metrics)
+        self.run.fire("on_predict", metrics=output.metrics)
         return PredictionOutput(output.predictions, output.label_ids, output.metrics)
 
     def timed_loop(self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix):
         """`evaluation_loop` plus HF's speed metrics; the model's preparation time is not part of the runtime."""
-        loop = self.loop
+        run = self.run
         start = time.time()
-        output = loop.evaluation_loop(dataloader, description=description, prediction_loss_only=prediction_loss_only,
+        output = self.evaluation_loop(dataloader, description=description, prediction_loss_only=prediction_loss_only,
                                       ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         start += output.metrics.get(f"{metric_key_prefix}_model_preparation_time", 0)
-        total_batch = loop.args.per_device_eval_batch_size * loop.accelerator.num_processes
+        total_batch = run.args.per_device_eval_batch_size * run.accelerator.num_processes
         output.metrics.update(speed_metrics(metric_key_prefix, start, num_samples=output.num_samples,
                                             num_steps=math.ceil(output.num_samples / total_batch)))
         return output
 
     def eval_model(self):
-        """The model to evaluate; prepared for evaluation the first time if training has not prepared it."""
-        loop = self.loop
-        if len(loop.accelerator._models) == 0 and loop.model_wrapped is loop.model:
+        """The model to evaluate: the training-prepared one, or, before any training, the model prepared for
+        evaluation (once per model; the time it took is reported as HF does)."""
+        run = self.run
+        if run.model_wrapped is not None:
+            return run.model_wrapped
+        if self.prepared_for_eval is None or self.prepared_for_eval[0] is not run.model:
             start = time.time()
-            loop.model_wrapped = loop.accelerator.prepare_model(loop.model, evaluation_mode=True)
+            self.prepared_for_eval = (run.model, run.accelerator.prepare_model(run.model, evaluation_mode=True))
             self.model_preparation_time = round(time.time() - start, 4)
-        return loop.model_wrapped
+        return self.prepared_for_eval[1]
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval") -> EvalLoopOutput:
-        loop, args, acc = self.loop, self.loop.args, self.loop.accelerator
+        run, args = self.run, self.run.args
         if prediction_loss_only is None:
             prediction_loss_only = args.prediction_loss_only
         model = self.eval_model()
         model.eval()
-        if callable(getattr(loop.optimizer, "eval", None)):
-            loop.optimizer.eval()
-        loop.callback_handler.eval_dataloader = dataloader
-        batch_size = args.per_device_eval_batch_size
-        keep_for_metrics = not args.batch_eval_metrics or description == "Prediction"
-        preds, labels_store, inputs_store, losses_store = (PredictionStore(args.eval_do_concat_batches)
-                                                           for _ in range(4))
-        want_inputs = "inputs" in args.include_for_metrics
-        want_losses = "loss" in args.include_for_metrics
-        streaming = loop.metrics
-        reset_all(streaming, acc.device)
-        labelled_batches = 0  # streaming metrics, like compute_metrics, need labels
-        # The loss streams into device sums: finite values, and all values (used only if none is finite).
-        sums = torch.zeros(3, dtype=torch.float64, device=acc.device)
-        total_n = 0  # gathered loss values: a shape, so counted on the host
-        main_input = getattr(loop.model, "main_input_name", "input_ids")
-        metrics, observed = None, 0
-        interruptible = loop.preemption.active and acc.num_processes == 1  # ranks must not leave collectives
+        if callable(getattr(run.optimizer, "eval", None)):
+            run.optimizer.eval()
+        run.eval_dataloader = dataloader
+        acc = EvalAccumulators(run.accelerator.device, args.eval_do_concat_batches,
+                               keep=not args.batch_eval_metrics or description == "Prediction",
+                               description=description)
+        reset_all(run.metrics, run.accelerator.device)
+        batch_metrics = None
         for step, inputs in enumerate(dataloader):
-            if interruptible and loop.preemption.requested:
-                raise EvaluationInterrupted(f"signal {loop.preemption.signum} during evaluation")
-            rows = find_batch_size(inputs) or 0
-            observed += rows
-            # Streaming metrics need the logits even when no prediction is kept, and the labels: a shallow copy of
-            # the batch keeps them should a custom compute_loss pop them.
-            batch = dict(inputs) if streaming and isinstance(inputs, Mapping) else inputs
-            loss, logits, labels = loop.prediction_step(model, inputs, prediction_loss_only and not streaming,
-                                                        ignore_keys=ignore_keys)
-            if streaming and carries_labels(batch, loop.label_names):
-                labelled_batches += 1
-                update_all(streaming, BatchOutputs(loss, logits), batch, real_rows(acc, rows), rows)
-                if prediction_loss_only:
-                    logits = labels = None  # used by the streaming metrics only: never kept
-            inputs_decode = inputs[main_input] if want_inputs else None
-            losses = None
-            if loss is not None:
-                losses = loop.gather_function(loss.repeat(batch_size))
-                finite = torch.isfinite(losses)
-                sums += torch.stack([torch.where(finite, losses, 0).sum(), finite.sum(), losses.sum()]).double()
-                total_n += losses.numel()
-                if want_losses and keep_for_metrics:
-                    losses_store.add(losses)
-            if inputs_decode is not None:
-                inputs_decode = loop.gather_function(acc.pad_across_processes(inputs_decode, dim=1, pad_index=-100))
-                if keep_for_metrics:
-                    inputs_store.add(inputs_decode)
-            if labels is not None:
-                labels = acc.pad_across_processes(labels, dim=1, pad_index=-100)
-            if logits is not None:
-                logits = acc.pad_across_processes(logits, dim=1, pad_index=-100)
-                if loop.preprocess_logits_for_metrics is not None:
-                    logits = loop.preprocess_logits_for_metrics(logits, labels)
-                logits = loop.gather_function(logits)
-                if keep_for_metrics:
-                    preds.add(logits)
-            if labels is not None:
-                labels = loop.gather_function(labels)
-                if keep_for_metrics:
-                    labels_store.add(labels)
-            loop.fire("on_prediction_step")
-            if args.batch_eval_metrics:
-                if loop.compute_metrics is not None and logits is not None and labels is not None:
-                    # As HF: the gathered per-sample losses, and the whole batch as inputs.
-                    batch_kwargs = {"losses": losses if want_losses else None,
-                                    "inputs": inputs if want_inputs else None}
-                    metrics = loop.compute_metrics(EvalPrediction(predictions=logits, label_ids=labels,
-                                                                  **batch_kwargs),
-                                                   compute_result=acc.gradient_state.end_of_dataloader)
-            elif args.eval_accumulation_steps is not None and (step + 1) % args.eval_accumulation_steps == 0:
-                for store in (preds, labels_store, inputs_store, losses_store):
-                    store.offload()
-        all_preds, all_labels = preds.result(), labels_store.result()
-        all_inputs, all_losses = inputs_store.result(), losses_store.result()
+            self.stop_if_preempted()
+            result = self.evaluate_batch(model, inputs, acc, prediction_loss_only, ignore_keys)
+            batch_metrics = result if result is not None else batch_metrics
+            if not args.batch_eval_metrics and args.eval_accumulation_steps is not None and \
+                    (step + 1) % args.eval_accumulation_steps == 0:
+                acc.offload()
+        return self.finish_evaluation(acc, batch_metrics, dataloader, metric_key_prefix)
+
+    def stop_if_preempted(self) -> None:
+        """A preemption signal abandons the evaluation (one process only: ranks must not leave collectives)."""
+        run = self.run
+        if run.preemption.active and run.accelerator.num_processes == 1 and run.preemption.requested:
+            raise EvaluationInterrupted(f"signal {run.preemption.signum} during evaluation")
+
+    def evaluate_batch(self, model, inputs, acc: EvalAccumulators, prediction_loss_only, ignore_keys):
+        """One batch: prediction step, streaming metrics, loss sum, gathered predictions; HF's per-batch
+        `compute_metrics` result with `batch_eval_metrics`, else None."""
+        run, args = self.run, self.run.args
+        rows = find_batch_size(inputs) or 0
+        acc.observed += rows
+        streaming = run.metrics
+        # Streaming metrics need the logits even when no prediction is kept, and the labels: a shallow copy of the
+        # batch keeps them should a custom compute_loss pop them.
+        batch = acc.last_batch = shallow_copy(inputs) if streaming else inputs
+        loss, logits, labels = self.prediction_step(model, inputs, prediction_loss_only and not streaming,
+                                                    ignore_keys=ignore_keys)
+        # A tuple batch has no label names: its metrics read labels by position (`label_key=1`).
+        if streaming and (carries_labels(batch, run.label_names) or not isinstance(batch, Mapping)):
+            acc.labelled_batches += 1
+            update_all(streaming, BatchOutputs(loss, logits), batch, real_rows(run.accelerator, rows), rows)
+            if prediction_loss_only:
+                logits = labels = None  # used by the streaming metrics only: never kept
+        losses = self.gather_losses(loss, acc)
+        logits, labels = self.gather_predictions(inputs, logits, labels, acc)
+        run.fire("on_prediction_step")
+        if args.batch_eval_metrics and run.compute_metrics is not None and logits is not None \
+                and labels is not None:
+            # As HF: the gathered per-sample losses, and the whole batch as inputs.
+            want = args.include_for_metrics
+            return run.compute_metrics(
+                EvalPrediction(predictions=logits, label_ids=labels, losses=losses if "loss" in want else None,
+                               inputs=inputs if "inputs" in want else None),
+                compute_result=run.accelerator.gradient_state.end_of_dataloader)
+        return None
+
+    def gather_losses(self, loss, acc: EvalAccumulators):
+        """The batch's loss, repeated per sample and gathered from every process (HF), into the loss sum."""
+        if loss is None:
+            return None
+        run = self.run
+        losses = run.gather_function(loss.repeat(run.args.per_device_eval_batch_size))
+        acc.loss.add(losses)
+        if "loss" in run.args.include_for_metrics:
+            acc.add(acc.losses, losses)
+        return losses
+
+    def gather_predictions(self, inputs, logits, labels, acc: EvalAccumulators):
+        """Inputs, logits and labels padded to one width across processes and gathered (HF's order)."""
+        run, accelerator = self.run, self.run.accelerator
+        if "inputs" in run.args.include_for_metrics:
+            main = inputs[getattr(run.model, "main_input_name", "input_ids")]
+            acc.add(acc.inputs, run.gather_function(accelerator.pad_across_processes(main, dim=1, pad_index=-100)))
+        if labels is not None:
+            labels = accelerator.pad_across_processes(labels, dim=1, pad_index=-100)
+        if logits is not None:
+            logits = accelerator.pad_across_processes(logits, dim=1, pad_index=-100)
+            if run.preprocess_logits_for_metrics is not None:
+                logits = run.preprocess_logits_for_metrics(logits, labels)
+            logits = run.gather_function(logits)
+            acc.add(acc.preds, logits)
+        if labels is not None:
+            labels = run.gather_function(labels)
+            acc.add(acc.labels, labels)
+        return logits, labels
+
+    def finish_evaluation(self, acc: EvalAccumulators, metrics, dataloader, prefix: str) -> EvalLoopOutput:
+        """Metrics from the accumulated predictions and the streaming metrics, the loss, HF's key order."""
+        run, args = self.run, self.run.args
+        all_preds, all_labels = acc.preds.result(), acc.labels.result()
+        all_inputs, all_losses = acc.inputs.result(), acc.losses.result()
         dataset = getattr(dataloader, "dataset", None)
-        num_samples = len(dataset) if hasattr(dataset, "__len__") else observed
-        if num_samples == 0 and observed > 0:
-            num_samples = observed
-        if loop.compute_metrics is not None and all_preds is not None and all_labels is not None \
+        num_samples = len(dataset) if has_length(dataset) else acc.observed
+        if num_samples == 0 and acc.observed > 0:
+            num_samples = acc.observed
+        if run.compute_metrics is not None and all_preds is not None and all_labels is not None \
                 and not args.batch_eval_metrics:
-            metrics = loop.compute_metrics(EvalPrediction(
-                predictions=all_preds, label_ids=all_labels,
-                inputs=all_inputs if want_inputs else None, losses=all_losses if want_losses else None))
-        elif metrics is None:
-            metrics = {}
-        if streaming and labelled_batches > 0:
-            streamed = compute_all(streaming, acc)
-            clash = sorted({with_prefix(k, metric_key_prefix) for k in streamed}
-                           & {with_prefix(k, metric_key_prefix) for k in metrics})
-            if clash:
-                raise ValueError(f"compute_metrics and the streaming metrics both produce {clash}. Fix: rename the "
-                                 f"streaming metric (name=...) or drop the key from compute_metrics.")
-            metrics = {**metrics, **streamed}
+            want = args.include_for_metrics
+            metrics = run.compute_metrics(EvalPrediction(
+                predictions=all_preds, label_ids=all_labels, inputs=all_inputs if "inputs" in want else None,
+                losses=all_losses if "loss" in want else None))
+        metrics = dict(metrics or {})
+        if run.metrics:
+            metrics = {**metrics, **self.streamed_metrics(acc, metrics, prefix)}
         metrics = plain_metrics(metrics)
-        finite_sum, finite_n, total_sum = sums.tolist()
-        if total_n > 0:
-            use_finite = args.logging_nan_inf_filter and finite_n > 0
-            metrics[f"{metric_key_prefix}_loss"] = finite_sum / finite_n if use_finite else total_sum / total_n
+        loss = acc.loss.mean(args.logging_nan_inf_filter)
+        if loss is not None:
+            metrics[f"{prefix}_loss"] = loss
         if self.model_preparation_time is not None:
-            metrics[f"{metric_key_prefix}_model_preparation_time"] = self.model_preparation_time
+            metrics[f"{prefix}_model_preparation_time"] = self.model_preparation_time
         # HF pops each unprefixed key and re-inserts it prefixed, so `eval_loss` comes before `eval_<metric>`.
-        metrics = {**{k: v for k, v in metrics.items() if k == with_prefix(k, metric_key_prefix)},
-                   **{with_prefix(k, metric_key_prefix): v for k, v in metrics.items()
-                      if k != with_prefix(k, metric_key_prefix)}}
+        metrics = {**{k: v for k, v in metrics.items() if k == with_prefix(k, prefix)},
+                   **{with_prefix(k, prefix): v for k, v in metrics.items() if k != with_prefix(k, prefix)}}
         return EvalLoopOutput(predictions=all_preds, label_ids=all_labels, metrics=metrics, num_samples=num_samples)
 
+    def streamed_metrics(self, acc: EvalAccumulators, metrics: dict, prefix: str) -> dict:
+        """The streaming metrics' results; a warning when no batch carried labels (an unlabelled test set is
+        normal for `predict`), and a clear error where their keys clash with `compute_metrics`'."""
+        run = self.run
+        if acc.labelled_batches == 0:
+            if acc.description == "Evaluation":
+                warn_no_rows(run.metrics, run.label_names, acc.last_batch)
+            return {}
+        streamed = compute_all(run.metrics, run.accelerator)
+        clash = sorted({with_prefix(k, prefix) for k in streamed} & {with_prefix(k, prefix) for k in metrics})
+        if clash:
+            raise ValueError(f"compute_metrics and the streaming metrics both produce {clash}. Fix: rename the "
+                             f"streaming metric (name=...) or drop the key from compute_metrics.")
+        return streamed
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        loop = self.loop
-        label_names = loop.label_names
-        has_labels = carries_labels(inputs, label_names)
+        run = self.run
+        has_labels = carries_labels(inputs, run.label_names)
+        # A tuple or list batch only a compute_loss override can read (`model(**inputs)` needs names): through it.
+        through_loss = has_labels or not isinstance(inputs, Mapping)
         if ignore_keys is None:
-            config = getattr(loop.model, "config", None)
+            config = getattr(run.model, "config", None)
             ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", ["cache"])) if config else []
         labels = None
         if has_labels:
-            labels = nested_detach(tuple(inputs.get(name) for name in label_names))
+            labels = nested_detach(tuple(inputs.get(name) for name in run.label_names))
             labels = labels[0] if len(labels) == 1 else labels
         with torch.no_grad():
-            if has_labels:
-                num_items = loop.count_loss_items([inputs])
-                with loop.compute_loss_context_manager():
-                    loss, outputs = loop.compute_loss(model, inputs, return_outputs=True,
-                                                      num_items_in_batch=num_items)
+            if through_loss:
+                num_items = run.count_loss_items([inputs])
+                with run.compute_loss_context_manager():
+                    loss, outputs = run.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items)
                 loss = loss.detach().mean()
                 logits = tuple(v for k, v in outputs.items() if k not in ignore_keys + ["loss"]) \
-                    if isinstance(outputs, dict) else outputs[1:]
+                    if isinstance(outputs, Mapping) else outputs[1:]
             else:
                 loss = None
-                with loop.compute_loss_context_manager():
+                with run.compute_loss_context_manager():
                     outputs = model(**inputs)
                 logits = tuple(v for k, v in outputs.items() if k not in ignore_keys) \
-                    if isinstance(outputs, dict) else outputs
+                    if isinstance(outputs, Mapping) else outputs
         if prediction_loss_only:
             return loss, None, None
         logits = nested_detach(logits)
@@ -489,10 +358,3 @@ class EvalStage(Stage):
             logits = logits[0]
         return loss, logits, labels
 
-    # -- checkpointed state: the running-loss bookkeeping --
-    def state_dict(self) -> dict:
-        return {"last_logged_step": self.last_logged_step, "pending_evaluation": self.pending_evaluation}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.last_logged_step = state.get("last_logged_step", self.last_logged_step)
-        self.pending_evaluation = state.get("pending_evaluation")

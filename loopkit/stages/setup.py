@@ -4,9 +4,12 @@ Contract:
 * `build(model)` runs once, in `Loop.__init__`: seeds every RNG with `args.seed` (as `Trainer.__init__` does, so the
   same seed gives the same dropout masks), creates the `Accelerator`, builds the model from `model_init` if no model
   was given, and moves it to the device.
-* `begin_training(resume_from_checkpoint)` runs at the start of every `train()`: re-seeds and rebuilds the model
-  when `model_init` is used, turns on activation checkpointing, resolves the checkpoint to resume from and loads its
-  weights (before `accelerator.prepare`, as HF does). It returns the checkpoint path or None.
+* `begin_training(resume_from_checkpoint, trial)` runs at the start of every `train()`: re-seeds and rebuilds the
+  model when `model_init` is used, turns on activation checkpointing, resolves the checkpoint to resume from and
+  loads its weights (before `accelerator.prepare`, as HF does). It returns the checkpoint path or None.
+
+Reads `run.args`, `run.model_init`, `run.checkpointer`; writes `run.accelerator`, `run.model` and
+`run.model_accepts_loss_kwargs`. Owns HF's overridable `call_model_init(trial)`.
 """
 
 from __future__ import annotations
@@ -48,26 +51,27 @@ class SetupStage(Stage):
         self.fsdp_plugin, self.deepspeed_plugin = fsdp_plugin, deepspeed_plugin
 
     def build(self, model):
-        loop = self.loop
+        run = self.run
         self.seed()
-        loop.accelerator = self.create_accelerator()
-        check_launch(loop.accelerator)  # several processes that Accelerate did not join: refuse (distributed.py)
+        run.accelerator = self.create_accelerator()
+        run.gather_function = run.accelerator.gather_for_metrics
+        check_launch(run.accelerator)  # several processes that Accelerate did not join: refuse (distributed.py)
         if model is None:
-            if loop.model_init is None:
+            if run.model_init is None:
                 raise config_error("model", None, "Loop needs a model", "pass model=... or model_init=...")
             model = self.call_model_init()
         self.set_model(model)
 
     def seed(self) -> None:
         """Seed every RNG from `args.seed` (at construction, and before each `model_init`)."""
-        seed_everything(self.loop.args.seed, self.loop.args.full_determinism)
+        seed_everything(self.run.args.seed, self.run.args.full_determinism)
 
     def create_accelerator(self):
         from accelerate import Accelerator
         from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,
                                       GradientAccumulationPlugin)
 
-        args = self.loop.args
+        args = self.run.args
         plugins = engine_plugins(args, self.fsdp_plugin, self.deepspeed_plugin)
         requested = requested_engines(plugins)  # read before the Accelerator, which exports its own flags
         # loopkit accumulates gradients itself (like HF Trainer), so Accelerate's own accumulation stays at 1.
@@ -89,7 +93,7 @@ class SetupStage(Stage):
         return accelerator
 
     def call_model_init(self, trial=None):
-        model_init = self.loop.model_init
+        model_init = self.run.model_init
         n_args = len(inspect.signature(model_init).parameters)
         if n_args > 1:
             raise config_error("model_init", model_init, "it must take no argument or one (the trial)",
@@ -101,37 +105,36 @@ class SetupStage(Stage):
 
     def set_model(self, model) -> None:
         """Make `model` the run's model: on the device, introspected for how its loss is computed."""
-        loop = self.loop
+        run = self.run
         # A model split by device_map places itself; FSDP and DeepSpeed place (and shard) it in `prepare`.
-        if getattr(model, "hf_device_map", None) is None and active_engine(loop.accelerator) is None:
-            model = model.to(loop.accelerator.device)
-        loop.model = loop.model_wrapped = model
+        if getattr(model, "hf_device_map", None) is None and active_engine(run.accelerator) is None:
+            model = model.to(run.accelerator.device)
+        run.model = model
         if hasattr(getattr(model, "config", None), "use_cache"):
-            model.config.use_cache = loop.args.use_cache
+            model.config.use_cache = run.args.use_cache
         base = base_model(model)
         if hasattr(base, "accepts_loss_kwargs"):
-            loop.model_accepts_loss_kwargs = bool(base.accepts_loss_kwargs)
+            run.model_accepts_loss_kwargs = bool(base.accepts_loss_kwargs)
         else:
             params = inspect.signature(base.forward).parameters.values()
-            loop.model_accepts_loss_kwargs = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+            run.model_accepts_loss_kwargs = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
 
     def begin_training(self, resume_from_checkpoint, trial=None):
-        loop, args = self.loop, self.loop.args
-        if loop.model_init is not None:
+        run, args = self.run, self.run.args
+        if run.model_init is not None:  # a new model: the step stage then builds a new optimizer for it
             self.seed()
             self.set_model(self.call_model_init(trial))
-            loop.optimizer, loop.lr_scheduler = None, None
         if args.activation_checkpointing:
-            enable = (getattr(loop.model, "activation_checkpointing_enable", None)
-                      or getattr(loop.model, "gradient_checkpointing_enable", None))
+            enable = (getattr(run.model, "activation_checkpointing_enable", None)
+                      or getattr(run.model, "gradient_checkpointing_enable", None))
             if enable is None:
-                raise config_error("gradient_checkpointing", True, f"{type(loop.model).__name__} has no "
+                raise config_error("gradient_checkpointing", True, f"{type(run.model).__name__} has no "
                                    "gradient_checkpointing_enable()", "use a transformers model or turn it off")
             kwargs = args.activation_checkpointing_kwargs or args.gradient_checkpointing_kwargs
             enable(gradient_checkpointing_kwargs=kwargs) if "gradient" in enable.__name__ else enable(
                 activation_checkpointing_kwargs=kwargs)
-        loop.checkpointer.remove_leftovers()
-        checkpoint = loop.checkpointer.resolve(resume_from_checkpoint)
-        if checkpoint is not None and full_state_dict_saved(loop.accelerator):  # else: after `prepare` (FSDP)
-            load_model_weights(loop.model, checkpoint)
+        run.checkpointer.remove_leftovers()
+        checkpoint = run.checkpointer.resolve(resume_from_checkpoint)
+        if checkpoint is not None and full_state_dict_saved(run.accelerator):  # else: after `prepare` (FSDP)
+            load_model_weights(run.model, checkpoint)
         return checkpoint

@@ -7,12 +7,27 @@ Contract (HF Trainer 5.24 semantics, facts file sections 1.2 and 4):
   resumed run.
 * `compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None)` and
   `training_step(model, inputs, num_items_in_batch=None)` with HF's signatures and loss scaling.
-* `run(window)`: `on_step_begin` -> forward/backward per micro-batch (`on_substep_end` between) ->
-  `on_gradients_ready` -> clip -> `on_pre_optimizer_step` -> `optimizer.step()` -> `on_optimizer_step` ->
-  `lr_scheduler.step()` -> `zero_grad` -> `global_step += 1` -> `on_step_end`.
+* `run(window, epoch, steps_in_epoch) -> StepResult`: `on_step_begin` -> forward/backward per micro-batch
+  (`on_substep_end` between) -> `on_gradients_ready` -> clip -> `on_pre_optimizer_step` -> `optimizer.step()` ->
+  `on_optimizer_step` -> `lr_scheduler.step()` -> `zero_grad` -> `global_step += 1` -> `on_step_end`.
 
-Hot path: nothing here calls `.item()` or otherwise waits for the device. The running loss, the token count and the
-gradient norm stay device tensors until the evaluation stage reads them at a logging point.
+Reads `run.args`, `run.accelerator`, `run.model`, `run.model_accepts_loss_kwargs`, `run.compute_loss_func`,
+`run.optimizers_given`, `run.optimizer_cls_and_kwargs`, `run.checkpointer`, `run.clock`; writes `run.model_wrapped`,
+`run.optimizer`, `run.lr_scheduler`, and `run.state.global_step` / `epoch`. Owns HF's overridable
+`create_optimizer`, `create_scheduler`, `get_decay_parameter_names`, `compute_loss`, `compute_loss_context_manager`,
+`training_step`, `floating_point_ops`, and loopkit's `count_loss_items`.
+
+Which losses count as normalised over the accumulated batch (HF 5.x's rule, `loss_is_scaled_for_ga`): `None` (the
+default) means "scaled" when the model takes `num_items_in_batch` (its forward has `**kwargs` or
+`accepts_loss_kwargs = True`) and got it, or when a `compute_loss_func` computed the loss; otherwise the loss is
+treated as a per-micro-batch mean and divided by the number of micro-batches in the window. A `compute_loss`
+override that returns a per-batch mean on a model that takes `num_items_in_batch` must set
+`loss_is_scaled_for_ga = False` (on the stage subclass, or on a `Loop` subclass as on a `Trainer` subclass), or
+normalise by `num_items_in_batch` itself; `train()` warns when an override falls under the "scaled" rule with
+gradient accumulation, so the choice is never silent.
+
+Hot path: nothing here calls `.item()` or otherwise waits for the device. A step's losses, token count and gradient
+norm stay device tensors in the `StepResult` until a logging point reads them.
 """
 
 from __future__ import annotations
@@ -20,12 +35,15 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..args import config_error
+from ..batches import require_named_batch
 from ..guards import NONFINITE_POLICIES, NonFiniteWatch
 from .base import Stage, base_model
 
@@ -60,8 +78,27 @@ def is_causal_lm(model) -> bool:
     return type(base).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
+@dataclass(eq=False)
+class StepResult:
+    """What one optimizer step produced, handed back to the `Loop`: the micro-batch losses (detached device
+    tensors, already scaled for accumulation), the pre-clip gradient norm (a device tensor), the learning rate the
+    step used, and the work done (HF's FLOP estimate, input tokens, samples: tensor metadata, no device sync).
+    `completed` is False when a callback stopped training or the epoch inside the window (no optimizer step)."""
+
+    completed: bool
+    losses: list = field(default_factory=list)
+    grad_norm: torch.Tensor | None = None
+    learning_rate: float | None = None
+    flos: float = 0.0
+    tokens: int = 0
+    samples: int = 0
+
+
 class StepStage(Stage):
     """Forward, backward, accumulation, clipping, optimizer and scheduler."""
+
+    #: Whether `compute_loss` already normalises over the accumulated batch: None = HF's rule (module docstring).
+    loss_is_scaled_for_ga = None
 
     def __init__(self, nonfinite: str = "ignore"):
         """`nonfinite`: what to do with a non-finite loss or gradient ("ignore", "skip", "stop", "raise"; see
@@ -69,254 +106,273 @@ class StepStage(Stage):
         if nonfinite not in NONFINITE_POLICIES:
             raise config_error("nonfinite", nonfinite, f"it must be one of {NONFINITE_POLICIES}", "pick one of those")
         self.nonfinite = NonFiniteWatch(nonfinite) if nonfinite != "ignore" else None
-        self.tr_loss = None  # device tensor: sum of step losses since the last log
-        self.grad_norm = None  # device tensor: pre-clip norm of the last optimizer step
-        self.learning_rate = None  # float: the LR the last optimizer step used
         self.current_gradient_accumulation_steps = 1
-        self.restored_loss = 0.0
+        self.prepared_model = None  # the model the optimizer was built for and `accelerator.prepare` wrapped
+        # Decided once per train() by `prepare_hot_path`; these defaults serve an evaluation before any training.
+        self.label_shift, self.main_input, self.num_non_embedding_params = None, "input_ids", 0
 
     # -- optimizer and scheduler (HF's create_optimizer / create_scheduler) --
+    def get_decay_parameter_names(self, model) -> list[str]:
+        return decay_parameter_names(model)
+
     def create_optimizer(self, model=None):
-        loop, args = self.loop, self.loop.args
-        model = loop.model if model is None else model
-        if loop.optimizer is None:
-            decay = set(loop.get_decay_parameter_names(model))
+        """`run.optimizer`: the one passed in `optimizers=`, else HF's default (AdamW, decay / no-decay groups)."""
+        run, args = self.run, self.run.args
+        model = run.model if model is None else model
+        if run.optimizer is None and run.optimizers_given[0] is not None:
+            run.optimizer = run.optimizers_given[0]
+        if run.optimizer is None:
+            decay = set(self.get_decay_parameter_names(model))
             groups = [
                 {"params": [p for n, p in model.named_parameters() if n in decay and p.requires_grad],
                  "weight_decay": args.weight_decay},
                 {"params": [p for n, p in model.named_parameters() if n not in decay and p.requires_grad],
                  "weight_decay": 0.0},
             ]
-            if loop.optimizer_cls_and_kwargs is not None:
-                cls, kwargs = loop.optimizer_cls_and_kwargs
+            if run.optimizer_cls_and_kwargs is not None:
+                cls, kwargs = run.optimizer_cls_and_kwargs
             else:
                 cls = torch.optim.AdamW
                 kwargs = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
                           "eps": args.adam_epsilon}
                 if str(getattr(args.optim, "value", args.optim)) == "adamw_torch_fused":
                     kwargs["fused"] = True
-            loop.optimizer = cls(groups, **kwargs)
-        return loop.optimizer
+            run.optimizer = cls(groups, **kwargs)
+        return run.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
-        loop, args = self.loop, self.loop.args
-        if loop.lr_scheduler is None:
+        """`run.lr_scheduler`: the one passed in `optimizers=`, else `get_scheduler(lr_scheduler_type)`."""
+        run, args = self.run, self.run.args
+        if run.lr_scheduler is None and run.optimizers_given[1] is not None:
+            run.lr_scheduler = run.optimizers_given[1]
+        if run.lr_scheduler is None:
             from transformers.optimization import get_scheduler
 
-            loop.lr_scheduler = get_scheduler(
+            run.lr_scheduler = get_scheduler(
                 str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
-                optimizer=loop.optimizer if optimizer is None else optimizer,
+                optimizer=run.optimizer if optimizer is None else optimizer,
                 num_warmup_steps=args.get_warmup_steps(num_training_steps),
                 num_training_steps=num_training_steps,
                 scheduler_specific_kwargs=args.lr_scheduler_kwargs,
             )
-        return loop.lr_scheduler
+        return run.lr_scheduler
 
-    def prepare(self, max_steps: int, checkpoint: str | None):
-        """Optimizer, `accelerator.prepare`, scheduler, resume. A scheduler the user did not pass in
-        `optimizers=(opt, sched)` is created anew by every `train()` (its length depends on that call's max_steps),
-        through `create_scheduler`, overridden or not."""
-        loop = self.loop
-        if not loop.scheduler_given:
-            loop.lr_scheduler = None
-        loop.create_optimizer()
-        if loop.model_wrapped is loop.model:
+    def prepare(self, max_steps: int, checkpoint: str | None) -> None:
+        """Optimizer, `accelerator.prepare`, scheduler, resume. A new model (the first `train()`, or `model_init`)
+        gets a new optimizer; a scheduler the user did not pass is created anew by every `train()` (its length
+        depends on that call's max_steps), through `create_scheduler`, overridden or not."""
+        run, acc = self.run, self.run.accelerator
+        new_model = run.model is not self.prepared_model
+        if new_model:
+            run.optimizer = None
+        run.lr_scheduler = None
+        self.create_optimizer()
+        if new_model or run.model_wrapped is run.model:
             # An evaluation before training prepared the bare model for evaluation only (no DDP wrapper), and
             # Accelerate then treats it as prepared: without dropping that mark, `prepare` would return it
             # unwrapped and each process would train its own copy.
-            vars(loop.model).pop("_is_accelerate_prepared", None)
-            loop.model_wrapped, loop.optimizer = loop.accelerator.prepare(loop.model, loop.optimizer)
+            vars(run.model).pop("_is_accelerate_prepared", None)
+            run.model_wrapped, run.optimizer = acc.prepare(run.model, run.optimizer)
         else:
-            loop.optimizer = loop.accelerator.prepare(loop.optimizer)
-        loop.create_scheduler(num_training_steps=max_steps)
+            run.optimizer = acc.prepare(run.optimizer)
+        self.prepared_model = run.model
+        self.create_scheduler(num_training_steps=max_steps)
         if checkpoint is not None:
-            loop.checkpointer.load_optimizer_and_scheduler(checkpoint)
-        self.num_non_embedding_params = (loop.model.num_parameters(exclude_embeddings=True)
-                                         if hasattr(loop.model, "num_parameters") else 0)
-        self.label_shift = is_causal_lm(loop.model)
+            run.checkpointer.load_optimizer_and_scheduler(checkpoint)
+        self.prepare_hot_path()
+        self.warn_if_override_scaling_is_implicit()
+
+    def prepare_hot_path(self) -> None:
+        """What every step needs, decided once per `train()`."""
+        run, acc = self.run, self.run.accelerator
+        self.num_non_embedding_params = (run.model.num_parameters(exclude_embeddings=True)
+                                         if hasattr(run.model, "num_parameters") else 0)
+        self.main_input = getattr(run.model, "main_input_name", "input_ids")
+        self.label_shift = is_causal_lm(run.model)
         # Plain engines (one process, DDP) without a loss scaler: Accelerate's backward, clip and optimizer wrappers
         # then only forward to torch, but cost ~250 us a step on a CPU (an optional-package lookup in every
         # `AcceleratedOptimizer.step`, a per-parameter DTensor scan in every clip). Call torch directly there, with
         # identical numerics; every other engine keeps Accelerate's path.
         from accelerate.utils import DistributedType
 
-        acc = loop.accelerator
         self.direct = acc.scaler is None and acc.distributed_type in (
             DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
-        self.clip_params = list(loop.model_wrapped.parameters())
-        if checkpoint is None:
-            self.restored_loss = 0.0
-        self.tr_loss = torch.full((), self.restored_loss, device=loop.accelerator.device)
+        self.clip_params = list(run.model_wrapped.parameters())
+        self.inner_optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
         if self.nonfinite is not None:
-            self.nonfinite.start(loop.accelerator.device)
-            inner = getattr(loop.optimizer, "optimizer", loop.optimizer)
-            if self.nonfinite.policy in ("skip", "stop") and loop.accelerator.scaler is None and \
-                    not inner.defaults.get("fused"):
+            self.nonfinite.start(acc.device)
+            if self.nonfinite.policy in ("skip", "stop") and acc.scaler is None and \
+                    not self.inner_optimizer.defaults.get("fused"):
                 raise config_error("nonfinite", self.nonfinite.policy, f"skipping a step without waiting for the "
-                                   f"device needs a fused optimizer, and {type(inner).__name__} is not fused",
-                                   "use optim='adamw_torch_fused' (the default), or nonfinite='raise'")
-        self.loss_scale_tokens = loop.args.average_tokens_across_devices and loop.accelerator.num_processes > 1
+                                   f"device needs a fused optimizer, and {type(self.inner_optimizer).__name__} is "
+                                   f"not fused", "use optim='adamw_torch_fused' (the default), or nonfinite='raise'")
+
+    def warn_if_override_scaling_is_implicit(self) -> None:
+        """Say which loss-scaling rule an overridden `compute_loss` falls under, where the choice matters."""
+        run = self.run
+        overridden = "compute_loss" in vars(self) or type(self).compute_loss is not StepStage.compute_loss
+        if not overridden or self.loss_is_scaled_for_ga is not None or run.args.gradient_accumulation_steps == 1:
+            return
+        if run.model_accepts_loss_kwargs and run.compute_loss_func is None:
+            warnings.warn(
+                f"compute_loss is overridden and {type(base_model(run.model)).__name__} takes num_items_in_batch, so "
+                f"with gradient_accumulation_steps={run.args.gradient_accumulation_steps} its loss is taken as "
+                f"already normalised over the whole accumulation window (HF's rule) and not divided by the number "
+                f"of micro-batches. If it is a per-batch mean, set loss_is_scaled_for_ga = False on your stage or "
+                f"Loop subclass (or divide a summed loss by num_items_in_batch); set it to True to silence this.")
 
     # -- loss --
+    def compute_loss_context_manager(self):
+        return contextlib.nullcontext()  # Accelerate applies autocast by wrapping model.forward
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loop = self.loop
-        labels = inputs.pop("labels") if loop.compute_loss_func is not None and "labels" in inputs else None
-        if loop.model_accepts_loss_kwargs and num_items_in_batch is not None:
+        run = self.run
+        require_named_batch(inputs)
+        labels = inputs.pop("labels") if run.compute_loss_func is not None and "labels" in inputs else None
+        if run.model_accepts_loss_kwargs and num_items_in_batch is not None:
             inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
         outputs = model(**inputs)
-        if loop.compute_loss_func is not None:
-            loss = loop.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-        elif isinstance(outputs, dict):
-            if outputs.get("loss") is None:
-                raise ValueError(
-                    f"The model returned no loss (its outputs: {', '.join(outputs.keys())}; its inputs: "
-                    f"{', '.join(inputs.keys())}). Fix: pass labels in the batch (check label_names and the "
-                    f"collator), or give Loop a compute_loss_func, or override compute_loss.")
-            loss = outputs["loss"]
-        elif isinstance(outputs, torch.Tensor):
-            # HF would index it (outputs[0]) and fail far from the cause; a bare tensor is never (loss, ...).
-            raise ValueError(
-                f"The model returned a bare tensor of shape {tuple(outputs.shape)}, not outputs with a loss. Fix: "
-                f"return a dict (or ModelOutput) with a 'loss' entry, or give Loop a compute_loss_func, or override "
-                f"compute_loss.")
+        if run.compute_loss_func is not None:
+            loss = run.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         else:
-            loss = outputs[0]
-        if (loop.args.average_tokens_across_devices and num_items_in_batch is not None
-                and (loop.model_accepts_loss_kwargs or loop.compute_loss_func is not None)):
+            loss = model_loss(outputs, inputs)
+        if (run.args.average_tokens_across_devices and num_items_in_batch is not None
+                and (run.model_accepts_loss_kwargs or run.compute_loss_func is not None)):
             # The token count is global, and DDP averages gradients over processes: undo that average.
-            loss = loss * loop.accelerator.num_processes
+            loss = loss * run.accelerator.num_processes
         return (loss, outputs) if return_outputs else loss
 
     def count_loss_items(self, batches) -> torch.Tensor | None:
         """`num_items_in_batch`: label tokens != -100 over the whole window (summed over processes), a device
         tensor, or None when the loss does not take it."""
-        loop = self.loop
-        if not batches or "labels" not in batches[0]:
+        run = self.run
+        if not batches or not isinstance(batches[0], Mapping) or "labels" not in batches[0]:
             return None
-        if not (loop.model_accepts_loss_kwargs or loop.compute_loss_func is not None):
+        if not (run.model_accepts_loss_kwargs or run.compute_loss_func is not None):
             return None
+        shift = self.label_shift if self.label_shift is not None else is_causal_lm(run.model)
         try:
             count = sum(
-                (b["shift_labels"] if "shift_labels" in b else b["labels"][..., 1:] if self.label_shift
+                (b["shift_labels"] if "shift_labels" in b else b["labels"][..., 1:] if shift
                  else b["labels"]).ne(-100).sum() for b in batches)
         except (TypeError, AttributeError):
             return None
-        if self.loss_scale_tokens:
-            count = loop.accelerator.gather(count.to(loop.accelerator.device)).sum()
-        return count.to(loop.accelerator.device)
+        if run.args.average_tokens_across_devices and run.accelerator.num_processes > 1:
+            count = run.accelerator.gather(count.to(run.accelerator.device)).sum()
+        return count.to(run.accelerator.device)
+
+    def loss_is_scaled(self, num_items_in_batch) -> bool:
+        if self.loss_is_scaled_for_ga is not None:
+            return self.loss_is_scaled_for_ga
+        run = self.run
+        return (run.model_accepts_loss_kwargs and num_items_in_batch is not None) or run.compute_loss_func is not None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Forward and backward of one micro-batch; returns the detached loss scaled for accumulation."""
-        loop = self.loop
+        run = self.run
         model.train()
-        if callable(getattr(loop.optimizer, "train", None)):
-            loop.optimizer.train()
-        with loop.compute_loss_context_manager():
-            loss = loop.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        scaled = loop.loss_is_scaled_for_ga
-        if scaled is None:
-            scaled = (loop.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
-                loop.compute_loss_func is not None
-        if not scaled:
+        if callable(getattr(run.optimizer, "train", None)):
+            run.optimizer.train()
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if not self.loss_is_scaled(num_items_in_batch):
             loss = loss / self.current_gradient_accumulation_steps
-        with loop.clock.span("backward"):
+        with run.clock.span("backward"):
             if self.direct:
                 loss.backward()  # = accelerator.backward here (it divides by its accumulation steps, 1)
             else:
-                loop.accelerator.backward(loss)
+                run.accelerator.backward(loss)
         return loss.detach()
 
     # -- one optimizer step --
-    def run(self, window, epoch: int, steps_in_epoch: int) -> bool:
-        """Train on one window. Returns False if a callback stopped training or the epoch mid-window."""
-        loop, acc = self.loop, self.loop.accelerator
-        fire, model = loop.fire, loop.model_wrapped
-        batches = window.batches
-        num_items = loop.count_loss_items(batches)
+    def run_step(self, window, epoch: int, steps_in_epoch: int) -> StepResult:
+        """Train on one window of micro-batches (see the module docstring for the order of events)."""
+        run, acc = self.run, self.run.accelerator
+        model, batches = run.model_wrapped, window.batches
+        num_items = self.count_loss_items(batches)
         self.current_gradient_accumulation_steps = len(batches)
-        fire("on_step_begin")
+        result = StepResult(completed=False)
+        run.fire("on_step_begin")
         last = len(batches) - 1
-        window_loss = 0.0
         for i, inputs in enumerate(batches):
             acc.gradient_state._set_sync_gradients(i == last)
             context = contextlib.nullcontext() if i == last else acc.no_sync(model)
-            with context, loop.clock.span("forward"):
-                step_loss = loop.training_step(model, inputs, num_items)
-            if self.nonfinite is not None:
-                window_loss = window_loss + step_loss
-            self.accumulate_loss(step_loss)
-            self.count_flos(inputs)
+            with context, run.clock.span("forward"):
+                result.losses.append(self.training_step(model, inputs, num_items))
+            self.count_work(inputs, result)
             if i != last:
-                fire("on_substep_end")
-                if loop.control.should_epoch_stop or loop.control.should_training_stop:
-                    return False
-        with loop.clock.span("optimizer"):
-            self.optimizer_step(model, window_loss, (epoch, window.first_index, len(batches)))
-        state = loop.state
-        state.global_step += 1
-        state.epoch = epoch + (window.first_index + len(batches)) / steps_in_epoch
-        fire("on_step_end")
-        return True
-
-    def accumulate_loss(self, step_loss: torch.Tensor) -> None:
-        if self.loop.args.logging_nan_inf_filter:
-            # HF replaces a NaN/Inf loss by the running mean; torch.where does it without a host sync.
-            since = 1 + self.loop.state.global_step - self.loop.evaluation.last_logged_step
-            step_loss = torch.where(torch.isfinite(step_loss), step_loss, self.tr_loss / since)
-        self.tr_loss += step_loss
+                run.fire("on_substep_end")
+                if run.control.should_epoch_stop or run.control.should_training_stop:
+                    return result
+        with run.clock.span("optimizer"):
+            self.optimizer_step(model, result, (epoch, window.first_index, len(batches)))
+        run.state.global_step += 1
+        run.state.epoch = epoch + (window.first_index + len(batches)) / steps_in_epoch
+        result.completed = True
+        run.fire("on_step_end")
+        return result
 
     def floating_point_ops(self, inputs) -> int:
         """HF's estimate for one forward + backward: 6 x elements of the main input x non-embedding parameters; 0
         for a model without `num_parameters`. Any mapping counts (collators return `BatchEncoding`, not a dict)."""
-        main = getattr(self.loop.model, "main_input_name", "input_ids")
-        if isinstance(inputs, Mapping) and main in inputs and self.num_non_embedding_params:
-            return 6 * inputs[main].numel() * self.num_non_embedding_params
+        if isinstance(inputs, Mapping) and self.main_input in inputs and self.num_non_embedding_params:
+            return 6 * inputs[self.main_input].numel() * self.num_non_embedding_params
         return 0
 
-    def count_flos(self, inputs) -> None:
+    def count_work(self, inputs, result: StepResult) -> None:
         """FLOPs (HF's estimate), and the input tokens and samples the run report divides by time. Sizes are
         tensor metadata: no device sync."""
-        loop = self.loop
-        loop.current_flos += float(loop.floating_point_ops(inputs))
-        main = inputs.get(getattr(loop.model, "main_input_name", "input_ids")) if isinstance(inputs, Mapping) \
-            else None
+        result.flos += float(self.floating_point_ops(inputs))
+        main = inputs.get(self.main_input) if isinstance(inputs, Mapping) else None
         if isinstance(main, torch.Tensor):
-            loop.tokens_seen += main.numel()
-            loop.samples_seen += main.shape[0] if main.ndim else 1
+            result.tokens += main.numel()
+            result.samples += main.shape[0] if main.ndim else 1
 
     def clip_gradients(self, model) -> torch.Tensor:
         """Pre-clip total norm; clips to `max_grad_norm` when it is positive (HF logs the norm either way)."""
-        max_norm = self.loop.args.max_grad_norm if self.loop.args.max_grad_norm > 0 else math.inf
+        max_norm = self.run.args.max_grad_norm if self.run.args.max_grad_norm > 0 else math.inf
         if self.direct:
             return torch.nn.utils.clip_grad_norm_(self.clip_params, max_norm)
-        return self.loop.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        return self.run.accelerator.clip_grad_norm_(model.parameters(), max_norm)
 
-    def optimizer_step(self, model, window_loss=None, where=None) -> None:
-        loop, acc, fire = self.loop, self.loop.accelerator, self.loop.fire
-        if loop.callback_handler.has_listeners("on_gradients_ready"):
+    def optimizer_step(self, model, result: StepResult, where=None) -> None:
+        run, acc = self.run, self.run.accelerator
+        if run.events.has_listeners("on_gradients_ready"):
             acc.unscale_gradients()  # fp16: listeners see true gradients; no-op otherwise
-            fire("on_gradients_ready")
-        self.grad_norm = self.clip_gradients(model)
+            run.fire("on_gradients_ready")
+        result.grad_norm = self.clip_gradients(model)
         if self.nonfinite is not None:
-            found_inf = self.nonfinite.observe(loop.state.global_step + 1, window_loss, self.grad_norm, where)
+            found_inf = self.nonfinite.observe(run.state.global_step + 1, sum(result.losses), result.grad_norm, where)
             if self.nonfinite.policy in ("skip", "stop") and acc.scaler is None:
                 # The fused optimizer reads these and leaves parameters and state untouched when found_inf is 1.
-                inner = getattr(loop.optimizer, "optimizer", loop.optimizer)
-                inner.grad_scale, inner.found_inf = None, found_inf
-        fire("on_pre_optimizer_step")
+                self.inner_optimizer.grad_scale, self.inner_optimizer.found_inf = None, found_inf
+        run.fire("on_pre_optimizer_step")
         if self.direct:
-            getattr(loop.optimizer, "optimizer", loop.optimizer).step()  # what AcceleratedOptimizer.step calls
-            loop.optimizer._opt_called = True  # what the scheduler's wrapper of optimizer.step records (else: a warning)
+            self.inner_optimizer.step()  # what AcceleratedOptimizer.step calls
+            run.optimizer._opt_called = True  # what the scheduler's wrapper of optimizer.step records (else: a warning)
         else:
-            loop.optimizer.step()
-        fire("on_optimizer_step")
-        scheduler = loop.lr_scheduler
-        self.learning_rate = scheduler.get_last_lr()[0] if hasattr(scheduler, "get_last_lr") else \
-            loop.optimizer.param_groups[0]["lr"]
+            run.optimizer.step()
+        run.fire("on_optimizer_step")
+        scheduler = run.lr_scheduler
+        result.learning_rate = scheduler.get_last_lr()[0] if hasattr(scheduler, "get_last_lr") else \
+            run.optimizer.param_groups[0]["lr"]
         if not acc.optimizer_step_was_skipped and not isinstance(
                 scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             scheduler.step()
         model.zero_grad()
+
+    def check_nonfinite(self) -> bool:
+        """One host sync: act on the non-finite steps since the last check by the `nonfinite` policy (raise, or
+        warn); returns True when training must stop (policy "stop")."""
+        watch = self.nonfinite
+        report = watch.check() if watch is not None else None
+        if report is None:
+            return False
+        if watch.policy == "raise":
+            raise FloatingPointError(report + " (nonfinite='raise').")
+        warnings.warn(report + f" (nonfinite={watch.policy!r}: those steps were not applied"
+                      + (", stopping with a checkpoint)." if watch.policy == "stop" else ")."))
+        return watch.policy == "stop"
 
     def add_param_group(self, params, **group_options) -> None:
         """Add newly trainable parameters to the optimizer and extend the scheduler to cover the new group.
@@ -324,15 +380,15 @@ class StepStage(Stage):
         For parameters frozen before the optimizer was built (so it does not hold them), e.g. progressive
         unfreezing. A plain `optimizer.add_param_group` breaks `LambdaLR`, which keeps one lambda per group.
         """
-        loop = self.loop
-        if loop.optimizer is None:
+        run = self.run
+        if run.optimizer is None:
             raise config_error("optimizer", None, "there is no optimizer yet", "call this from on_train_begin or later")
         group = {"params": list(params), **group_options}
         group.setdefault("weight_decay", 0.0)
-        loop.optimizer.add_param_group(group)
-        new = loop.optimizer.param_groups[-1]
+        run.optimizer.add_param_group(group)
+        new = run.optimizer.param_groups[-1]
         new.setdefault("initial_lr", new["lr"])
-        scheduler = loop.lr_scheduler
+        scheduler = run.lr_scheduler
         if hasattr(scheduler, "lr_lambdas"):
             scheduler.lr_lambdas.append(scheduler.lr_lambdas[0])
         if hasattr(scheduler, "base_lrs"):
@@ -342,10 +398,20 @@ class StepStage(Stage):
             if hasattr(scheduler, "_last_lr"):
                 scheduler._last_lr.append(new["lr"])
 
-    def state_dict(self) -> dict:
-        return {"tr_loss": float(self.tr_loss) if self.tr_loss is not None else 0.0}
 
-    def load_state_dict(self, state: dict) -> None:
-        # The loss summed since the last log before the checkpoint, so the first log after a resume is exact
-        # (HF Trainer restarts it at 0). `restored_loss` keeps it out of this call's `train_loss`.
-        self.restored_loss = state.get("tr_loss", 0.0)
+def model_loss(outputs, inputs) -> torch.Tensor:
+    """The loss a model returned, or an error that says why there is none and what to do."""
+    if isinstance(outputs, Mapping):
+        if outputs.get("loss") is None:
+            raise ValueError(
+                f"The model returned no loss (its outputs: {', '.join(outputs.keys())}; its inputs: "
+                f"{', '.join(inputs.keys())}). Fix: pass labels in the batch (check label_names and the "
+                f"collator), or give Loop a compute_loss_func, or override compute_loss.")
+        return outputs["loss"]
+    if isinstance(outputs, torch.Tensor):
+        # HF would index it (outputs[0]) and fail far from the cause; a bare tensor is never (loss, ...).
+        raise ValueError(
+            f"The model returned a bare tensor of shape {tuple(outputs.shape)}, not outputs with a loss. Fix: "
+            f"return a dict (or ModelOutput) with a 'loss' entry, or give Loop a compute_loss_func, or override "
+            f"compute_loss.")
+    return outputs[0]

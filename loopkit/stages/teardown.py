@@ -1,12 +1,18 @@
 """Stage 5, teardown: the run summary, the best model, the final checkpoint clean-up, and releasing resources.
 
-Contract: `finish_training(plan, start_time)` logs HF's summary (`train_runtime`, `train_samples_per_second`,
-`train_steps_per_second`, `total_flos`, `train_loss`), loads the best checkpoint's weights when
-`load_best_model_at_end`, keeps only the best checkpoint when `save_total_limit == 1`, fires `on_train_end` and
-returns a `TrainOutput`. It then writes the run report (loopkit/report.py: JSON summary, time by phase, slow steps,
-charts, a console summary); a failed run gets its report too. `release()` frees what the run holds (persistent
-dataloader workers, gradients, device caches); it also runs when training fails. `export()` writes the model in
-`save_pretrained`, `torch.export` and ONNX form, each checked against the live model.
+Contract:
+* `finish_training(plan, start_time, train_loss, steps_run)` logs HF's summary (`train_runtime`,
+  `train_samples_per_second`, `train_steps_per_second`, `total_flos`, `train_loss`), loads the best checkpoint's
+  weights when `load_best_model_at_end`, keeps only the best checkpoint when `save_total_limit == 1`, fires
+  `on_train_end` and returns a `TrainOutput`.
+* `release()` frees what the run holds on the device (gradients, cached blocks); it also runs when training fails.
+* `write_run_report(status, counters, train_metrics)` writes the run report (loopkit/report.py: JSON summary, time
+  by phase, slow steps, charts, a console summary); a failed run gets its report too.
+* `export(output_dir, example_inputs, formats)` writes the model in `save_pretrained`, `torch.export` and ONNX
+  form, each checked against the live model.
+
+Reads `run.args`, `run.accelerator`, `run.state`, `run.model_wrapped`, `run.optimizer`, `run.checkpointer`,
+`run.clock`, `run.processing_class`; writes no run-state field.
 """
 
 from __future__ import annotations
@@ -26,52 +32,45 @@ from .evaluation import speed_metrics
 class TeardownStage(Stage):
     """The end of a run."""
 
-    def finish_training(self, plan, start_time: float) -> TrainOutput:
-        loop = self.loop
-        evaluation, state = loop.evaluation, loop.state
-        remaining = loop.accelerator.gather(loop.step.tr_loss.detach()).mean().item()
-        evaluation.total_loss_scalar += remaining - loop.step.restored_loss
-        steps_run = state.global_step - loop.initial_global_step
-        train_loss = evaluation.total_loss_scalar / max(steps_run, 0.001)
+    def finish_training(self, plan, start_time: float, train_loss: float, steps_run: int) -> TrainOutput:
+        run = self.run
+        state = run.state
         metrics = speed_metrics("train", start_time,
                                 num_samples=plan.num_train_samples * steps_run / max(state.max_steps, 1),
                                 num_steps=steps_run)
-        loop.store_flos()
         metrics["total_flos"] = state.total_flos
         metrics["train_loss"] = train_loss
-        loop.log(metrics)
-        loop.checkpointer.wait()  # an asynchronous save still in flight
-        if loop.args.load_best_model_at_end and state.best_model_checkpoint is not None:
-            load_model_weights(loop.accelerator.unwrap_model(loop.model_wrapped), state.best_model_checkpoint)
-        loop.checkpointer.keep_only_best()
-        loop.fire("on_train_end")
-        self.release()
-        self.write_run_report("preempted" if loop.preemption.requested else "completed", metrics)
+        run.log(metrics)
+        run.checkpointer.wait()  # an asynchronous save still in flight
+        if run.args.load_best_model_at_end and state.best_model_checkpoint is not None:
+            load_model_weights(run.accelerator.unwrap_model(run.model_wrapped), state.best_model_checkpoint)
+        run.checkpointer.keep_only_best()
+        run.fire("on_train_end")
         return TrainOutput(state.global_step, train_loss, metrics)
 
-    def write_run_report(self, status: str, train_metrics: dict | None = None) -> None:
+    def write_run_report(self, status: str, counters: dict, train_metrics: dict | None = None) -> None:
         """run_report.json / .md, charts and the console summary (loopkit/report.py); main process only. A failure
-        to write it is a warning: it must never hide the run's own outcome."""
-        loop = self.loop
-        if not loop.accelerator.is_main_process:
+        to write it is a warning: it must never hide the run's own outcome. `counters`: the input tokens and
+        samples the run trained on."""
+        run = self.run
+        if not run.accelerator.is_main_process:
             return
         try:
-            write_report(build_report(loop, status, train_metrics), loop.args.output_dir)
+            write_report(build_report(run, status, counters, train_metrics), run.args.output_dir)
         except Exception as exc:
             warnings.warn(f"Could not write the run report: {type(exc).__name__}: {exc}")
 
     def release(self) -> None:
-        """Let go of what the run holds: persistent dataloader workers, gradients and cached device blocks. (No
-        `gc.collect()`: on a large heap it costs about half a second, and Accelerate collects at the next start.)"""
-        loop = self.loop
-        loop.data.shut_down_workers()
-        if loop.optimizer is not None:
-            loop.optimizer.zero_grad(set_to_none=True)
+        """Let go of what the run holds on the device: gradients and cached blocks. (No `gc.collect()`: on a large
+        heap it costs about half a second, and Accelerate collects at the next start.)"""
+        if self.run.optimizer is not None:
+            self.run.optimizer.zero_grad(set_to_none=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def export(self, output_dir: str, example_inputs: dict, formats=("pretrained",)) -> dict:
         """Export the trained model (loopkit/export.py); returns {format: (path, max |difference| to the model)}."""
-        loop = self.loop
-        model = loop.accelerator.unwrap_model(loop.model_wrapped, keep_torch_compile=False)
-        return export_model(model, output_dir, example_inputs, formats, loop.processing_class)
+        run = self.run
+        model = run.accelerator.unwrap_model(run.model_wrapped if run.model_wrapped is not None else run.model,
+                                             keep_torch_compile=False)
+        return export_model(model, output_dir, example_inputs, formats, run.processing_class)

@@ -1,0 +1,203 @@
+"""Between optimizer steps: the running loss, the work counters, and HF's log / evaluate / save schedule.
+
+`Schedule` is a run-level component the `Loop` owns (not a stage): after every optimizer step the loop hands it the
+step stage's `StepResult` (`record`) and then lets it act on what the callbacks asked for in `control` (`after_step`,
+HF's `_maybe_log_save_evaluate`): a train log (the one host sync of the training loop), an evaluation (then the best
+metric and, for `ReduceLROnPlateau`, the scheduler), a checkpoint (then `on_save`).
+
+It writes `state.log_history` through `run.log`, `state.best_metric`, `state.best_global_step` and `state.total_flos`;
+it reads the evaluation through the `evaluate` callable it is given (`Loop.evaluate`, overridable as on a Trainer)
+and saves through `run.checkpointer`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .checkpoint import restore_rng_state, rng_state
+from .guards import EvaluationInterrupted
+
+
+class RunningLoss:
+    """The training loss since the last log (a device tensor: no host sync per step) and the total over the run.
+
+    HF's `tr_loss` / `_total_loss_scalar` / `_globalstep_last_logged` in one object. The part since the last log
+    and the step of that log survive a resume (`state_dict`), so the first log after a resume averages the same
+    steps as in an uninterrupted run; `train_loss` then counts only the steps this `train()` call ran.
+    """
+
+    def __init__(self):
+        self.since_log = None  # device tensor: sum of step losses since the last log
+        self.total = 0.0  # host float: sum of the logged parts (this train() call)
+        self.restored = 0.0  # the part since the last log that a checkpoint brought in
+        self.last_logged_step = 0
+        self.nan_inf_filter = True
+
+    def start(self, device, global_step: int, saved: dict, nan_inf_filter: bool) -> None:
+        """A new `train()`: `saved` is the checkpoint's `state_dict()` ({} for a fresh run)."""
+        self.restored = saved.get("tr_loss", 0.0)
+        self.last_logged_step = saved.get("last_logged_step") if saved.get("last_logged_step") is not None \
+            else global_step
+        self.since_log = torch.full((), self.restored, device=device)
+        self.total, self.nan_inf_filter = 0.0, nan_inf_filter
+
+    def add(self, step_loss: torch.Tensor, global_step: int) -> None:
+        """One micro-batch's (scaled) loss of the optimizer step that follows `global_step`."""
+        if self.nan_inf_filter:
+            # HF replaces a NaN/Inf loss by the running mean; torch.where does it without a host sync.
+            since = 1 + global_step - self.last_logged_step
+            step_loss = torch.where(torch.isfinite(step_loss), step_loss, self.since_log / since)
+        self.since_log += step_loss
+
+    def read_for_log(self, accelerator, global_step: int) -> float:
+        """The mean loss per optimizer step since the last log (averaged over processes); restarts the sum."""
+        loss_sum = accelerator.gather(self.since_log.detach()).mean().item()
+        self.since_log.zero_()
+        mean = loss_sum / (global_step - self.last_logged_step)
+        self.total += loss_sum
+        self.last_logged_step = global_step
+        return mean
+
+    def train_loss(self, accelerator, steps_run: int) -> float:
+        """HF's `train_loss`: the mean step loss over the steps this `train()` call ran."""
+        remaining = accelerator.gather(self.since_log.detach()).mean().item()
+        return (self.total + remaining - self.restored) / max(steps_run, 0.001)
+
+    def state_dict(self) -> dict:
+        since = float(self.since_log) if self.since_log is not None else 0.0
+        return {"tr_loss": since, "last_logged_step": self.last_logged_step}
+
+
+class Schedule:
+    """What happens after each optimizer step: counting, then the log / evaluation / save `control` asks for."""
+
+    def __init__(self, run, evaluate, save):
+        """`evaluate()`: the run's evaluation (`Loop.evaluate`); `save()`: writes a checkpoint of this step."""
+        self.run, self.evaluate, self.save = run, evaluate, save
+        self.running_loss = RunningLoss()
+        self.current_flos = 0.0  # this process's FLOPs since the last log or save
+        self.tokens_seen = self.samples_seen = 0  # input tokens and samples of this train() call (the report)
+        self.pending_evaluation = None  # an evaluation a preemption interrupted (resumed runs do it first)
+        self.last_step = None  # the latest completed step's result: its grad norm and LR go into the next log
+
+    def start(self, saved_loss: dict, saved_schedule: dict) -> None:
+        run = self.run
+        self.running_loss.start(run.accelerator.device, run.state.global_step, saved_loss,
+                                run.args.logging_nan_inf_filter)
+        self.pending_evaluation = saved_schedule.get("pending_evaluation")
+        self.tokens_seen = self.samples_seen = 0
+        self.last_step = None
+
+    def record(self, result) -> None:
+        """A `StepResult`: its losses into the running loss, its work into the counters."""
+        step_before = self.run.state.global_step - (1 if result.completed else 0)
+        for loss in result.losses:
+            self.running_loss.add(loss, step_before)
+        self.current_flos += result.flos
+        self.tokens_seen += result.tokens
+        self.samples_seen += result.samples
+        if result.completed:
+            self.last_step = result
+
+    def counters(self) -> dict:
+        """The input tokens and samples this `train()` call trained on (the run report divides them by time)."""
+        return {"tokens": self.tokens_seen, "samples": self.samples_seen}
+
+    def store_flos(self) -> None:
+        """Move this process's FLOP count into `state.total_flos` (summed over processes), at logs and saves."""
+        run, flos = self.run, self.current_flos
+        if run.accelerator.num_processes > 1:
+            flos = run.accelerator.reduce(torch.tensor(flos, dtype=torch.float64, device=run.accelerator.device),
+                                          reduction="sum").item()
+        run.state.total_flos += flos
+        self.current_flos = 0.0
+
+    def log_training_progress(self) -> None:
+        """The step log: mean loss per optimizer step since the last log, pre-clip grad norm, LR."""
+        run, last = self.run, self.last_step
+        logs = {"loss": self.running_loss.read_for_log(run.accelerator, run.state.global_step)}
+        grad_norm = last.grad_norm if last is not None else None
+        if grad_norm is not None:
+            logs["grad_norm"] = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
+        logs["learning_rate"] = last.learning_rate if last is not None else None
+        self.store_flos()
+        run.log(logs)
+
+    def after_step(self, ignore_keys_for_eval=None) -> None:
+        """HF's `_maybe_log_save_evaluate`: act on `control.should_log / should_evaluate / should_save`."""
+        run = self.run
+        control = run.control
+        if control.should_log and run.state.global_step > self.running_loss.last_logged_step:
+            self.log_training_progress()
+        if control.should_evaluate:
+            rng_before = rng_state() if run.preemption.active else None
+            try:
+                with run.clock.span("evaluation"):
+                    metrics = self.evaluate_during_training(ignore_keys_for_eval)
+            except EvaluationInterrupted:
+                # Preempted mid-evaluation: the checkpoint the loop now writes remembers the evaluation (and the
+                # save that would have followed) and the RNG from before it; a resumed run does them first.
+                self.pending_evaluation = {"should_save": bool(control.should_save)}
+                run.checkpointer.rng_for_next_save = rng_before
+                return
+            is_new_best = self.update_best_metric(metrics)
+            if run.args.save_strategy == "best":
+                control.should_save = is_new_best
+        if run.control.should_save:
+            self.save_checkpoint()
+            run.fire("on_save")
+
+    def save_checkpoint(self) -> None:
+        self.store_flos()
+        with self.run.clock.span("checkpoint"):
+            self.save()
+
+    def run_pending_evaluation(self, resume, ignore_keys_for_eval=None) -> None:
+        """After a resume: the evaluation a preemption interrupted, and the save scheduled after it. It starts from
+        the RNG state saved before it, and training then continues from the state it leaves."""
+        pending, self.pending_evaluation = self.pending_evaluation, None
+        if pending is None or resume is None:
+            return
+        if resume.rng is not None:
+            restore_rng_state(resume.rng)
+        self.run.control.should_evaluate = True
+        self.run.control.should_save = pending["should_save"]
+        self.after_step(ignore_keys_for_eval)
+        resume.rng = rng_state()
+
+    def evaluate_during_training(self, ignore_keys=None, skip_scheduler=False) -> dict:
+        metrics = self.evaluate(ignore_keys=ignore_keys)
+        scheduler = self.run.lr_scheduler
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not skip_scheduler:
+            scheduler.step(metrics[best_metric_key(self.run.args)])
+        return metrics
+
+    def update_best_metric(self, metrics: dict) -> bool:
+        """HF's `_determine_best_metric`: whether this evaluation is the best so far (then recorded in `state`)."""
+        args, state = self.run.args, self.run.state
+        if args.metric_for_best_model is None:
+            return False
+        key = best_metric_key(args)
+        if key not in metrics:
+            raise KeyError(f"metric_for_best_model={args.metric_for_best_model!r} looks for {key!r}, which the "
+                           f"evaluation did not produce (it has {sorted(metrics)}). Fix: name one of those.")
+        value = metrics[key]
+        if state.best_metric is None:
+            state.best_metric = -math.inf if args.greater_is_better else math.inf
+        better = value > state.best_metric if args.greater_is_better else value < state.best_metric
+        if better:
+            state.best_metric = value
+            if args.save_strategy in ("steps", "epoch", "best"):
+                state.best_global_step = state.global_step
+        return better
+
+    def state_dict(self) -> dict:
+        return {"pending_evaluation": self.pending_evaluation}
+
+
+def best_metric_key(args) -> str:
+    """`eval_<metric_for_best_model>` (HF adds the prefix unless it is there)."""
+    name = args.metric_for_best_model
+    return name if name.startswith("eval_") else f"eval_{name}"

@@ -1,0 +1,273 @@
+"""The stage contract: each stage works on a small `RunState` without a `Loop`, stages touch no `Loop` or other
+stage, every shared field has the one writer `loopkit/run.py` declares, and overrides take one path."""
+
+import ast
+import os
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import loopkit
+from loopkit import Loop, LoopArgs, LoopConfigError, StepStage
+from loopkit.events import EventHandler
+from loopkit.run import RunState
+from loopkit.stages.data import DataStage, Window
+from loopkit.stages.evaluation import EvalStage
+from loopkit.stages.setup import SetupStage
+from loopkit.stages.teardown import TeardownStage
+
+from helpers import TinyRegression, regression_data, small_run, tiny_regression
+
+PACKAGE = os.path.dirname(loopkit.__file__)
+
+
+# A stage's own test builds a small run state (tests/helpers.py: `small_run`), never a `Loop`.
+def test_setup_stage_alone_builds_the_accelerator_and_the_model(tmp_path):
+    setup = SetupStage()
+    run = small_run(tmp_path, [setup], model_init=lambda: tiny_regression(3))
+    setup.build(None)
+    assert run.accelerator is not None and isinstance(run.model, TinyRegression)
+    assert torch.equal(run.model.linear.weight, tiny_regression(3).linear.weight)
+    assert run.model_accepts_loss_kwargs is False  # TinyRegression.forward(x, labels): no **kwargs
+
+
+def test_data_stage_alone_plans_and_windows_the_epoch(tmp_path):
+    data = DataStage()
+    args = LoopArgs(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=3,
+                    num_train_epochs=1, report_to="none")
+    run = small_run(tmp_path, [data], args=args, train_dataset=regression_data(10), model=tiny_regression())
+    run.label_names = ["labels"]
+    run.train_dataloader = data.get_train_dataloader()
+    plan = data.plan(run.train_dataloader)
+    assert (plan.steps_in_epoch, plan.num_update_steps_per_epoch, plan.max_steps) == (5, 2, 2)
+    windows = list(data.windows(0, plan, None))
+    assert [len(w.batches) for w in windows] == [3, 2]  # the short last window
+    assert [w.first_index for w in windows] == [0, 3]
+    seen = torch.cat([b["labels"] for w in windows for b in w.batches])
+    assert sorted(seen.tolist()) == sorted(s["labels"].item() for s in regression_data(10))
+    assert data.state_dict() == {"position": {"epoch": 0, "micro_batches": 5, "samples": 10}}
+
+
+def test_step_stage_alone_takes_one_exact_sgd_step(tmp_path):
+    step = StepStage()
+    args = LoopArgs(output_dir=str(tmp_path), learning_rate=0.1, max_grad_norm=0.0, report_to="none")
+    model = tiny_regression()
+    run = small_run(tmp_path, [step], args=args, model=model,
+                    optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))
+    step.prepare(max_steps=1, checkpoint=None)
+    batches = [{"x": torch.randn(4, 2), "labels": torch.randn(4)} for _ in range(2)]
+    expected = tiny_regression()  # the same start, trained by hand: mean of the two micro-batch losses, one SGD step
+    loss = sum(nn.functional.mse_loss(expected.linear(b["x"]).squeeze(-1), b["labels"]) for b in batches) / 2
+    loss.backward()
+    with torch.no_grad():
+        for p in expected.parameters():
+            p -= 0.1 * p.grad
+    result = step.run_step(Window(batches, 0), epoch=0, steps_in_epoch=2)
+    assert result.completed and run.state.global_step == 1 and run.state.epoch == 1.0
+    assert torch.allclose(sum(result.losses), loss.detach(), rtol=1e-6)
+    assert torch.allclose(result.grad_norm, torch.cat([p.grad.flatten() for p in expected.parameters()]).norm())
+    for mine, theirs in zip(model.parameters(), expected.parameters()):
+        assert torch.allclose(mine, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_eval_stage_alone_streams_the_loss(tmp_path):
+    evaluation, data = EvalStage(), DataStage()
+    samples = regression_data(7)
+    model = tiny_regression()
+    args = LoopArgs(output_dir=str(tmp_path), per_device_eval_batch_size=3, report_to="none")
+    run = small_run(tmp_path, [evaluation, data], args=args, model=model, eval_dataset=samples)
+    run.label_names = ["labels"]
+    run.get_eval_dataloader = data.get_eval_dataloader
+    run.count_loss_items = lambda batches: None
+    run.compute_loss_context_manager = torch.no_grad
+    run.compute_loss = lambda model, inputs, return_outputs=False, num_items_in_batch=None: (
+        (lambda out: (out["loss"], out) if return_outputs else out["loss"])(model(**inputs)))
+    metrics = evaluation.evaluate()
+    with torch.no_grad():  # HF's eval_loss: each batch's mean loss weighted by its size (3, 3 and 1 samples)
+        losses = [model(**{k: torch.stack([s[k] for s in samples[i:i + 3]]) for k in ("x", "labels")})["loss"]
+                  for i in range(0, 7, 3)]
+    expected = (losses[0] * 3 + losses[1] * 3 + losses[2] * 1).item() / 7
+    assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-6)
+    assert run.state.log_history[-1]["eval_loss"] == metrics["eval_loss"]
+
+
+def test_teardown_stage_alone_summarises_and_fires_train_end(tmp_path):
+    from loopkit.stages.data import TrainingPlan
+
+    teardown, heard = TeardownStage(), []
+
+    class Listener:
+        def on_train_end(self, args, state, control, **kwargs):
+            heard.append(state.global_step)
+
+    run = small_run(tmp_path, [teardown], model=tiny_regression())
+    run.events = EventHandler([Listener()], [teardown])
+    run.state.global_step = run.state.max_steps = 4
+    plan = TrainingPlan(1, 4, 8, 8.0, 2, 4, 4)
+    output = teardown.finish_training(plan, start_time=0.0, train_loss=0.5, steps_run=4)
+    assert output.global_step == 4 and output.training_loss == 0.5 and heard == [4]
+    assert run.state.log_history[-1]["train_loss"] == 0.5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Nobody reaches into the Loop or another stage; each shared field has its one declared writer
+# ---------------------------------------------------------------------------------------------------------------
+def source_files():
+    for root, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                yield os.path.relpath(path, PACKAGE), ast.parse(open(path, encoding="utf-8").read())
+
+
+def test_no_stage_reads_the_loop_or_another_stage():
+    stage_names = {"setup", "data", "step", "evaluation", "teardown", "schedule"}
+    for rel, tree in source_files():
+        if not rel.startswith("stages"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "loop":
+                pytest.fail(f"{rel}:{node.lineno} reads `.loop`")
+            if isinstance(node, ast.Name) and node.id == "loop":
+                pytest.fail(f"{rel}:{node.lineno} uses a name `loop`")
+            if isinstance(node, ast.Attribute) and node.attr in stage_names and \
+                    isinstance(node.value, ast.Attribute) and node.value.attr == "run":
+                pytest.fail(f"{rel}:{node.lineno} reaches another stage through the run state")
+
+
+def declared_writers(header: str) -> dict:
+    """Parse a table of `loopkit/run.py`'s docstring: field -> the file that writes it."""
+    doc = ast.get_docstring(ast.parse(open(os.path.join(PACKAGE, "run.py")).read()))
+    table = doc.split(header, 1)[1].split("\n\n", 1)[0]
+    writers, pending = {}, []
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        pending += [name.strip() for name in cells[0].split(",") if name.strip()]
+        writer = re.search(r"[\w/]+\.py", cells[-1])
+        if writer:
+            writers.update(dict.fromkeys(pending, writer.group(0).replace("stages/", "stages/")))
+            pending = []
+    return writers
+
+
+def assignment_targets(node):
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    for target in targets:
+        yield from (target.elts if isinstance(target, ast.Tuple) else [target])
+
+
+def is_run(node) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "run") or (isinstance(node, ast.Attribute) and node.attr == "run")
+
+
+def is_state(node) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "state") or \
+        (isinstance(node, ast.Attribute) and node.attr == "state" and is_run(node.value))
+
+
+def actual_writers() -> tuple[dict, dict]:
+    run_fields, state_fields = {}, {}
+    for rel, tree in source_files():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "RunState":
+                for keyword in node.keywords:
+                    run_fields.setdefault(keyword.arg, set()).add(rel)
+            if not isinstance(node, (ast.Assign, ast.AugAssign)):
+                continue
+            for target in assignment_targets(node):
+                if isinstance(target, ast.Attribute) and is_run(target.value):
+                    run_fields.setdefault(target.attr, set()).add(rel)
+                if isinstance(target, ast.Attribute) and is_state(target.value):
+                    state_fields.setdefault(target.attr, set()).add(rel)
+    return run_fields, state_fields
+
+
+def test_every_shared_field_has_its_declared_single_writer():
+    run_declared = declared_writers("| field ")
+    state_declared = declared_writers("| state field ")
+    run_actual, state_actual = actual_writers()
+    from dataclasses import fields
+
+    assert set(run_declared) == {f.name for f in fields(RunState)}, "run.py's table and RunState's fields differ"
+    for field, files in run_actual.items():
+        assert files == {run_declared[field]}, f"run.{field} is written in {sorted(files)}, declared: " \
+                                               f"{run_declared[field]}"
+    for field, files in state_actual.items():
+        assert field in state_declared, f"state.{field} is written in {sorted(files)} but has no declared writer"
+        assert files == {state_declared[field]}, f"state.{field} is written in {sorted(files)}, declared: " \
+                                                 f"{state_declared[field]}"
+    assert run_actual["optimizer"] == {"stages/step.py"} and state_actual["global_step"] == {"stages/step.py"}
+
+
+def test_no_function_in_loopkit_is_over_60_lines_and_loop_py_is_under_300():
+    long = [f"{rel}:{node.name} ({node.end_lineno - node.lineno + 1} lines)" for rel, tree in source_files()
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > 60]
+    assert not long, long
+    with open(os.path.join(PACKAGE, "loop.py")) as f:
+        assert len(f.read().splitlines()) < 300
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One override path
+# ---------------------------------------------------------------------------------------------------------------
+class HalfLossStep(StepStage):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        return (loss / 2, outputs) if return_outputs else loss / 2
+
+
+class DoubleLossLoop(Loop):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        return (loss * 2, outputs) if return_outputs else loss * 2
+
+
+def test_a_loop_override_and_a_stage_override_of_one_method_refuse_at_construction(tmp_path):
+    args = LoopArgs(output_dir=str(tmp_path), report_to="none")
+    with pytest.raises(LoopConfigError, match="both DoubleLossLoop.compute_loss and HalfLossStep.compute_loss"):
+        DoubleLossLoop(tiny_regression(), args, step=HalfLossStep())
+
+
+def test_a_loop_override_runs_with_the_loop_as_self_and_super_reaches_the_stage(tmp_path):
+    args = LoopArgs(output_dir=str(tmp_path), report_to="none", per_device_eval_batch_size=4)
+    samples = regression_data(8)
+    plain = Loop(tiny_regression(), args, eval_dataset=samples).evaluate()["eval_loss"]
+    doubled_loop = DoubleLossLoop(tiny_regression(), args, eval_dataset=samples)
+    halved = Loop(tiny_regression(), args, eval_dataset=samples, step=HalfLossStep()).evaluate()["eval_loss"]
+    assert doubled_loop.evaluate()["eval_loss"] == pytest.approx(2 * plain, rel=1e-6)
+    assert halved == pytest.approx(plain / 2, rel=1e-6)
+    # The override is on the owning stage, bound to the Loop: the stage calls it, `self` is the Loop.
+    assert doubled_loop.step.compute_loss.__self__ is doubled_loop
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints written before the redesign resume exactly
+# ---------------------------------------------------------------------------------------------------------------
+def test_a_checkpoint_from_before_the_redesign_resumes_bit_exactly(tmp_path):
+    """`tests/fixtures/pre_redesign_checkpoint/checkpoint-6` was written by the code before the stage-contract
+    redesign (running loss under "step", last logged step under "evaluation"); resuming it must end exactly where
+    an uninterrupted run of today's code ends, with the same log history (the first log after the resume included)."""
+    import importlib.util
+    import shutil
+
+    from helpers import hf_args, lm_data, tiny_llama
+
+    here = os.path.dirname(__file__)
+    spec = importlib.util.spec_from_file_location("fixture", os.path.join(here, "fixtures",
+                                                                          "make_pre_redesign_checkpoint.py"))
+    fixture = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fixture)
+    full = Loop(tiny_llama(), hf_args(tmp_path / "full", **fixture.RUN), train_dataset=lm_data(40))
+    full.train()
+    shutil.copytree(os.path.join(here, "fixtures", "pre_redesign_checkpoint"), tmp_path / "resumed")
+    resumed = Loop(tiny_llama(), hf_args(tmp_path / "resumed", **fixture.RUN), train_dataset=lm_data(40))
+    resumed.train(resume_from_checkpoint=True)
+    for name, tensor in full.model.state_dict().items():
+        assert torch.equal(tensor, resumed.model.state_dict()[name]), name
+    logs = [{k: v for k, v in entry.items() if not k.startswith("train_")} for entry in full.state.log_history]
+    assert [{k: v for k, v in entry.items() if not k.startswith("train_")} for entry in resumed.state.log_history] \
+        == logs
+    assert any(entry.get("step") == 8 and "loss" in entry for entry in logs)  # the log right after the resume
