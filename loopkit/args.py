@@ -54,6 +54,8 @@ class LoopArgs:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     optim: str = "adamw_torch_fused"
+    optim_args: str | None = None  # "key=value,..." for the optimizer (loopkit/optimizers.py)
+    optim_target_modules: str | list | None = None  # GaLore / APOLLO: the Linear modules they project
     max_grad_norm: float = 1.0
     lr_scheduler_type: str = "linear"
     lr_scheduler_kwargs: dict | None = None
@@ -172,6 +174,16 @@ class LoopArgs:
     def eval_batch_size(self) -> int:
         return self.per_device_eval_batch_size
 
+    @property
+    def parallel_mode(self):
+        """`TrainingArguments.parallel_mode`, which transformers' optimizer handlers read (layer-wise GaLore and
+        APOLLO refuse DISTRIBUTED): DISTRIBUTED when the launcher started several processes."""
+        from transformers.training_args import ParallelMode
+
+        from .distributed import launched_world_size
+
+        return ParallelMode.DISTRIBUTED if launched_world_size() > 1 else ParallelMode.NOT_PARALLEL
+
     def get_warmup_steps(self, num_training_steps: int) -> int:
         if self.warmup_steps >= 1:
             return int(self.warmup_steps)
@@ -215,8 +227,8 @@ ACCELERATE_ENGINE_FIELDS = frozenset({"fsdp", "fsdp_config", "deepspeed"})
 # sees), `debug="underflow_overflow"` adds detection hooks, and `save_on_each_node` decides which processes write
 # checkpoints in multi-node runs.
 SUPPORTED_FIELDS = frozenset(f.name for f in dataclasses.fields(LoopArgs))
+# `optim` is checked by loopkit/optimizers.py (every value this machine can run, refusals name the package or device).
 SUPPORTED_CHOICES = {
-    "optim": ("adamw_torch", "adamw_torch_fused"),
     # transformers' schedulers except "greedy" (GreedyLR steps on eval metrics, which loopkit does only for
     # reduce_lr_on_plateau); a scheduler type added later is refused until it is reviewed.
     "lr_scheduler_type": ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
@@ -229,8 +241,6 @@ SUPPORTED_CHOICES = {
 }
 # The way out, for the refused values users ask for most; otherwise the fix is "leave it at its default".
 FIXES = {
-    "optim": "leave optim at its default and pass optimizers=(torch.optim.SGD(model.parameters(), lr=...), None) "
-             "or optimizer_cls_and_kwargs=(cls, kwargs) to Loop, or override create_optimizer",
     "lr_scheduler_type": "choose one of those, or build the scheduler yourself: pass optimizers=(optimizer, "
                          "scheduler) to Loop or override create_scheduler",
     "train_sampling_strategy": "use 'random' or 'sequential', or return your sampler from a DataStage subclass's "
@@ -330,6 +340,9 @@ def check_args(args) -> None:
         raise config_error("save_strategy", "best", "saving the best checkpoint needs a metric to compare",
                            "set metric_for_best_model, e.g. 'loss' or 'accuracy'")
     check_best_model_schedule(args)
+    from .optimizers import check_optim  # it imports this module
+
+    check_optim(args)
     if not isinstance(args, LoopArgs) and dataclasses.is_dataclass(args):
         check_unsupported_fields(args)
 

@@ -55,9 +55,10 @@ class EventHandler:
     nobody listens to costs a dict lookup and a flag reset.
     """
 
-    def __init__(self, callbacks, stages):
+    def __init__(self, callbacks, stages, run=None):
         self.callbacks = []
         self.stages = list(stages)
+        self.run = run  # the `RunState` whose objects HF's `on_<event>` / `call_event` calls pass to callbacks
         self.clock = None  # a report.PhaseClock: callback time is counted under "callbacks"
         for cb in callbacks:
             self.add_callback(cb)
@@ -67,23 +68,28 @@ class EventHandler:
     def add_callback(self, callback):
         cb = callback() if isinstance(callback, type) else callback
         cb_class = callback if isinstance(callback, type) else type(callback)
-        if any(type(c) is cb_class for c in self.callbacks):
+        if any(same_kind(type(c), cb_class) for c in self.callbacks):
             import warnings
 
-            warnings.warn(f"You are adding a {cb_class.__name__} to the callbacks but there is one already.")
+            warnings.warn(f"You are adding a {cb_class.__name__} to the callbacks but there is one already. The "
+                          f"current list of callbacks is:\n{self.callback_list}")
         self.callbacks.append(cb)
         self._rebuild()
 
     def pop_callback(self, callback):
+        """Remove and return the first callback of class `callback` (HF's classes find loopkit's defaults of the
+        same name), or `callback` itself; None if there is none."""
         for cb in self.callbacks:
-            if (isinstance(callback, type) and type(cb) is callback) or cb is callback:
+            if (is_kind(cb, callback) if isinstance(callback, type) else cb is callback):
                 self.callbacks.remove(cb)
                 self._rebuild()
                 return cb
         return None
 
     def remove_callback(self, callback):
-        self.pop_callback(callback)
+        if self.pop_callback(callback) is None and not isinstance(callback, type):
+            raise ValueError(f"remove_callback: {callback!r} is not among the callbacks ({self.callback_list!r}). "
+                             f"Fix: pass an instance from loop.callback_handler.callbacks, or a class.")
 
     @property
     def callback_list(self) -> str:
@@ -102,16 +108,25 @@ class EventHandler:
 
     # -- dispatch --
     def fire(self, event: str, run, **extra):
-        """Call every listener of `event` with HF's arguments, taken from `run` (a `loopkit.run.RunState`);
-        returns the control (`RunState.fire` stores it)."""
-        args, state, control = run.args, run.state, run.control
+        """The handler's flag resets for `event`, then every listener with HF's arguments taken from `run` (a
+        `loopkit.run.RunState`); returns the control (`RunState.fire` stores it)."""
         reset = FLAG_RESETS.get(event)
         if reset is not None:
-            reset(control)
+            reset(run.control)
+        if not self.listeners[event]:  # the common case on the hot path: a lookup and nothing else
+            return run.control
+        return self.dispatch(event, run.args, run.state, run.control, {**run.event_objects(), **extra})
+
+    def call_event(self, event: str, args, state, control, **kwargs):
+        """HF's `CallbackHandler.call_event`: `event` on the stages and callbacks in order, without flag resets, with
+        the run's objects as keywords; returns the final control."""
+        objects = self.run.event_objects() if self.run is not None else {}
+        return self.dispatch(event, args, state, control, {**objects, **kwargs})
+
+    def dispatch(self, event: str, args, state, control, kwargs: dict):
         methods = self.listeners[event]
         if not methods:
             return control
-        kwargs = {**run.event_objects(), **extra}
         start = time.perf_counter()
         for method in methods:
             result = method(args, state, control, **kwargs)
@@ -121,8 +136,51 @@ class EventHandler:
             self.clock.add("callbacks", time.perf_counter() - start)
         return control
 
+    # -- HF's CallbackHandler attributes: the run's current objects --
+    model = property(lambda self: self.run.model if self.run is not None else None)
+    processing_class = property(lambda self: self.run.processing_class if self.run is not None else None)
+    optimizer = property(lambda self: self.run.event_objects()["optimizer"] if self.run is not None else None)
+    lr_scheduler = property(lambda self: self.run.event_objects()["lr_scheduler"] if self.run is not None else None)
+    train_dataloader = property(lambda self: self.run.train_dataloader if self.run is not None else None)
+    eval_dataloader = property(lambda self: self.run.eval_dataloader if self.run is not None else None)
 
-class DefaultFlow:
+
+def event_method(event: str):
+    def method(self, args, state, control, **kwargs):
+        reset = FLAG_RESETS.get(event)
+        if reset is not None:
+            reset(control)
+        return self.call_event(event, args, state, control, **kwargs)
+
+    method.__name__ = method.__qualname__ = event
+    method.__doc__ = f"Fire `{event}` (HF's `CallbackHandler.{event}`)."
+    return method
+
+
+for _event in EVENTS:
+    setattr(EventHandler, _event, event_method(_event))
+
+
+# loopkit's default callbacks carry the names of the HF classes they replace; HF's classes of those names (from
+# transformers.trainer_callback) find them in pop_callback / remove_callback and count as duplicates in add_callback.
+HF_DEFAULT_CALLBACK_NAMES = ("DefaultFlowCallback", "ProgressCallback", "PrinterCallback")
+
+
+def is_default_callback_class(cls) -> bool:
+    return cls.__name__ in HF_DEFAULT_CALLBACK_NAMES and cls.__module__ in (__name__, "transformers.trainer_callback")
+
+
+def same_kind(cls_a, cls_b) -> bool:
+    return cls_a is cls_b or (is_default_callback_class(cls_a) and is_default_callback_class(cls_b)
+                              and cls_a.__name__ == cls_b.__name__)
+
+
+def is_kind(callback, cls) -> bool:
+    """`isinstance`, where loopkit's default callbacks and HF's classes of the same name are one kind."""
+    return isinstance(callback, cls) or same_kind(type(callback), cls)
+
+
+class DefaultFlowCallback:
     """HF's `DefaultFlowCallback` rules (5.24): when to log, evaluate, save and stop."""
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -158,7 +216,7 @@ def format_logs(logs: dict) -> dict:
     return {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in logs.items() if k != "total_flos"}
 
 
-class ProgressBar:
+class ProgressCallback:
     """A tqdm bar over optimizer steps and one over evaluation batches; logs are written above the bar."""
 
     def __init__(self):
@@ -201,13 +259,17 @@ class ProgressBar:
         self.training_bar = None
 
 
-class Printer:
+class PrinterCallback:
     """Prints each log dict (HF's `PrinterCallback`, used when `disable_tqdm=True`)."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs.pop("total_flos", None)  # HF mutates the shared dict; kept for identical `TrainOutput.metrics`.
         if state.is_local_process_zero:
             print(format_logs(logs))
+
+
+# loopkit's earlier names for its default callbacks.
+DefaultFlow, ProgressBar, Printer = DefaultFlowCallback, ProgressCallback, PrinterCallback
 
 
 def reporting_callbacks(report_to) -> list:

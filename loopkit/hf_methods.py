@@ -16,11 +16,12 @@ from .args import config_error
 
 # method -> the stage that owns it (the `Loop` attribute the stage is found under)
 OWNERS = {
-    "call_model_init": "setup",
+    "call_model_init": "setup", "create_accelerator_and_postprocess": "setup",
     "get_train_dataloader": "data", "get_eval_dataloader": "data", "get_test_dataloader": "data",
-    "create_optimizer": "step", "create_scheduler": "step", "get_decay_parameter_names": "step",
-    "compute_loss": "step", "compute_loss_context_manager": "step", "training_step": "step",
-    "floating_point_ops": "step", "count_loss_items": "step",
+    "create_optimizer": "step", "get_optimizer_cls_and_kwargs": "step", "create_scheduler": "step",
+    "get_decay_parameter_names": "step", "compute_loss": "step", "compute_loss_context_manager": "step",
+    "autocast_smart_context_manager": "step", "training_step": "step", "floating_point_ops": "step",
+    "count_loss_items": "step",
     "evaluate": "evaluation", "predict": "evaluation", "evaluation_loop": "evaluation",
     "prediction_step": "evaluation",
 }
@@ -59,6 +60,9 @@ class HFMethods:
     def call_model_init(self, trial=None):
         return self.stage_method("call_model_init")(trial)
 
+    def create_accelerator_and_postprocess(self) -> None:
+        return self.stage_method("create_accelerator_and_postprocess")()
+
     def get_train_dataloader(self):
         return self.stage_method("get_train_dataloader")()
 
@@ -71,6 +75,12 @@ class HFMethods:
     def create_optimizer(self, model=None):
         return self.stage_method("create_optimizer")(model)
 
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args, model=None) -> tuple:
+        from .stages.step import StepStage
+
+        return StepStage.get_optimizer_cls_and_kwargs(args, model)
+
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         return self.stage_method("create_scheduler")(num_training_steps, optimizer)
 
@@ -82,6 +92,9 @@ class HFMethods:
 
     def compute_loss_context_manager(self):
         return self.stage_method("compute_loss_context_manager")()
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+        return self.stage_method("autocast_smart_context_manager")(cache_enabled)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         return self.stage_method("training_step")(model, inputs, num_items_in_batch)

@@ -21,13 +21,14 @@ import warnings
 
 from .args import LoopArgs, check_args, check_inputs, config_error
 from .checkpoint import Checkpointer
-from .events import DefaultFlow, EventHandler, Printer, ProgressBar, reporting_callbacks
+from .events import DefaultFlowCallback, EventHandler, PrinterCallback, ProgressCallback, reporting_callbacks
 from .guards import Preempted, PreemptionWatch, preemption_agreed
 from .hf_methods import HFMethods, bind_overrides
+from .trainer_api import TrainerAPI
 from .metrics import check_metrics
-from .report import PhaseClock
+from .report import RUN_RECORD_KEY, PhaseClock, run_record
 from .run import RunState
-from .schedule import Schedule
+from .schedule import Schedule, running_loss_state
 from .stages.data import DataStage, find_labels
 from .stages.evaluation import EvalStage
 from .stages.setup import SetupStage
@@ -39,7 +40,7 @@ STAGES = {"setup": SetupStage, "data": DataStage, "step": StepStage, "evaluation
           "teardown": TeardownStage}
 
 
-class Loop(HFMethods):
+class Loop(HFMethods, TrainerAPI):
     """A training run with `transformers.Trainer`'s arguments, methods, attributes and callback events.
 
     Replace `Trainer(` with `Loop(`. Pass `setup=`, `data=`, `step=`, `evaluation=` or `teardown=` to swap a stage.
@@ -78,9 +79,9 @@ class Loop(HFMethods):
         run.metrics = check_metrics(metrics, run.accelerator.num_processes)
         run.label_names = list(args.label_names) if args.label_names is not None else find_labels(run.model)
         # Events: HF's callback order (flow, integrations, the user's, then progress or printer).
-        default = [DefaultFlow()] + reporting_callbacks(args.report_to)
-        progress = Printer() if args.disable_tqdm else ProgressBar()
-        run.events = EventHandler(default + list(callbacks or []) + [progress], self.stages)
+        default = [DefaultFlowCallback()] + reporting_callbacks(args.report_to)
+        progress = PrinterCallback() if args.disable_tqdm else ProgressCallback()
+        run.events = EventHandler(default + list(callbacks or []) + [progress], self.stages, run)
         # As in Trainer.__init__: an evaluate() before train() logs (and reports) on the main process only.
         run.state = LoopState(is_local_process_zero=run.accelerator.is_local_main_process,
                               is_world_process_zero=run.accelerator.is_main_process)
@@ -111,6 +112,7 @@ class Loop(HFMethods):
         if kwargs:
             raise TypeError(f"train() got unexpected keyword arguments: {', '.join(kwargs)}")
         run = self.run
+        self.is_in_train = True
         try:
             with run.preemption:
                 output = self.run_training(resume_from_checkpoint, trial, ignore_keys_for_eval)
@@ -120,6 +122,8 @@ class Loop(HFMethods):
             self.release()
             self.teardown.write_run_report(f"failed: {type(exc).__name__}: {exc}", self.schedule.counters())
             raise
+        finally:
+            self.is_in_train = False
         if run.preemption.requested:  # the checkpoint is written and the run torn down: leave as documented
             raise Preempted(128 + run.preemption.signum)
         return output
@@ -143,7 +147,10 @@ class Loop(HFMethods):
         run.model_wrapped.zero_grad()
 
         # 4. The epochs: optimizer steps, each followed by the log / evaluate / save schedule.
+        run.clock.enter(None)  # the end of the setup phase
         run.fire("on_train_begin")
+        if checkpoint is None:  # HF: a fresh run's state holds the callback states from its start (save_state)
+            run.state.record_callback_states(run.events.callbacks + [run.control])
         if args.eval_on_start:
             self.schedule.evaluate_during_training(ignore_keys_for_eval, skip_scheduler=True)
         self.schedule.run_pending_evaluation(resume, ignore_keys_for_eval)
@@ -155,6 +162,7 @@ class Loop(HFMethods):
                 break
 
         # 5. Teardown: summary, best model, on_train_end, resources, the run report.
+        run.clock.enter("teardown")
         return self.finish(plan, start_time)
 
     def start_state(self, checkpoint, plan, trial) -> None:
@@ -169,9 +177,12 @@ class Loop(HFMethods):
             if args.restore_callback_states_from_checkpoint:
                 restore_callback_states(run.events.callbacks + [run.control], run.state.stateful_callbacks)
             saved = run.checkpointer.read_stage_states(checkpoint)
+            run.clock.resume_from(saved.get(RUN_RECORD_KEY), run.state.global_step)  # the report covers it all
         state = run.state
         state.max_steps, state.num_train_epochs = plan.max_steps, plan.num_train_epochs
         state.is_hyper_param_search = trial is not None
+        state.trial_params = getattr(trial, "params", trial)  # HF's hp_params: optuna's, or a ray/wandb dict
+        state.trial_name = self.hp_name(trial) if self.hp_name is not None and trial is not None else None
         state.is_local_process_zero = run.accelerator.is_local_main_process
         state.is_world_process_zero = run.accelerator.is_main_process
         self.initial_global_step = state.global_step
@@ -235,10 +246,12 @@ class Loop(HFMethods):
     # Checkpointed state of every component
     # ------------------------------------------------------------------------------------------------------------
     def stage_states(self) -> dict:
-        """Each stage's own checkpointed state by stage name, plus the schedule's (`loopkit_state.json`)."""
+        """Each stage's own checkpointed state by stage name, the schedule's, and the run record (elapsed time and
+        phases so far, for the run report): `loopkit_state.json`."""
         states = {name: stage.state_dict() for name, stage in zip(STAGES, self.stages)}
         states["running_loss"] = self.schedule.running_loss.state_dict()
         states["schedule"] = self.schedule.state_dict()
+        states[RUN_RECORD_KEY] = run_record(self.run.clock, self.run.args, self.run.state.global_step)
         return states
 
     def save_checkpoint(self) -> str:
@@ -282,11 +295,3 @@ class Loop(HFMethods):
     def is_local_process_zero(self) -> bool:
         return self.run.accelerator.is_local_main_process
 
-
-def running_loss_state(saved: dict) -> dict:
-    """The running loss of a checkpoint: its own entry, or where checkpoints before the stage-contract redesign
-    kept it (the step stage's `tr_loss` and the evaluation stage's `last_logged_step`)."""
-    if "running_loss" in saved:
-        return saved["running_loss"]
-    return {"tr_loss": saved.get("step", {}).get("tr_loss", 0.0),
-            "last_logged_step": saved.get("evaluation", {}).get("last_logged_step")}

@@ -1,33 +1,48 @@
 """The run report: where the time went, how fast it ran, what it reached, and charts of it.
 
-`PhaseClock` adds up wall time per phase (data wait, forward, backward, optimizer, callbacks, evaluation,
-checkpointing) from timestamps the loop takes at boundaries it crosses anyway: two `perf_counter()` calls per phase
-and step, no device synchronisation. On a GPU the host does not wait for kernels, so device time shows up in the
-phase that next waits for the device (a logging point, the optimizer step); on a CPU the split is exact.
+`PhaseClock` adds up wall time per phase from timestamps the loop takes at boundaries it crosses anyway: two
+`perf_counter()` calls per phase and step, no device synchronisation. On a GPU the host does not wait for kernels, so
+device time shows up in the phase that next waits for the device (a logging point, the optimizer step); on a CPU the
+split is exact. Every second of `train()` belongs to a phase: setup (until `on_train_begin`), data, forward,
+backward, optimizer, logging (the training logs, where a GPU run waits for its device), callbacks, evaluation,
+checkpoint, teardown (from the end of the last epoch) and the report itself; "other" is what falls between them
+(the loop's own bookkeeping).
 
 At the end of a run (and when it fails) the teardown stage writes `run_report.json` and `run_report.md` to the
-output folder, PNG charts of the loss, learning rate and evaluation metrics over steps (with matplotlib; without it
-the report says how to get them), and prints a one-screen summary. `python -m loopkit report RUN_DIR` rebuilds the
-report from a finished or crashed run's files.
+output folder and prints a one-screen summary. The PNG charts of the loss, learning rate and evaluation metrics are
+drawn after `train()` returns, by a background thread (one chart job at a time, in order; the interpreter waits for
+it before exiting; `wait_for_charts()` waits for it explicitly). Without matplotlib the report says how to get them.
+
+Each checkpoint carries a run record (`run_record()`, under "run_record" in `loopkit_state.json`): the elapsed time
+and phase totals of every stretch of training so far (one per resume), and the metric settings. A resumed run's
+report covers the whole run from it, and `python -m loopkit report RUN_DIR` rebuilds the report of a run killed
+before its teardown from its newest checkpoint. Time a killed run spent after its last checkpoint is in no file.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import resource
 import statistics
 import sys
+import threading
 import time
+import warnings
 from collections import deque
 
-PHASES = ("data", "forward", "backward", "optimizer", "callbacks", "evaluation", "checkpoint")
+PHASES = ("setup", "data", "forward", "backward", "optimizer", "logging", "callbacks", "evaluation", "checkpoint",
+          "teardown", "report")
 REPORT_JSON, REPORT_MD = "run_report.json", "run_report.md"
+RUN_RECORD_KEY = "run_record"  # the run record's top-level key in loopkit_state.json
 SLOW_FACTOR, SLOW_WARMUP = 3.0, 20  # a step slower than 3x the running median, once 20 steps give a median
+CHARTS_HINT = "Charts need matplotlib: pip install 'loopkit[charts]', then python -m loopkit report RUN_DIR."
 
 
 class PhaseClock:
-    """Seconds per phase, step durations, and the steps much slower than the running median."""
+    """Seconds per phase, step durations, the steps much slower than the running median, and the stretches of
+    training before this one (a resumed run's history, from its checkpoint's run record)."""
 
     def __init__(self):
         self.reset()
@@ -42,6 +57,25 @@ class PhaseClock:
         self.totals_at_last_step = dict(self.totals)
         self.slow_steps = []
         self.steps = 0
+        self.earlier_segments, self.first_step = [], 0
+        self.background = None
+        self.enter("setup")  # a run starts with its setup
+
+    def enter(self, phase: str | None) -> None:
+        """From now on, the time no other phase claims counts as `phase` (setup and teardown: stretches of many
+        small steps), until the next `enter`; `enter(None)` hands it back to "other"."""
+        if self.background is not None:
+            self.background.__exit__(None, None, None)
+        self.background = Span(self, phase).__enter__() if phase is not None else None
+
+    def resume_from(self, record: dict | None, step: int) -> None:
+        """This run continues from `step` of a checkpoint whose run record is `record` (None: a checkpoint without
+        one, e.g. HF Trainer's, so the time up to `step` is unknown)."""
+        self.first_step = step
+        if record is not None:
+            self.earlier_segments = [dict(s) for s in record.get("segments", [])]
+        elif step > 0:
+            self.earlier_segments = [{"from_step": 0, "to_step": step, "seconds": None, "phase_seconds": None}]
 
     def add(self, phase: str, seconds: float) -> None:
         self.totals[phase] += seconds
@@ -65,12 +99,19 @@ class PhaseClock:
             self.median = statistics.median(self.recent)
         self.totals_at_last_step = dict(self.totals)
 
-    def breakdown(self) -> dict:
-        total = time.perf_counter() - self.started
-        phases = {p: round(v, 6) for p, v in self.totals.items()}
-        phases["other"] = round(max(0.0, total - sum(self.totals.values())), 6)
-        return {"seconds": phases, "percent": {p: round(100 * v / total, 2) if total else 0.0
-                                               for p, v in phases.items()}}
+    def segment(self, step: int) -> dict:
+        """This stretch of training so far, as the run record stores it. The open background phase counts up to
+        now without being closed (a checkpoint reads this mid-setup or mid-teardown too)."""
+        phases = dict(self.totals)
+        if self.background is not None:
+            phases[self.background.phase] += self.background.own_seconds()
+        return {"from_step": self.first_step, "to_step": step,
+                "seconds": round(time.perf_counter() - self.started, 6),
+                "phase_seconds": {p: round(v, 6) for p, v in phases.items()}}
+
+    def segments(self, step: int) -> list[dict]:
+        """Every stretch of the run: those before each resume, then this one."""
+        return self.earlier_segments + [self.segment(step)]
 
 
 class Span:
@@ -86,12 +127,48 @@ class Span:
         self.start = time.perf_counter()
         return self
 
+    def own_seconds(self) -> float:
+        return time.perf_counter() - self.start - (self.clock.timed - self.timed_before)
+
     def __exit__(self, *exc):
         clock = self.clock
-        own = time.perf_counter() - self.start - (clock.timed - self.timed_before)
+        own = self.own_seconds()
         clock.totals[self.phase] += own
         clock.timed += own
         return False
+
+
+def run_record(clock: PhaseClock, args, global_step: int) -> dict:
+    """What a checkpoint remembers of the run as a whole (plain JSON): elapsed time and phase totals (None when a
+    stretch before a resume is unknown), the metric settings, and each stretch of training (`segments`: steps and
+    seconds before and after every resume)."""
+    segments = clock.segments(global_step)
+    seconds, phases = whole_run_totals(segments)
+    return {"elapsed_seconds": seconds, "phase_seconds": phases,
+            "metric_for_best_model": args.metric_for_best_model, "greater_is_better": args.greater_is_better,
+            "segments": segments}
+
+
+def whole_run_totals(segments: list[dict]) -> tuple[float | None, dict]:
+    """Seconds of all segments (None if any is unknown) and phase seconds summed over the known ones."""
+    phases = dict.fromkeys(PHASES, 0.0)
+    for segment in segments:
+        for phase, value in (segment.get("phase_seconds") or {}).items():
+            phases[phase] = round(phases.get(phase, 0.0) + value, 6)
+    known = [s["seconds"] for s in segments]
+    return (round(sum(known), 6) if None not in known else None), phases
+
+
+def time_by_phase(segments: list[dict]) -> dict | None:
+    """Seconds and percent per phase over the segments whose time is known (`covers_steps` lists them); "other" is
+    the rest of their time."""
+    known = [s for s in segments if s["seconds"] is not None]
+    if not known:
+        return None
+    total, phases = whole_run_totals(known)
+    phases["other"] = round(max(0.0, total - sum(phases.values())), 6)
+    return {"seconds": phases, "percent": {p: round(100 * v / total, 2) if total else 0.0 for p, v in phases.items()},
+            "covers_steps": [[s["from_step"], s["to_step"]] for s in known]}
 
 
 def peak_host_memory_mb() -> float:
@@ -108,34 +185,33 @@ def peak_device_memory_mb() -> float | None:
 
 
 def build_report(run, status: str, counters: dict, train_metrics: dict | None = None) -> dict:
-    """The report of a live run (called by the teardown stage): `run` is the `RunState`, `counters` the input
-    tokens and samples trained on."""
-    state, clock = run.state, run.clock
-    runtime = time.perf_counter() - clock.started
-    evals = [h for h in state.log_history if any(k.startswith("eval_") and k.endswith("_loss") for k in h)]
-    return {
-        "status": status,
-        "output_dir": run.args.output_dir,
-        "global_step": state.global_step,
-        "max_steps": state.max_steps,
-        "epoch": state.epoch,
-        "final_metrics": evals[-1] if evals else {},
-        "best_metric": state.best_metric,
-        "metric_for_best_model": run.args.metric_for_best_model,
-        "best_checkpoint": state.best_model_checkpoint,
-        "train_metrics": train_metrics or {},
-        "total_seconds": round(runtime, 3),
-        "samples_per_second": round(counters["samples"] / runtime, 3) if runtime else None,
-        "tokens_per_second": round(counters["tokens"] / runtime, 3) if runtime else None,
-        "input_tokens": counters["tokens"],
-        "peak_host_memory_mb": peak_host_memory_mb(),
-        "peak_device_memory_mb": peak_device_memory_mb(),
-        "time_by_phase": clock.breakdown(),
-        "slow_steps": clock.slow_steps,
-        "log_history": state.log_history,
-    }
+    """The report of a live run (called by the teardown stage): `run` is the `RunState`, `counters` the input tokens
+    and samples trained on. Building it is the "report" phase; the time by phase is read right after, so the files
+    written next are the only part of `train()` outside it."""
+    state, clock, args = run.state, run.clock, run.args
+    with clock.span("report"):
+        evals = [h for h in state.log_history if any(k.startswith("eval_") and k.endswith("_loss") for k in h)]
+        history = list(state.log_history)
+        report = {
+            "status": status, "output_dir": args.output_dir, "global_step": state.global_step,
+            "max_steps": state.max_steps, "epoch": state.epoch, "final_metrics": evals[-1] if evals else {},
+            "best_metric": state.best_metric, "metric_for_best_model": args.metric_for_best_model,
+            "greater_is_better": args.greater_is_better, "best_checkpoint": state.best_model_checkpoint,
+            "train_metrics": train_metrics or {}, "input_tokens": counters["tokens"],
+            "peak_host_memory_mb": peak_host_memory_mb(), "peak_device_memory_mb": peak_device_memory_mb(),
+            "slow_steps": clock.slow_steps, "log_history": history, "charts": planned_charts(history),
+        }
+    clock.enter(None)  # closes the teardown phase: everything up to here is in the totals below
+    segments = clock.segments(state.global_step)
+    this_run = segments[-1]["seconds"]
+    report.update(total_seconds=whole_run_totals(segments)[0], this_run_seconds=this_run, segments=segments,
+                  time_by_phase=time_by_phase(segments),
+                  samples_per_second=round(counters["samples"] / this_run, 3) if this_run else None,
+                  tokens_per_second=round(counters["tokens"] / this_run, 3) if this_run else None)
+    return report
 
 
+# -- charts ------------------------------------------------------------------------------------------------------
 def series(log_history: list, key: str) -> tuple[list, list]:
     points = [(h["step"], h[key]) for h in log_history if isinstance(h.get(key), (int, float))]
     return [p[0] for p in points], [p[1] for p in points]
@@ -151,48 +227,143 @@ def eval_metric_keys(log_history: list) -> list[str]:
     return keys
 
 
-def write_charts(report: dict, folder: str) -> list[str] | str:
-    """loss.png, learning_rate.png and eval_metrics.png; or, without matplotlib, the sentence saying how."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "Charts need matplotlib: pip install 'loopkit[charts]', then python -m loopkit report RUN_DIR."
-    history, written = report["log_history"], []
+def chart_panels(log_history: list) -> list[tuple[str, str, list]]:
+    """(file name, title, [(key, steps, values), ...]) of each chart that has something to draw."""
     panels = [("loss.png", ["loss"], "training loss"), ("learning_rate.png", ["learning_rate"], "learning rate"),
-              ("eval_metrics.png", eval_metric_keys(history), "evaluation metrics")]
+              ("eval_metrics.png", eval_metric_keys(log_history), "evaluation metrics")]
+    drawn = []
     for name, keys, title in panels:
-        plotted = [(k, *series(history, k)) for k in keys]
-        plotted = [p for p in plotted if p[1]]
-        if not plotted:
-            continue
-        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
-        for key, steps, values in plotted:
+        lines = [(key, *series(log_history, key)) for key in keys]
+        lines = [line for line in lines if line[1]]
+        if lines:
+            drawn.append((name, title, lines))
+    return drawn
+
+
+def matplotlib_missing() -> bool:
+    if "matplotlib" in sys.modules:
+        return sys.modules["matplotlib"] is None
+    return importlib.util.find_spec("matplotlib") is None
+
+
+def planned_charts(log_history: list) -> list[str] | str:
+    """The chart files a report will have, or, without matplotlib, the sentence saying how to get them."""
+    if matplotlib_missing():
+        return CHARTS_HINT
+    return [name for name, _, _ in chart_panels(log_history)]
+
+
+def draw_charts(log_history: list, folder: str) -> list[str]:
+    """Draw the charts into `folder` now. Uses matplotlib's object API, never pyplot: no global backend switch in
+    the user's process, no shared figure registry, safe off the main thread. Each PNG appears complete or not at
+    all (written under a temporary name, then renamed)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    written = []
+    for name, title, lines in chart_panels(log_history):
+        fig = Figure(figsize=(6.4, 3.6), dpi=100, layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        for key, steps, values in lines:
             ax.plot(steps, values, marker="o" if len(steps) < 30 else None, label=key)
         ax.set_xlabel("optimizer step")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        if len(plotted) > 1:
+        if len(lines) > 1:
             ax.legend()
-        fig.tight_layout()
         path = os.path.join(folder, name)
-        fig.savefig(path)
-        plt.close(fig)
+        fig.savefig(path + ".tmp", format="png")
+        os.replace(path + ".tmp", path)
         written.append(name)
     # matplotlib caches open font files for the life of the process; a training library should not hold them.
-    clear_font_cache = getattr(getattr(matplotlib, "font_manager", None), "_get_font", None)
+    import matplotlib.font_manager
+
+    clear_font_cache = getattr(matplotlib.font_manager, "_get_font", None)
     if hasattr(clear_font_cache, "cache_clear"):
         clear_font_cache.cache_clear()
     return written
+
+
+class ChartQueue:
+    """Chart jobs drawn one at a time, in order, by a background thread that exists only while there is work.
+
+    The thread is not a daemon: the interpreter waits for it at exit, so no chart is lost. One job at a time keeps
+    matplotlib's caches single-threaded; the next `train()` in the process (a hyper-parameter search) only shares
+    the CPU with it. A failed job is a warning, never an exception in the training thread."""
+
+    def __init__(self):
+        self.forget()
+        # A process forked while a job runs would inherit a held lock and no worker: it starts afresh instead.
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self.forget)
+
+    def forget(self) -> None:
+        self.jobs = deque()
+        self.lock = threading.Lock()
+        self.worker = None
+
+    def submit(self, log_history: list, folder: str) -> None:
+        with self.lock:
+            self.jobs.append((log_history, folder))
+            if self.worker is None:
+                self.worker = threading.Thread(target=self.drain, name="loopkit-charts", daemon=False)
+                self.worker.start()
+
+    def drain(self) -> None:
+        while True:
+            with self.lock:
+                if not self.jobs:
+                    self.worker = None
+                    return
+                log_history, folder = self.jobs.popleft()
+            try:
+                draw_charts(log_history, folder)
+            except Exception as exc:
+                warnings.warn(f"Could not draw the run's charts in {folder}: {type(exc).__name__}: {exc}. "
+                              f"`python -m loopkit report {folder}` draws them again.")
+
+    def wait(self) -> None:
+        while True:
+            with self.lock:
+                worker = self.worker
+            if worker is None:
+                return
+            worker.join()
+
+
+CHARTS = ChartQueue()
+
+
+def wait_for_charts() -> None:
+    """Block until every chart scheduled so far is drawn (the interpreter also waits for them at exit)."""
+    CHARTS.wait()
+
+
+# -- the report's text and files ---------------------------------------------------------------------------------
+def seconds_text(seconds: float) -> str:
+    return f"{seconds:.3g} s" if seconds < 100 else f"{seconds:.0f} s"
+
+
+def duration_text(report: dict) -> str:
+    segments = report.get("segments") or []
+    if report.get("total_seconds") is None:
+        unknown = next((s for s in segments if s["seconds"] is None), None)
+        where = f" (steps {unknown['from_step']}-{unknown['to_step']} ran without a run record)" if unknown else ""
+        text = f"time unknown{where}"
+    else:
+        text = seconds_text(report["total_seconds"])
+    if len(segments) > 1:
+        text += f", in {len(segments)} segments (resumed at step " + ", ".join(
+            str(s["from_step"]) for s in segments[1:]) + ")"
+    return text
 
 
 def summary_text(report: dict) -> str:
     """The one-screen summary, also the body of run_report.md."""
     lines = [f"loopkit run report: {report['status']}  ({report['output_dir']})",
              f"  steps {report['global_step']}/{report['max_steps']}, epoch {report['epoch']:.3g}, "
-             f"{report['total_seconds']:.1f} s"]
+             f"{duration_text(report)}"]
     if report.get("samples_per_second") is not None:
         lines.append(f"  {report['samples_per_second']:.1f} samples/s, {report['tokens_per_second']:.0f} input "
                      f"tokens/s, peak host memory {report['peak_host_memory_mb']:.0f} MB"
@@ -204,11 +375,13 @@ def summary_text(report: dict) -> str:
         lines.append("  final evaluation: " + ", ".join(f"{k}={v:.4g}" for k, v in final.items()
                                                           if isinstance(v, (int, float))))
     if report.get("best_metric") is not None:
-        lines.append(f"  best {report.get('metric_for_best_model')}={report['best_metric']:.4g} at "
-                     f"{report.get('best_checkpoint')}")
+        lines.append(f"  best {report.get('metric_for_best_model') or '(metric name unknown)'}="
+                     f"{report['best_metric']:.4g} at {report.get('best_checkpoint')}")
     phases = report.get("time_by_phase")
     if phases:
-        lines.append("  time by phase: " + ", ".join(f"{p} {s:.2f}s ({phases['percent'][p]:.0f}%)"
+        covered = "" if report.get("total_seconds") is not None else " (steps " + ", ".join(
+            f"{a}-{b}" for a, b in phases.get("covers_steps", [])) + ")"
+        lines.append(f"  time by phase{covered}: " + ", ".join(f"{p} {s:.2f}s ({phases['percent'][p]:.0f}%)"
                                                      for p, s in phases["seconds"].items() if s > 0))
     for slow in report.get("slow_steps", [])[:5]:
         worst = max(slow["phases"], key=slow["phases"].get)
@@ -223,40 +396,64 @@ def summary_text(report: dict) -> str:
 
 
 def write_report(report: dict, folder: str, echo: bool = True) -> dict:
+    """run_report.json, run_report.md and the console summary; the charts go to the background queue."""
     os.makedirs(folder, exist_ok=True)
-    report["charts"] = write_charts(report, folder)
     with open(os.path.join(folder, REPORT_JSON), "w") as f:
         json.dump(report, f, indent=2, default=str)
     text = summary_text(report)
+    charts = report.get("charts")
     with open(os.path.join(folder, REPORT_MD), "w") as f:
         f.write("```\n" + text + "\n```\n")
-        for chart in report["charts"] if isinstance(report["charts"], list) else []:
+        for chart in charts if isinstance(charts, list) else []:
             f.write(f"\n![{chart}]({chart})\n")
     if echo:
         print(text)
+    if isinstance(charts, list) and charts:
+        CHARTS.submit(report["log_history"], folder)  # last: from here on the drawing competes for the CPU
     return report
 
 
 def report_from_files(run_dir: str) -> dict:
-    """Rebuild the report of a finished or crashed run: its `run_report.json` if the run got to write one, else
-    the newest checkpoint's `trainer_state.json` (a run killed before its teardown)."""
-    from .checkpoint import TRAINER_STATE_NAME, checkpoint_dirs
+    """Rebuild the report of a finished or crashed run: its `run_report.json` if that is newer than its newest
+    checkpoint, else that checkpoint's `trainer_state.json` and run record (a run killed before its teardown)."""
+    from .checkpoint import checkpoint_dirs
 
     path = os.path.join(run_dir, REPORT_JSON)
-    if os.path.isfile(path):
-        with open(path) as f:
-            return json.load(f)
     checkpoints = checkpoint_dirs(run_dir)
+    if os.path.isfile(path) and (not checkpoints or os.path.getmtime(path) >= os.path.getmtime(checkpoints[-1])):
+        with open(path) as f:
+            report = json.load(f)
+        report["charts"] = planned_charts(report.get("log_history", []))
+        return report
     if not checkpoints:
         raise FileNotFoundError(f"{run_dir} holds neither {REPORT_JSON} nor a checkpoint: nothing to report.")
-    with open(os.path.join(checkpoints[-1], TRAINER_STATE_NAME)) as f:
+    return report_from_checkpoint(run_dir, checkpoints[-1])
+
+
+def report_from_checkpoint(run_dir: str, checkpoint: str) -> dict:
+    """The report as far as `checkpoint` knows the run. Without a run record (HF Trainer's checkpoints, loopkit's
+    before it had one) the time and the metric name are unknown, and the report says so."""
+    from .checkpoint import LOOPKIT_STATE_NAME, TRAINER_STATE_NAME
+
+    with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as f:
         state = json.load(f)
-    evals = [h for h in state["log_history"] if any(k.startswith("eval_") for k in h)]
-    return {"status": f"incomplete (rebuilt from {os.path.basename(checkpoints[-1])})", "output_dir": run_dir,
-            "global_step": state["global_step"], "max_steps": state["max_steps"], "epoch": state["epoch"] or 0,
+    record = None
+    if os.path.isfile(os.path.join(checkpoint, LOOPKIT_STATE_NAME)):
+        with open(os.path.join(checkpoint, LOOPKIT_STATE_NAME)) as f:
+            record = json.load(f).get(RUN_RECORD_KEY)
+    step = state["global_step"]
+    segments = record["segments"] if record else [{"from_step": 0, "to_step": step, "seconds": None,
+                                                  "phase_seconds": None}]
+    history = state["log_history"]
+    evals = [h for h in history if any(k.startswith("eval_") for k in h)]
+    return {"status": f"incomplete (rebuilt from {os.path.basename(checkpoint)})", "output_dir": run_dir,
+            "global_step": step, "max_steps": state["max_steps"], "epoch": state["epoch"] or 0,
             "final_metrics": evals[-1] if evals else {}, "best_metric": state.get("best_metric"),
-            "metric_for_best_model": None, "best_checkpoint": state.get("best_model_checkpoint"),
-            "total_seconds": 0.0, "log_history": state["log_history"], "slow_steps": []}
+            "metric_for_best_model": record.get("metric_for_best_model") if record else None,
+            "greater_is_better": record.get("greater_is_better") if record else None,
+            "best_checkpoint": state.get("best_model_checkpoint"), "total_seconds": whole_run_totals(segments)[0],
+            "segments": segments, "time_by_phase": time_by_phase(segments), "log_history": history,
+            "slow_steps": [], "charts": planned_charts(history)}
 
 
 def main(argv=None) -> int:
@@ -268,4 +465,4 @@ def main(argv=None) -> int:
     report_cmd.add_argument("run_dir")
     args = parser.parse_args(argv)
     write_report(report_from_files(args.run_dir), args.run_dir)
-    return 0
+    return 0  # the interpreter waits for the charts before it exits

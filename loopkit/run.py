@@ -52,8 +52,8 @@ the loop sets `should_training_stop` when a guard or a failed save stops the run
 | log_history                                        | loop.py (`Loop.log`, the run's `log`)                 |
 | best_metric, best_global_step, total_flos          | schedule.py                                           |
 | best_model_checkpoint                              | checkpoint.py                                         |
-| stateful_callbacks                                 | checkpoint.py (through `LoopState.record_callback_states`) |
-| max_steps, num_train_epochs, is_hyper_param_search, is_local_process_zero, is_world_process_zero | loop.py |
+| stateful_callbacks                                 | state.py (`record_callback_states`: at a fresh start, each save) |
+| max_steps, num_train_epochs, is_hyper_param_search, trial_params, trial_name, is_local_process_zero, is_world_process_zero | loop.py |
 
 `tests/test_stage_contract.py` reads the source of `loopkit/` and checks both tables.
 """

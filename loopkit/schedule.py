@@ -121,7 +121,9 @@ class Schedule:
         grad_norm = last.grad_norm if last is not None else None
         if grad_norm is not None:
             logs["grad_norm"] = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
-        logs["learning_rate"] = last.learning_rate if last is not None else None
+        lr = last.learning_rate if last is not None else None
+        # torchao's low-bit optimizers keep lr as a (host) tensor; HF logs a float, and state JSON needs one.
+        logs["learning_rate"] = lr.item() if isinstance(lr, torch.Tensor) else lr
         self.store_flos()
         run.log(logs)
 
@@ -130,7 +132,8 @@ class Schedule:
         run = self.run
         control = run.control
         if control.should_log and run.state.global_step > self.running_loss.last_logged_step:
-            self.log_training_progress()
+            with run.clock.span("logging"):  # where a GPU run waits for its device (the loss read)
+                self.log_training_progress()
         if control.should_evaluate:
             rng_before = rng_state() if run.preemption.active else None
             try:
@@ -195,6 +198,15 @@ class Schedule:
 
     def state_dict(self) -> dict:
         return {"pending_evaluation": self.pending_evaluation}
+
+
+def running_loss_state(saved: dict) -> dict:
+    """The running loss of a checkpoint: its own entry, or where checkpoints before the stage-contract redesign
+    kept it (the step stage's `tr_loss` and the evaluation stage's `last_logged_step`)."""
+    if "running_loss" in saved:
+        return saved["running_loss"]
+    return {"tr_loss": saved.get("step", {}).get("tr_loss", 0.0),
+            "last_logged_step": saved.get("evaluation", {}).get("last_logged_step")}
 
 
 def best_metric_key(args) -> str:

@@ -120,6 +120,13 @@ def restore_callback_states(callbacks, saved: dict) -> None:
     checkpoint's `stateful_callbacks`. HF re-creates each as `type(cb)(**args)` and sets the saved attributes; loopkit
     does the same but copies the result into the existing object, so a reference the user holds stays live and the
     callback keeps its place in the list."""
+    present = {state_name(callback) for callback in callbacks}
+    missing = [name for name in saved if name not in present]
+    if missing:  # HF's warning, word for word
+        import warnings
+
+        warnings.warn(f"Checkpoint included callbacks not included in current configuration. Ignoring. "
+                      f"({', '.join(missing)})")
     seen: dict[str, int] = {}
     for callback in callbacks:
         name = state_name(callback)

@@ -5,8 +5,10 @@ model, and the best trial reported.
 every trial from the same starting point. `model_init(trial)` receives the trial and may read model settings from it
 (here the classifier's dropout); training settings (here the learning rate) go into `loop.args` before `train()`.
 
-Search: Optuna's TPE sampler when `optuna` is installed; otherwise a seeded random search with the same tiny trial
-interface (`suggest_float`, `suggest_categorical`, `params`, `number`), so the objective is written once.
+Search: with `optuna` installed, `loop.hyperparameter_search(...)` (Trainer's method, optuna backend, TPE sampler):
+`hp_space(trial)` returns the training settings it sets on `loop.args`, and each trial is scored by `evaluate()`
+after training. Without optuna, a seeded random search with the same tiny trial interface (`suggest_float`,
+`suggest_categorical`, `params`, `number`) runs the same objective by hand.
 """
 
 from __future__ import annotations
@@ -39,17 +41,25 @@ class RandomTrial:
         return self.params[name]
 
 
-def search(objective, n_trials: int, use_optuna: bool | None = None):
-    """Minimise `objective(trial)` over `n_trials`; returns (best params, best value, all (params, value))."""
-    if use_optuna is None:
-        use_optuna = importlib.util.find_spec("optuna") is not None
-    if use_optuna:
-        import optuna
+def search_with_optuna(loop: Loop, lr_range, n_trials: int):
+    """`Loop.hyperparameter_search` (HF Trainer's, optuna backend); returns (best params, best value, all trials)."""
+    import optuna
 
-        study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=0))
-        study.optimize(objective, n_trials=n_trials)
-        trials = [(t.params, t.value) for t in study.trials]
-        return study.best_trial.params, study.best_value, trials
+    studies = []
+
+    def hp_space(trial):
+        studies.append(trial.study)
+        return {"learning_rate": trial.suggest_float("learning_rate", *lr_range, log=True)}
+
+    best = loop.hyperparameter_search(hp_space=hp_space, compute_objective=lambda metrics: metrics["eval_loss"],
+                                      n_trials=n_trials, direction="minimize",
+                                      sampler=optuna.samplers.TPESampler(seed=0))
+    trials = [(t.params, t.value) for t in studies[0].trials]
+    return best.hyperparameters, best.objective, trials
+
+
+def random_search(objective, n_trials: int):
+    """Minimise `objective(trial)` over `n_trials`; returns (best params, best value, all (params, value))."""
     trials = []
     for number in range(n_trials):
         trial = RandomTrial(number)
@@ -83,7 +93,12 @@ def main(tiny: bool = False, output_dir: str | None = None, n_trials: int = 3, u
               f"accuracy {metrics['eval_accuracy']:.3f}")
         return metrics["eval_loss"]
 
-    best_params, best_value, trials = search(objective, n_trials, use_optuna)
+    if use_optuna is None:
+        use_optuna = importlib.util.find_spec("optuna") is not None
+    if use_optuna:
+        best_params, best_value, trials = search_with_optuna(loop, lr_range, n_trials)
+    else:
+        best_params, best_value, trials = random_search(objective, n_trials)
     print(f"best trial: {best_params} with eval_loss {best_value:.4f}")
     return best_params, best_value, trials, model_inits
 

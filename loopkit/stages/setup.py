@@ -9,7 +9,8 @@ Contract:
   loads its weights (before `accelerator.prepare`, as HF does). It returns the checkpoint path or None.
 
 Reads `run.args`, `run.model_init`, `run.checkpointer`; writes `run.accelerator`, `run.model` and
-`run.model_accepts_loss_kwargs`. Owns HF's overridable `call_model_init(trial)`.
+`run.model_accepts_loss_kwargs`, `run.gather_function`. Owns HF's overridable `call_model_init(trial)` and
+`create_accelerator_and_postprocess()`.
 """
 
 from __future__ import annotations
@@ -53,8 +54,7 @@ class SetupStage(Stage):
     def build(self, model):
         run = self.run
         self.seed()
-        run.accelerator = self.create_accelerator()
-        run.gather_function = run.accelerator.gather_for_metrics
+        self.create_accelerator_and_postprocess()
         check_launch(run.accelerator)  # several processes that Accelerate did not join: refuse (distributed.py)
         if model is None:
             if run.model_init is None:
@@ -65,6 +65,12 @@ class SetupStage(Stage):
     def seed(self) -> None:
         """Seed every RNG from `args.seed` (at construction, and before each `model_init`)."""
         seed_everything(self.run.args.seed, self.run.args.full_determinism)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """HF's hook, called at construction: the run's `Accelerator` and its gather function."""
+        run = self.run
+        run.accelerator = self.create_accelerator()
+        run.gather_function = run.accelerator.gather_for_metrics
 
     def create_accelerator(self):
         from accelerate import Accelerator

@@ -14,8 +14,9 @@ Contract (HF Trainer 5.24 semantics, facts file sections 1.2 and 4):
 Reads `run.args`, `run.accelerator`, `run.model`, `run.model_accepts_loss_kwargs`, `run.compute_loss_func`,
 `run.optimizers_given`, `run.optimizer_cls_and_kwargs`, `run.checkpointer`, `run.clock`; writes `run.model_wrapped`,
 `run.optimizer`, `run.lr_scheduler`, and `run.state.global_step` / `epoch`. Owns HF's overridable
-`create_optimizer`, `create_scheduler`, `get_decay_parameter_names`, `compute_loss`, `compute_loss_context_manager`,
-`training_step`, `floating_point_ops`, and loopkit's `count_loss_items`.
+`create_optimizer`, `get_optimizer_cls_and_kwargs`, `create_scheduler`, `get_decay_parameter_names`, `compute_loss`,
+`compute_loss_context_manager`, `autocast_smart_context_manager`, `training_step`, `floating_point_ops`, and
+loopkit's `count_loss_items`.
 
 Which losses count as normalised over the accumulated batch (HF 5.x's rule, `loss_is_scaled_for_ga`): `None` (the
 default) means "scaled" when the model takes `num_items_in_batch` (its forward has `**kwargs` or
@@ -45,6 +46,7 @@ from torch import nn
 from ..args import config_error
 from ..batches import require_named_batch
 from ..guards import NONFINITE_POLICIES, NonFiniteWatch
+from ..optimizers import backward_kwargs, build_optimizer, optimizer_cls_and_kwargs, updates_in_backward
 from .base import Stage, base_model
 
 NO_DECAY_PATTERNS = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)",
@@ -115,29 +117,21 @@ class StepStage(Stage):
     def get_decay_parameter_names(self, model) -> list[str]:
         return decay_parameter_names(model)
 
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args, model=None) -> tuple:
+        """HF's static method: the optimizer class and keyword arguments for `args.optim` (loopkit/optimizers.py)."""
+        return optimizer_cls_and_kwargs(args, model)
+
     def create_optimizer(self, model=None):
-        """`run.optimizer`: the one passed in `optimizers=`, else HF's default (AdamW, decay / no-decay groups)."""
-        run, args = self.run, self.run.args
+        """`run.optimizer`: the one passed in `optimizers=`, else HF's (`args.optim` through transformers' own
+        handlers, decay / no-decay groups; loopkit/optimizers.py)."""
+        run = self.run
         model = run.model if model is None else model
         if run.optimizer is None and run.optimizers_given[0] is not None:
             run.optimizer = run.optimizers_given[0]
         if run.optimizer is None:
-            decay = set(self.get_decay_parameter_names(model))
-            groups = [
-                {"params": [p for n, p in model.named_parameters() if n in decay and p.requires_grad],
-                 "weight_decay": args.weight_decay},
-                {"params": [p for n, p in model.named_parameters() if n not in decay and p.requires_grad],
-                 "weight_decay": 0.0},
-            ]
-            if run.optimizer_cls_and_kwargs is not None:
-                cls, kwargs = run.optimizer_cls_and_kwargs
-            else:
-                cls = torch.optim.AdamW
-                kwargs = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
-                          "eps": args.adam_epsilon}
-                if str(getattr(args.optim, "value", args.optim)) == "adamw_torch_fused":
-                    kwargs["fused"] = True
-            run.optimizer = cls(groups, **kwargs)
+            cls_and_kwargs = run.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(run.args, model)
+            run.optimizer = build_optimizer(run.args, model, self.get_decay_parameter_names(model), cls_and_kwargs)
         return run.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -195,7 +189,8 @@ class StepStage(Stage):
         # identical numerics; every other engine keeps Accelerate's path.
         from accelerate.utils import DistributedType
 
-        self.direct = acc.scaler is None and acc.distributed_type in (
+        # LOMO keeps Accelerate's path: its backward takes the learning rate, and only Accelerate skips its step().
+        self.direct = acc.scaler is None and not updates_in_backward(run.args) and acc.distributed_type in (
             DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
         self.clip_params = list(run.model_wrapped.parameters())
         self.inner_optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
@@ -222,8 +217,12 @@ class StepStage(Stage):
                 f"Loop subclass (or divide a summed loss by num_items_in_batch); set it to True to silence this.")
 
     # -- loss --
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+        return contextlib.nullcontext()  # Accelerate applies autocast by wrapping model.forward, as in Trainer
+
     def compute_loss_context_manager(self):
-        return contextlib.nullcontext()  # Accelerate applies autocast by wrapping model.forward
+        """The context of every forward, training and evaluation: `autocast_smart_context_manager`'s (HF)."""
+        return self.autocast_smart_context_manager()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         run = self.run
@@ -281,7 +280,7 @@ class StepStage(Stage):
             if self.direct:
                 loss.backward()  # = accelerator.backward here (it divides by its accumulation steps, 1)
             else:
-                run.accelerator.backward(loss)
+                run.accelerator.backward(loss, **backward_kwargs(run.args, run.lr_scheduler, run.optimizer))
         return loss.detach()
 
     # -- one optimizer step --

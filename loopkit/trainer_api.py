@@ -1,0 +1,496 @@
+"""`TrainerAPI`: the rest of `transformers.Trainer` 5.x's public methods and attributes, as a mixin `Loop` inherits.
+
+Everything here reads the run through `Loop`'s public attributes (`args`, `model`, `optimizer`, `state`,
+`accelerator`, `callback_handler`, the stages, ...). Small pieces of `transformers.trainer_pt_utils` and
+`transformers.trainer_utils` are copied (each says so): those are `transformers.trainer*` modules, which
+`import loopkit` must not load.
+
+HF's overridable hooks, and where loopkit calls them:
+* called where Trainer calls them, by the stage that owns them (loopkit/hf_methods.py): `call_model_init`
+  (construction and each `train()`) and `create_accelerator_and_postprocess` (construction) by the setup stage;
+  `autocast_smart_context_manager` (inside `compute_loss_context_manager`, around every forward) and
+  `get_optimizer_cls_and_kwargs` (in `create_optimizer`) by the step stage.
+* not called by loopkit, so overriding them would change nothing: `get_batch_samples` and
+  `set_initial_training_values`. They work when called, and a subclass that overrides one is refused at class
+  creation with the stage method to override instead (`HOOKS_TO_OVERRIDE_ELSEWHERE`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import importlib.util
+import json
+import os
+import warnings
+from typing import Any, NamedTuple
+
+from .args import config_error
+
+# Trainer hooks loopkit does not call, and what a subclass overrides instead.
+HOOKS_TO_OVERRIDE_ELSEWHERE = {
+    "get_batch_samples": "DataStage.windows (which micro-batches form an optimizer step; pass data=YourDataStage()) "
+                         "and Loop.count_loss_items(batches) (num_items_in_batch)",
+    "set_initial_training_values": "DataStage.plan(dataloader) (the epoch and step arithmetic; pass "
+                                   "data=YourDataStage())",
+}
+
+HUB_TIMEOUT_S = 5.0  # a Hub that does not answer in this time counts as unreachable: push_to_hub never hangs
+
+
+class BestRun(NamedTuple):
+    """What `hyperparameter_search` returns (copied from `transformers.trainer_utils.BestRun`)."""
+
+    run_id: str
+    objective: float | list[float]
+    hyperparameters: dict[str, Any]
+    run_summary: Any | None = None
+
+
+def default_compute_objective(metrics: dict[str, float]) -> float:
+    """The eval loss if there are no other metrics, else their sum (copied from `transformers.trainer_utils`)."""
+    metrics = copy.deepcopy(metrics)
+    loss = metrics.pop("eval_loss", None)
+    metrics.pop("epoch", None)
+    for key in [m for m in metrics if m.endswith("_runtime") or m.endswith("_per_second")]:
+        metrics.pop(key)
+    return loss if len(metrics) == 0 else sum(metrics.values())
+
+
+def default_hp_space_optuna(trial) -> dict[str, float]:
+    """Copied from `transformers.trainer_utils.default_hp_space_optuna`."""
+    return {
+        "learning_rate": trial.suggest_float("learning_rate", 1e-6, 1e-4, log=True),
+        "num_train_epochs": trial.suggest_int("num_train_epochs", 1, 5),
+        "seed": trial.suggest_int("seed", 1, 40),
+        "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size", [4, 8, 16, 32, 64]),
+    }
+
+
+def secs_to_timedelta(secs: float) -> str:
+    """hh:mm:ss.msec (copied from `transformers.trainer_pt_utils._secs2timedelta`)."""
+    msec = int(abs(secs - int(secs)) * 100)
+    return f"{datetime.timedelta(seconds=int(secs))}.{msec:02d}"
+
+
+def metrics_format(metrics: dict[str, float]) -> dict[str, float]:
+    """Human-readable metric values (copied from `transformers.trainer_pt_utils.metrics_format`)."""
+    formatted = metrics.copy()
+    for key, value in formatted.items():
+        if "_mem_" in key:
+            formatted[key] = f"{value >> 20}MB"
+        elif "_runtime" in key:
+            formatted[key] = secs_to_timedelta(value)
+        elif key == "total_flos":
+            formatted[key] = f"{int(value) >> 30}GF"
+        elif isinstance(value, float):
+            formatted[key] = round(value, 4)
+    return formatted
+
+
+def hub_unreachable_reason(endpoint: str, timeout: float = HUB_TIMEOUT_S) -> str | None:
+    """Why the Hub cannot be reached right now (offline mode, or no TCP connection within `timeout`), or None."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    url = urlparse(endpoint)
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(url.hostname):
+        url = urlparse(proxy if "://" in proxy else f"http://{proxy}")  # the connection goes to the proxy
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except OSError as exc:
+        return f"no connection to {url.hostname}:{port} within {timeout:g} s ({exc})"
+    return None
+
+
+class HyperparameterObjective:
+    """During a search: the objective of each evaluation in training, reported to the trial (HF's
+    `_report_to_hp_search`); a trial the sampler prunes stops with `optuna.TrialPruned`."""
+
+    def __init__(self, loop, trial):
+        self.loop, self.trial = loop, trial
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        loop = self.loop
+        loop.objective = loop.compute_objective(dict(metrics))
+        study = getattr(self.trial, "study", None)
+        if study is not None and not study._is_multi_objective():
+            self.trial.report(loop.objective, state.global_step)
+            if self.trial.should_prune():
+                import optuna
+
+                raise optuna.TrialPruned()
+
+
+class TrainerAPI:
+    """HF Trainer's public methods and attributes that are not part of a run's stages."""
+
+    # Instance attributes of a constructed Trainer that loopkit sets only when they change.
+    hub_model_id = None  # set by init_hf_repo
+    is_in_train = False  # True inside train()
+    hp_name = None  # set by hyperparameter_search
+    hp_search_backend = None  # "optuna" during hyperparameter_search
+    label_smoother = None  # label_smoothing_factor is refused (LoopConfigError): smoothing is compute_loss_func's
+    hp_space = compute_objective = objective = None  # set by hyperparameter_search
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for hook, instead in HOOKS_TO_OVERRIDE_ELSEWHERE.items():
+            if getattr(cls, hook) is not getattr(TrainerAPI, hook):
+                raise TypeError(f"{cls.__name__} overrides Trainer.{hook}, which loopkit's run does not call, so the "
+                                f"override would change nothing. Override {instead} instead.")
+
+    # -- attributes derived from the run --------------------------------------------------------------------------
+    @property
+    def is_deepspeed_enabled(self) -> bool:
+        return getattr(self.accelerator.state, "deepspeed_plugin", None) is not None
+
+    @property
+    def is_fsdp_enabled(self) -> bool:
+        return getattr(self.accelerator.state, "fsdp_plugin", None) is not None
+
+    @property
+    def deepspeed(self):
+        """HF: the DeepSpeed engine once `train()` has prepared it, else None."""
+        prepared = self.is_deepspeed_enabled and self.model_wrapped is not self.model
+        return self.model_wrapped if prepared else None
+
+    @property
+    def is_fsdp_xla_enabled(self):
+        fsdp_config = getattr(self.args, "fsdp_config", None) or {}
+        return getattr(self.args, "fsdp", None) and fsdp_config.get("xla", False)
+
+    # loopkit does not run on XLA: None when FSDP is off, as on a Trainer outside XLA.
+    is_fsdp_xla_v1_enabled = is_fsdp_xla_v2_enabled = is_fsdp_xla_enabled
+
+    @property
+    def is_model_parallel(self) -> bool:
+        """HF's rule: the model was split over several devices by `device_map`."""
+        device_map = getattr(self.model, "hf_device_map", None)
+        if device_map is None:
+            return False
+        devices = {device for device in device_map.values() if device not in ("cpu", "disk")}
+        if len(devices) > 1:
+            return True
+        import torch
+
+        return len(devices) == 1 and self.accelerator.device != torch.device(next(iter(devices)))
+
+    @property
+    def is_distributed_loading_by_transformers(self) -> bool:
+        return getattr(self.model, "is_distributed_loading_by_transformers", False)
+
+    @property
+    def place_model_on_device(self) -> bool:
+        """Whether the loop moves the model to the device itself (not for a split model, DeepSpeed or FSDP)."""
+        return not (self.is_model_parallel or self.is_deepspeed_enabled or self.is_fsdp_enabled
+                    or self.is_distributed_loading_by_transformers or getattr(self.model, "hf_device_map", None))
+
+    @property
+    def can_return_loss(self) -> bool:
+        from transformers.utils.generic import can_return_loss
+
+        from .stages.base import base_model
+
+        return can_return_loss(type(base_model(self.model)))
+
+    @property
+    def neftune_noise_alpha(self):
+        return getattr(self.args, "neftune_noise_alpha", None)
+
+    # -- optimizer, scheduler and parameters ----------------------------------------------------------------------
+    def store_flos(self) -> None:
+        """Move this process's FLOP count into `state.total_flos` (the schedule does it at every log and save)."""
+        self.schedule.store_flos()
+
+    @property
+    def current_flos(self) -> float:
+        return self.schedule.current_flos
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=num_training_steps)
+
+    def get_num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def require_optimizer(self):
+        if self.optimizer is None:
+            raise ValueError("Loop.optimizer is None: it is built by train() (or create_optimizer()). Fix: call "
+                             "create_optimizer() first, or pass optimizers=(optimizer, None).")
+        return self.optimizer
+
+    def get_learning_rates(self) -> list[float]:
+        return [group["lr"] for group in self.require_optimizer().param_groups]
+
+    def get_optimizer_group(self, param=None):
+        """The param group holding `param` (a name's tensor or a Parameter), else every group's params (HF)."""
+        optimizer = self.require_optimizer()
+        if param is not None:
+            for group in optimizer.param_groups:
+                if any(param is p for p in group["params"]):
+                    return group
+        return [group["params"] for group in optimizer.param_groups]
+
+    # -- sizes -----------------------------------------------------------------------------------------------------
+    def num_examples(self, dataloader) -> int:
+        """Samples in the loader's dataset, else an estimate from its length (HF's `Trainer.num_examples`)."""
+        try:
+            dataset = dataloader.dataset
+            if type(dataset).__name__ == "IterableDatasetShard":  # HF's shard wraps the real dataset
+                return len(dataset.dataset)
+            return len(dataset)
+        except (NameError, AttributeError, TypeError):
+            return len(dataloader) * self.args.per_device_train_batch_size
+
+    def get_sp_size(self) -> int:
+        config = getattr(self.accelerator, "parallelism_config", None)
+        return 1 if config is None else config.sp_size
+
+    def get_cp_size(self) -> int:
+        config = getattr(self.accelerator, "parallelism_config", None)
+        return 1 if config is None else config.cp_size
+
+    def get_tp_size(self) -> int:
+        model_tp = getattr(self.model, "_tp_size", None)
+        if model_tp is not None:
+            return model_tp
+        config = getattr(self.accelerator, "parallelism_config", None)
+        return 1 if config is None else config.tp_size
+
+    def get_total_train_batch_size(self, args) -> int:
+        """Micro-batch x accumulation x data-parallel processes."""
+        data_parallel = self.accelerator.num_processes // self.get_tp_size() // self.get_cp_size() // \
+            self.get_sp_size()
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel
+
+    def set_initial_training_values(self, args, dataloader) -> tuple:
+        """HF's 7-tuple (epochs, updates per epoch, examples, train samples, total batch, micro-batches per epoch,
+        max_steps), from `DataStage.plan`, which the run itself uses."""
+        if args is not self.args:
+            raise ValueError("set_initial_training_values(args, ...): loopkit plans from loop.args. Fix: pass "
+                             "loop.args (or set the values on loop.args first).")
+        return dataclasses.astuple(self.data.plan(dataloader))
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device) -> tuple[list, Any]:
+        """Up to `num_batches` batches from `epoch_iterator` and their `num_items_in_batch` (HF's helper; the run
+        itself groups batches in `DataStage.windows`)."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        count = self.count_loss_items(batches)
+        return batches, count.to(device) if count is not None else None
+
+    # -- result files (trainer_pt_utils' Trainer helpers, copied) -------------------------------------------------
+    # A staticmethod: HF binds the plain function, so `trainer.metrics_format(metrics)` raises TypeError there.
+    metrics_format = staticmethod(metrics_format)
+
+    def log_metrics(self, split: str, metrics: dict) -> None:
+        """Print `metrics` as an aligned table, on the main process (HF's `log_metrics`)."""
+        if not self.is_world_process_zero():
+            return
+        print(f"***** {split} metrics *****")
+        formatted = metrics_format(metrics)
+        key_width = max(len(str(x)) for x in formatted)
+        value_width = max(len(str(x)) for x in formatted.values())
+        for key in sorted(formatted):
+            print(f"  {key: <{key_width}} = {formatted[key]:>{value_width}}")
+
+    def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
+        """`output_dir/<split>_results.json`, and (combined) merged into `all_results.json` (HF's `save_metrics`)."""
+        if not self.is_world_process_zero():
+            return
+        path = os.path.join(self.args.output_dir, f"{split}_results.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(metrics, f, indent=4, sort_keys=True)
+        if combined:
+            path = os.path.join(self.args.output_dir, "all_results.json")
+            all_metrics = {}
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    all_metrics = json.load(f)
+            all_metrics.update(metrics)
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(all_metrics, f, indent=4, sort_keys=True)
+
+    def save_state(self) -> None:
+        """`output_dir/trainer_state.json` (HF's `save_state`)."""
+        if not self.is_world_process_zero():
+            return
+        self.state.save_to_json(os.path.join(self.args.output_dir, "trainer_state.json"))
+
+    # -- the end of a script -----------------------------------------------------------------------------------
+    def end(self) -> None:
+        """Finish the trackers and destroy the process group: once, at the very end of a script."""
+        self.accelerator.end_training()
+
+    # -- the Hub and the model card -----------------------------------------------------------------------------
+    def hub_endpoint(self) -> str:
+        from huggingface_hub import constants
+
+        return constants.ENDPOINT
+
+    def require_hub(self, what: str) -> None:
+        reason = hub_unreachable_reason(self.hub_endpoint())
+        if reason is not None:
+            raise ConnectionError(f"{what}: the Hugging Face Hub at {self.hub_endpoint()} is not reachable: {reason}. "
+                                  f"Fix: connect to the network (or unset HF_HUB_OFFLINE), or save with "
+                                  f"loop.save_model(dir) now and upload that folder later with "
+                                  f"huggingface_hub.upload_folder.")
+
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        """Create (or reuse) the Hub repo `args.hub_model_id` (default: the output folder's name)."""
+        if not self.is_world_process_zero():
+            return
+        self.require_hub("init_hf_repo")
+        from pathlib import Path
+
+        from huggingface_hub import HfApi
+
+        repo_name = getattr(self.args, "hub_model_id", None) or Path(self.args.output_dir).absolute().name
+        token = token if token is not None else getattr(self.args, "hub_token", None)
+        private = private if private is not None else getattr(self.args, "hub_private_repo", None)
+        self.hub_model_id = HfApi().create_repo(repo_name, token=token, private=private, exist_ok=True).repo_id
+
+    def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
+                          tasks=None, dataset_tags=None, dataset=None, dataset_args=None) -> None:
+        """`output_dir/README.md`, drafted by transformers' `TrainingSummary` from this run."""
+        if not self.is_world_process_zero():
+            return
+        from transformers import TrainingArguments
+        from transformers.modelcard import TrainingSummary
+
+        if not isinstance(self.args, TrainingArguments):
+            raise TypeError(f"create_model_card reads a transformers.TrainingArguments, and this Loop has "
+                            f"{type(self.args).__name__}. Fix: build the Loop with TrainingArguments(...).")
+        path = os.path.join(self.args.output_dir, "README.md")
+        is_peft_library = False
+        if os.path.exists(path):
+            from huggingface_hub import ModelCard
+
+            card = ModelCard.load(path)
+            is_peft_library = card.data.get("library_name") == "peft"
+            if tags is not None and card.data.tags is not None:
+                tags = [tags] if isinstance(tags, str) else tags
+                tags += [tag for tag in card.data.tags if tag not in tags]
+        summary = TrainingSummary.from_trainer(self, language=language, license=license, tags=tags,
+                                               model_name=model_name, finetuned_from=finetuned_from, tasks=tasks,
+                                               dataset_tags=dataset_tags, dataset=dataset, dataset_args=dataset_args)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(summary.to_model_card())
+        if is_peft_library:
+            self.accelerator.unwrap_model(self.model).create_or_update_model_card(self.args.output_dir)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs):
+        """Save the model and processing class to `output_dir` and upload it (HF's `push_to_hub`). An unreachable
+        Hub raises `ConnectionError` at once, after `on_push_begin` (which fires first, as in HF)."""
+        self.fire("on_push_begin")
+        self.require_hub("push_to_hub")
+        from pathlib import Path
+
+        from huggingface_hub import HfApi
+
+        model_name = kwargs.pop("model_name", None)
+        if model_name is None and self.is_world_process_zero():
+            hub_model_id = getattr(self.args, "hub_model_id", None)
+            model_name = Path(self.args.output_dir).name if hub_model_id is None else hub_model_id.split("/")[-1]
+        token = token if token is not None else getattr(self.args, "hub_token", None)
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token, private=private)
+        self.save_model()
+        if not self.is_world_process_zero():
+            return None
+        model_tags = getattr(self.model, "model_tags", None)
+        if model_tags is not None:
+            tags = kwargs.get("tags") or []
+            tags = [tags] if isinstance(tags, str) else tags
+            kwargs["tags"] = tags + [tag for tag in model_tags if tag not in tags]
+        self.create_model_card(model_name=model_name, **kwargs)
+        return HfApi().upload_folder(repo_id=self.hub_model_id, folder_path=self.args.output_dir,
+                                     commit_message=commit_message, token=token, run_as_future=not blocking,
+                                     ignore_patterns=["_*", "checkpoint-*", ".tmp-checkpoint-*"],
+                                     revision=revision if revision is not None else getattr(self.args,
+                                                                                            "hub_revision", None))
+
+    # -- hyper-parameter search ------------------------------------------------------------------------------------
+    def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,
+                              direction: str | list[str] = "minimize", backend=None, hp_name=None, **kwargs):
+        """HF's search with the optuna backend: each trial sets `hp_space(trial)` on `args`, trains a new model from
+        `model_init(trial)` and is scored by `compute_objective` of its last evaluation (an `evaluate()` after
+        training if none ran). Extra keywords go to `optuna.create_study` (`timeout`, `n_jobs`, `gc_after_trial`,
+        `catch` to `study.optimize`). Returns a `BestRun` (a list of them for several directions)."""
+        backend = str(getattr(backend, "value", backend) or "optuna")
+        if backend != "optuna":
+            raise config_error("backend", backend, "loopkit runs the optuna backend only", "pip install optuna and "
+                               "use backend='optuna', or drive that backend yourself with model_init and "
+                               "train(trial=...)")
+        if importlib.util.find_spec("optuna") is None:
+            raise ImportError("hyperparameter_search runs optuna, which is not installed. Fix: pip install optuna.")
+        if self.model_init is None:
+            raise RuntimeError("To use hyperparameter search, you need to pass your model through a model_init "
+                               "function: each trial trains a new model. Fix: Loop(model_init=..., ...).")
+        self.hp_space = default_hp_space_optuna if hp_space is None else hp_space
+        self.hp_name, self.hp_search_backend = hp_name, "optuna"
+        self.compute_objective = default_compute_objective if compute_objective is None else compute_objective
+        try:
+            return self.run_optuna_search(n_trials, direction, **kwargs)
+        finally:
+            self.hp_search_backend = None
+
+    def run_optuna_search(self, n_trials: int, direction, **kwargs):
+        """HF's `run_hp_search_optuna`, one process."""
+        import optuna
+
+        optimize_kwargs = {key: kwargs.pop(key) for key in ("timeout", "n_jobs", "gc_after_trial", "catch")
+                           if key in kwargs}
+        several = isinstance(direction, list)
+        study = optuna.create_study(direction=None if several else direction,
+                                    directions=direction if several else None, **kwargs)
+        study.optimize(self.run_trial, n_trials=n_trials, **optimize_kwargs)
+        if several:
+            return [BestRun(str(best.number), best.values, best.params) for best in study.best_trials]
+        best = study.best_trial
+        return BestRun(str(best.number), best.value, best.params)
+
+    def run_trial(self, trial) -> float:
+        """One trial, its checkpoints in `output_dir/run-<number>` (or `hp_name(trial)`) as in HF."""
+        self.apply_trial_params(self.hp_space(trial))
+        self.objective = None
+        reporter = HyperparameterObjective(self, trial)
+        self.add_callback(reporter)
+        output_dir = self.args.output_dir
+        self.args.output_dir = os.path.join(output_dir, self.hp_name(trial) if self.hp_name is not None
+                                            else f"run-{trial.number}")
+        try:
+            self.train(trial=trial)
+        finally:
+            self.remove_callback(reporter)
+            self.args.output_dir = output_dir
+        if self.objective is None:  # no evaluation during training
+            self.objective = self.compute_objective(self.evaluate())
+        return self.objective
+
+    def apply_trial_params(self, params: dict) -> None:
+        """Set a trial's values on `args`, cast to each field's type (HF's `_hp_search_setup`)."""
+        for key, value in params.items():
+            if not hasattr(self.args, key):
+                warnings.warn(f"hyperparameter_search: the search space sets {key!r}, which is no field of "
+                              f"{type(self.args).__name__}; it is ignored.")
+                continue
+            old = getattr(self.args, key)
+            setattr(self.args, key, type(old)(value) if old is not None else value)
+
+
+__all__ = ["TrainerAPI", "BestRun", "default_compute_objective", "metrics_format"]
