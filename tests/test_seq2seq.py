@@ -205,3 +205,32 @@ def test_a_seq2seq_loop_subclass_overrides_prediction_step_and_super_generates(t
     assert seen == ["Recording", "Recording"]  # batches of 3 and 1
     # max_new_tokens=2: the start token and at most two more, padded to the generation config's max_length (9)
     assert output.predictions.shape == (4, 9) and (output.predictions[:, 3:] == PAD).all()
+
+
+def test_generation_config_loads_from_an_object_a_directory_or_a_file_and_is_validated(tmp_path):
+    from transformers import GenerationConfig
+
+    from loopkit.stages.seq2seq import load_generation_config
+
+    given = GenerationConfig(max_length=7, num_beams=3, decoder_start_token_id=PAD)
+    given.save_pretrained(tmp_path / "dir")
+    copied = Seq2SeqLoop.load_generation_config(given)
+    assert copied is not given and copied.to_dict() == given.to_dict()
+    for source in (str(tmp_path / "dir"), str(tmp_path / "dir" / "generation_config.json")):
+        loaded = load_generation_config(source)
+        assert (loaded.max_length, loaded.num_beams, loaded.decoder_start_token_id) == (7, 3, PAD), source
+    with pytest.raises(ValueError, match="Fix these issues"):  # num_beams=1 with early_stopping: strict refuses
+        load_generation_config(GenerationConfig(num_beams=1, early_stopping=True))
+
+
+def test_generation_needs_a_pad_token_and_refuses_streaming_metrics(tmp_path):
+    from loopkit import TokenAccuracy
+
+    tok = tokenizer()
+    with pytest.raises(LoopConfigError, match=r"metrics=\['TokenAccuracy'\]: streaming metrics read logits"):
+        Seq2SeqLoop(tiny_t5(len(tok)), seq2seq_args(tmp_path), metrics=[TokenAccuracy()])
+    model = tiny_t5(len(tok))
+    model.config.pad_token_id = None
+    loop = Seq2SeqLoop(model, seq2seq_args(tmp_path))  # no processing class: the model config's pad token
+    with pytest.raises(LoopConfigError, match="pad_token_id=None: generated tokens and labels are padded"):
+        loop.predict([{"input_ids": torch.tensor([3, 4, EOS])}])
