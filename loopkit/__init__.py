@@ -22,6 +22,8 @@ _EXPORTS = {
     "StepStage": "loopkit.stages.step",
     "EvalStage": "loopkit.stages.evaluation",
     "TeardownStage": "loopkit.stages.teardown",
+    "Seq2SeqLoop": "loopkit.seq2seq",
+    "Seq2SeqEvalStage": "loopkit.stages.seq2seq",
     "EVENTS": "loopkit.events",
     "Checkpointer": "loopkit.checkpoint",
     "EarlyStopping": "loopkit.callbacks",

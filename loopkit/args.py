@@ -218,6 +218,11 @@ INERT_FIELDS = frozenset({
     # only read by the group_by_length sampler, and train_sampling_strategy="group_by_length" is refused
     "length_column_name",
 })
+# `Seq2SeqTrainingArguments`' own fields. The generation ones are read by the generating evaluation stage
+# (`Seq2SeqLoop`'s, loopkit/stages/seq2seq.py), and any other evaluation stage refuses predict_with_generate=True
+# when it is bound; `sortish_sampler` is read by no Trainer of transformers 5.24.
+SEQ2SEQ_FIELDS = frozenset({"predict_with_generate", "generation_max_length", "generation_num_beams",
+                            "generation_config", "sortish_sampler"})
 # FSDP and DeepSpeed: `TrainingArguments` turns these into Accelerate plugins (`fsdp_plugin_args`, `deepspeed_plugin`),
 # which the setup stage hands to the `Accelerator` and then checks are active (loopkit/distributed.py).
 ACCELERATE_ENGINE_FIELDS = frozenset({"fsdp", "fsdp_config", "deepspeed"})
@@ -293,7 +298,8 @@ def check_unsupported_fields(args) -> None:
     same = {f.name: getattr(args, f.name) for f in fields if f.init and f.name in SUPPORTED_FIELDS}
     reference = type(args)(**same)
     for f in fields:
-        if f.name in SUPPORTED_FIELDS or f.name in INERT_FIELDS or f.name in ACCELERATE_ENGINE_FIELDS:
+        if f.name in SUPPORTED_FIELDS or f.name in INERT_FIELDS or f.name in ACCELERATE_ENGINE_FIELDS \
+                or f.name in SEQ2SEQ_FIELDS:
             continue
         value, default = plain(getattr(args, f.name)), plain(getattr(reference, f.name))
         if value != default:

@@ -105,19 +105,20 @@ class HFMethods:
     def count_loss_items(self, batches):
         return self.stage_method("count_loss_items")(batches)
 
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
-        return self.stage_method("evaluate")(eval_dataset, ignore_keys, metric_key_prefix)
+    # `**gen_kwargs`: `generate`'s keywords, which only a generating evaluation stage takes (`Seq2SeqLoop`'s).
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **gen_kwargs) -> dict:
+        return self.stage_method("evaluate")(eval_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
 
-    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
-        return self.stage_method("predict")(test_dataset, ignore_keys, metric_key_prefix)
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test", **gen_kwargs):
+        return self.stage_method("predict")(test_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
         return self.stage_method("evaluation_loop")(dataloader, description, prediction_loss_only, ignore_keys,
                                                     metric_key_prefix)
 
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        return self.stage_method("prediction_step")(model, inputs, prediction_loss_only, ignore_keys)
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        return self.stage_method("prediction_step")(model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs)
 
     @property
     def model_wrapped(self):

@@ -50,6 +50,9 @@ class Loop(HFMethods, TrainerAPI):
     # With several processes, preemption and non-finite checks agree through one all-reduce every this many
     # optimizer steps (see loopkit/guards.py); non-finite values are read back this often on one process too.
     guard_check_every = 10
+    # The class of each stage not passed in; a subclass may change one (`Seq2SeqLoop`: the evaluation stage), and
+    # a subclass's overrides of HF's methods are checked against these (loopkit/hf_methods.py).
+    stage_classes = STAGES
 
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, model_init=None, compute_loss_func=None, compute_metrics=None,
@@ -69,11 +72,13 @@ class Loop(HFMethods, TrainerAPI):
             processing_class=processing_class, model_init=model_init, compute_loss_func=compute_loss_func,
             compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
             optimizers_given=tuple(optimizers), optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
-        self.setup, self.data, self.step = setup or SetupStage(), data or DataStage(), step or StepStage()
-        self.evaluation, self.teardown = evaluation or EvalStage(), teardown or TeardownStage()
+        classes = self.stage_classes
+        self.setup, self.data = setup or classes["setup"](), data or classes["data"]()
+        self.step, self.evaluation = step or classes["step"](), evaluation or classes["evaluation"]()
+        self.teardown = teardown or classes["teardown"]()
         for stage in self.stages:
             stage.bind(run)
-        bind_overrides(self, STAGES)
+        bind_overrides(self, classes)
 
         self.setup.build(model)  # seeds, Accelerate, the model
         run.metrics = check_metrics(metrics, run.accelerator.num_processes)

@@ -137,6 +137,19 @@ class EvalStage(Stage):
         self.prepared_for_eval = None  # (model, the model prepared for evaluation) before any training
         self.model_preparation_time = None
 
+    #: whether the stage honours `predict_with_generate=True` (a `Seq2SeqTrainingArguments` field): only a
+    #: generating stage does (loopkit/stages/seq2seq.py); any other refuses it rather than ignore it.
+    generates = False
+
+    def bind(self, run) -> "EvalStage":
+        if getattr(run.args, "predict_with_generate", False) and not self.generates:
+            from ..args import config_error
+
+            raise config_error("predict_with_generate", True, f"the evaluation stage {type(self).__name__} does "
+                               "not generate", "replace Loop( with Seq2SeqLoop( (as Seq2SeqTrainer), or pass "
+                               "evaluation=Seq2SeqEvalStage()")
+        return super().bind(run)
+
     def checkpoint_options(self) -> dict:
         """Keyword arguments for the run's `Checkpointer`."""
         return dict(self.options)
