@@ -284,19 +284,3 @@ class Loop(HFMethods, TrainerAPI):
         """loopkit addition: export the model as "pretrained", "torch_export" and/or "onnx", each checked against
         the live model on `example_inputs`; returns {format: (path, max |difference|)}."""
         return self.teardown.export(output_dir, example_inputs, formats)
-
-    def add_callback(self, callback):
-        self.run.events.add_callback(callback)
-
-    def pop_callback(self, callback):
-        return self.run.events.pop_callback(callback)
-
-    def remove_callback(self, callback):
-        self.run.events.remove_callback(callback)
-
-    def is_world_process_zero(self) -> bool:
-        return self.run.accelerator.is_main_process
-
-    def is_local_process_zero(self) -> bool:
-        return self.run.accelerator.is_local_main_process
-

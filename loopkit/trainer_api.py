@@ -148,6 +148,22 @@ class TrainerAPI:
                 raise TypeError(f"{cls.__name__} overrides Trainer.{hook}, which loopkit's run does not call, so the "
                                 f"override would change nothing. Override {instead} instead.")
 
+    # -- callbacks and processes ---------------------------------------------------------------------------------
+    def add_callback(self, callback):
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback):
+        self.callback_handler.remove_callback(callback)
+
+    def is_world_process_zero(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def is_local_process_zero(self) -> bool:
+        return self.accelerator.is_local_main_process
+
     # -- attributes derived from the run --------------------------------------------------------------------------
     @property
     def is_deepspeed_enabled(self) -> bool:
