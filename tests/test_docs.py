@@ -1,9 +1,16 @@
-"""The README's Python examples run as printed, and the two ways it shows to change the loss do the same thing.
+"""The code in the README and docs/ runs as printed, and does what the text says it does.
+
+Convention for the fenced blocks of README.md and docs/*.md, checked here:
+- ```python blocks run in these tests, in page order, each page continuing the README's first example;
+- ```bash (shell commands) and ```text (pictures) blocks are not Python, and are not run here;
+- any other block, e.g. ```py for Python that cannot run here, has `<!-- not run: the reason -->` on the line
+  right above it.
 
 The README's first example starts from `model_dir`, `train_ds` and `eval_ds`; here they are a tiny BERT saved with
 MiniLM's real tokenizer, and a few real Rotten Tomatoes reviews.
 """
 
+import glob
 import os
 import re
 import warnings
@@ -12,11 +19,75 @@ import pytest
 from helpers import minilm_tokenizer, numpy_accuracy, numpy_prf1, rotten_tomatoes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC_PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+README_MAX_BYTES = 12 * 1024  # a landing page: the reference material lives in docs/
+
+# How many ```python blocks each page has, all run by the tests below: a new block needs a test here.
+PYTHON_BLOCKS_RUN_HERE = {"README.md": 1, "docs/stages.md": 3, "docs/evaluation.md": 4}
+NOT_PYTHON = {"bash", "text"}
+NOT_RUN_MARK = re.compile(r"<!-- not run: (\S.*?) -->")
+FENCE = re.compile(r"^```(\S*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
 
 
-def readme_python_blocks() -> list[str]:
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        return re.findall(r"```python\n(.*?)```", f.read(), re.DOTALL)  # ```py blocks are illustrations, not run
+def read_page(page: str) -> str:
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        return f.read()
+
+
+def fenced_blocks(page: str) -> list[tuple[str, str, str]]:
+    """(language, code, the line right above the fence) for every fenced block of the page."""
+    text = read_page(page)
+    blocks = []
+    for match in FENCE.finditer(text):
+        above = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        blocks.append((match.group(1), match.group(2), above))
+    return blocks
+
+
+def python_blocks(page: str) -> list[str]:
+    return [code for language, code, _ in fenced_blocks(page) if language == "python"]
+
+
+def test_every_python_block_is_run_by_these_tests():
+    counts = {page: len(python_blocks(page)) for page in DOC_PAGES if python_blocks(page)}
+    assert counts == PYTHON_BLOCKS_RUN_HERE, "a page's Python examples changed: run the new ones in tests/test_docs.py"
+
+
+@pytest.mark.parametrize("page", DOC_PAGES)
+def test_every_block_that_is_not_run_says_why(page):
+    for language, code, above in fenced_blocks(page):
+        marked = NOT_RUN_MARK.fullmatch(above.strip())
+        where = f"{page}: the block starting {code.splitlines()[0]!r}"
+        if language == "python":
+            assert not marked, f"{where} is ```python (run by the tests) but marked not run"
+        elif language not in NOT_PYTHON:
+            assert marked, (f"{where} is ```{language}: make it ```python and run it in tests/test_docs.py, or put "
+                            f"`<!-- not run: the reason -->` on the line above it")
+
+
+def heading_anchors(page: str) -> set[str]:
+    """GitHub's anchors for the page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    text = FENCE.sub("", read_page(page))
+    headings = re.findall(r"^#+ (.+)$", text, re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+@pytest.mark.parametrize("page", DOC_PAGES)
+def test_links_between_pages_resolve(page):
+    folder = os.path.dirname(os.path.join(ROOT, page))
+    for target in re.findall(r"\]\(([^)\s]+)\)", FENCE.sub("", read_page(page))):
+        if re.match(r"https?:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        linked = os.path.normpath(os.path.join(folder, path)) if path else os.path.join(ROOT, page)
+        assert os.path.exists(linked), f"{page} links to {target}, which does not exist"
+        if anchor:
+            assert anchor in heading_anchors(os.path.relpath(linked, ROOT)), f"{page}: no heading for {target}"
+
+
+def test_readme_is_a_landing_page():
+    size = os.path.getsize(os.path.join(ROOT, "README.md"))
+    assert size < README_MAX_BYTES, f"README.md is {size} bytes: move reference material into a docs/ page"
 
 
 @pytest.fixture
@@ -36,12 +107,9 @@ def readme_inputs(tmp_path, monkeypatch):
     return {"model_dir": model_dir, "train_ds": examples[:32], "eval_ds": examples[32:]}
 
 
-def test_readme_has_the_examples_this_test_runs():
-    assert len(readme_python_blocks()) == 5, "README's Python examples changed: update tests/test_readme.py"
-
-
-def test_readme_examples_run_and_both_loss_overrides_agree(readme_inputs):
-    first_example, step_stage, pass_stage, loop_subclass, _ = readme_python_blocks()
+def test_first_example_and_both_loss_overrides_on_the_stages_page_agree(readme_inputs):
+    (first_example,) = python_blocks("README.md")
+    step_stage, pass_stage, loop_subclass = python_blocks("docs/stages.md")
     namespace = dict(readme_inputs)
 
     exec(first_example, namespace)
@@ -66,10 +134,11 @@ def test_readme_examples_run_and_both_loss_overrides_agree(readme_inputs):
     assert subclassed.evaluate()["eval_loss"] == pytest.approx(smoothed_loss, rel=1e-6)
 
 
-def test_readme_streaming_metrics_example_matches_numpy(readme_inputs):
+def test_streaming_metrics_example_matches_numpy(readme_inputs):
     """The streaming-metrics example, with the tokenizer as processing_class (so the batches are `BatchEncoding`s
     from DataCollatorWithPadding), gives the numbers numpy computes from `predict()` on the trained model."""
-    first_example, *_, streaming_example = readme_python_blocks()
+    (first_example,) = python_blocks("README.md")
+    streaming_example = python_blocks("docs/evaluation.md")[0]
     namespace = dict(readme_inputs)
     exec(first_example, namespace)
     exec(streaming_example, namespace)
@@ -82,7 +151,7 @@ def test_readme_streaming_metrics_example_matches_numpy(readme_inputs):
         assert metrics[f"eval_{key}"] == pytest.approx(value, rel=1e-9), f"eval_{key}"
 
 # ---------------------------------------------------------------------------------------------------------------
-# The README's label-smoothing stage gives the gradients of Trainer's label_smoothing_factor, at any accumulation
+# The label-smoothing stage of docs/stages.md gives the gradients of Trainer's label_smoothing_factor, at any accumulation
 # ---------------------------------------------------------------------------------------------------------------
 def tiny_bert_classifier():
     import torch
@@ -118,14 +187,14 @@ def first_step_gradients(runner, args, **kwargs) -> dict:
     return grads
 
 
-def test_readme_label_smoothing_stage_gives_trainer_gradients_at_any_accumulation(tmp_path):
+def test_label_smoothing_stage_gives_trainer_gradients_at_any_accumulation(tmp_path):
     from transformers import Trainer
 
     from helpers import hf_args
     from loopkit import Loop
 
     namespace = {}
-    exec(readme_python_blocks()[1], namespace)
+    exec(python_blocks("docs/stages.md")[0], namespace)
     stage = namespace["LabelSmoothingStep"]
     common = dict(max_steps=1, max_grad_norm=0.0, learning_rate=1e-3, seed=3)
     hf = first_step_gradients(Trainer, hf_args(tmp_path / "hf", per_device_train_batch_size=2,
