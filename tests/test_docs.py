@@ -150,8 +150,80 @@ def test_streaming_metrics_example_matches_numpy(readme_inputs):
     for key, value in expected.items():
         assert metrics[f"eval_{key}"] == pytest.approx(value, rel=1e-9), f"eval_{key}"
 
+def test_custom_metric_example_gives_the_mean_absolute_error_of_predict(readme_inputs):
+    """docs/evaluation.md's `MeanAbsoluteError` on a one-output regression head, over an uneven last batch
+    (16 reviews in batches of 5), equals the mean absolute error numpy computes from `predict()`."""
+    import numpy as np
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, TrainingArguments
+
+    from loopkit import Loop
+
+    namespace = {}
+    exec(python_blocks("docs/evaluation.md")[1], namespace)
+    tokenizer = AutoTokenizer.from_pretrained(readme_inputs["model_dir"])
+    torch.manual_seed(0)
+    regressor = BertForSequenceClassification(BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=128, num_labels=1))
+    eval_ds = [{**example, "labels": float(example["labels"])} for example in readme_inputs["eval_ds"]]
+    args = TrainingArguments("runs/mae", per_device_eval_batch_size=5, report_to="none")
+    loop = Loop(model=regressor, args=args, eval_dataset=eval_ds, processing_class=tokenizer,
+                metrics=[namespace["MeanAbsoluteError"]()])
+    mae = loop.evaluate()["eval_mae"]
+    prediction = loop.predict(eval_ds)
+    assert prediction.predictions.shape == (16, 1)
+    expected = np.abs(prediction.predictions[:, 0].astype(np.float64) - prediction.label_ids).mean()
+    assert mae == pytest.approx(expected, rel=1e-6)
+
+
+def test_best_total_limit_example_keeps_the_newest_checkpoint_and_the_three_best(readme_inputs):
+    (first_example,) = python_blocks("README.md")
+    namespace = dict(readme_inputs)
+    exec(first_example, namespace)
+    exec(python_blocks("docs/evaluation.md")[2], namespace)
+    f1_at = {log["step"]: log["eval_f1"] for log in namespace["loop"].state.log_history if "eval_f1" in log}
+    assert sorted(f1_at) == [2, 4, 6, 8, 10, 12]
+    kept = {int(name.split("-")[1]) for name in os.listdir(os.path.join("runs", "best"))
+            if name.startswith("checkpoint-")}
+    best = kept - {12}
+    assert 12 in kept and len(best) == 3, f"kept checkpoints {sorted(kept)}, eval_f1 by step {f1_at}"
+    dropped = set(f1_at) - kept
+    assert min(f1_at[step] for step in best) >= max(f1_at[step] for step in dropped), f"{sorted(kept)}, {f1_at}"
+
+
+def test_early_stopping_example_stops_after_three_evaluations_under_five_percent(readme_inputs):
+    """Continuing the first example for up to 20 more epochs, evaluated on its training reviews (so the loss keeps
+    falling, by less and less), the example's `EarlyStopping` stops at the first evaluation that ends 3 in a row
+    without a relative improvement above 5% of the best eval_loss so far."""
+    from transformers import TrainingArguments
+
+    (first_example,) = python_blocks("README.md")
+    namespace = dict(readme_inputs)
+    exec(first_example, namespace)
+    namespace["eval_ds"] = namespace["train_ds"]
+    namespace["args"] = TrainingArguments("runs/early", num_train_epochs=20, learning_rate=1e-3, eval_strategy="epoch",
+                                          save_strategy="epoch", load_best_model_at_end=True, report_to="none")
+    exec(python_blocks("docs/evaluation.md")[3], namespace)
+    namespace["loop"].train()
+    losses = [log["eval_loss"] for log in namespace["loop"].state.log_history if "eval_loss" in log]
+
+    best, without_improvement, expected_evaluations, lower_but_under_threshold = None, 0, None, 0
+    for count, loss in enumerate(losses, start=1):
+        improved = best is None or (best - loss) / abs(best) > 0.05
+        lower_but_under_threshold += not improved and loss < best
+        without_improvement = 0 if improved else without_improvement + 1
+        best = loss if best is None else min(best, loss)
+        if without_improvement == 3:
+            expected_evaluations = count
+            break
+    assert expected_evaluations is not None and expected_evaluations < 20, losses
+    assert len(losses) == expected_evaluations, losses
+    assert lower_but_under_threshold > 0, f"the 5% threshold never mattered here: {losses}"
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# The label-smoothing stage of docs/stages.md gives the gradients of Trainer's label_smoothing_factor, at any accumulation
+# docs/stages.md's label-smoothing stage gives the gradients of Trainer's label_smoothing_factor, at any accumulation
 # ---------------------------------------------------------------------------------------------------------------
 def tiny_bert_classifier():
     import torch
