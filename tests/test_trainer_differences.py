@@ -1,4 +1,4 @@
-"""The README's "What differs from Trainer and why", each claim checked."""
+"""docs/differences.md, "What differs from Trainer and why", each claim checked."""
 
 import math
 import os
@@ -110,7 +110,7 @@ def test_nan_loss_filter_logs_like_trainer_without_a_host_sync(tmp_path, monkeyp
 
 def test_documented_fix_for_models_that_ignore_num_items_in_batch(tmp_path):
     """BERT's classifier takes **kwargs but averages its loss per batch: with GA=2 the logged loss doubles (as in HF
-    Trainer) unless `loss_is_scaled_for_ga = False`, the README's fix; then GA=2 x 2 equals GA=1 x 4."""
+    Trainer) unless `loss_is_scaled_for_ga = False`, docs/differences.md's fix; then GA=2 x 2 equals GA=1 x 4."""
     from transformers import BertConfig, BertForSequenceClassification
 
     def bert():

@@ -8,7 +8,7 @@ tokens only:
 
 A batch holds `chosen_ids`, `chosen_attention_mask`, `chosen_response_mask` and the same for `rejected_`, plus an
 optional per-pair `weight` (1 when absent). The loss is a per-micro-batch mean, so the stage declares
-`loss_is_scaled_for_ga = False` and the loop divides it by the number of micro-batches of a window (README, "The
+`loss_is_scaled_for_ga = False` and the loop divides it by the number of micro-batches of a window (docs/stages.md, "The
 loss-scaling rule for overrides"). The reference model gets no gradient, is never updated, and follows the run's
 device in `prepare`. Use `remove_unused_columns=False`: the pair columns are not arguments of the model's forward.
 

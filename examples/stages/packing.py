@@ -1,4 +1,4 @@
-"""A packing data stage, written against the stage contract only (README, "Stages: the contract").
+"""A packing data stage, written against the stage contract only (docs/stages.md, "Stages: the contract").
 
 Variable-length causal-LM samples are packed into rows of `row_tokens` tokens (first-fit by decreasing length; a
 sample is never split), so the model computes on real tokens instead of padding:

@@ -1,6 +1,6 @@
 """What every stage shares: the run state it is bound to, checkpointable state, and the lifecycle.
 
-Lifecycle of a stage within a `Loop` (see the README's "Stages" section for each stage's contract):
+Lifecycle of a stage within a `Loop` (see docs/stages.md for each stage's contract):
 
     stage.bind(run)              once, in Loop.__init__: `self.run` is the `loopkit.run.RunState`
     stage.load_state_dict(d)     at each train(): {} for a fresh run, the checkpoint's entry when resuming
