@@ -119,6 +119,17 @@ def last_checkpoint(output_dir: str) -> str | None:
     return records[-1].path if records else None
 
 
+def set_aside_path(record: CheckpointRecord) -> str:
+    """Where another run's checkpoint goes when this run saves the same step: beside it, under a name that is no
+    checkpoint's (so neither rotation nor `resume_from_checkpoint=True` sees it)."""
+    base = f"{os.path.normpath(record.path)}-of-run-{record.run_id or 'unrecorded'}"
+    path, n = base, 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path
+
+
 def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
 
@@ -354,7 +365,12 @@ class Checkpointer:
         return checkpoint
 
     def begin_run(self, run_id: str, records: list[CheckpointRecord]) -> None:
-        """Saves from now on belong to `run_id` and are numbered after every checkpoint in `records`."""
+        """Saves from now on belong to `run_id` and are numbered after every checkpoint in `records`. With several
+        processes the main process's id is taken by all (a fresh id differs by rank; `save` compares it on each)."""
+        if self.run.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            run_id = broadcast_object_list([run_id], from_process=0)[0]
         self.run_id = run_id
         self.next_save_index = 1 + max((r.save_index for r in records if r.save_index is not None), default=0)
 
@@ -366,9 +382,9 @@ class Checkpointer:
         warnings.warn(
             f"output_dir={self.run.args.output_dir!r} already holds checkpoints of another run: {found}. This fresh "
             f"run (run {self.run_id}) keeps them: rotation (save_total_limit) deletes only this run's checkpoints, "
-            f"but a save at the same step replaces the folder of that name. resume_from_checkpoint=True takes the "
-            f"most recently saved checkpoint, whichever run wrote it. Use a new output_dir to keep runs apart, or "
-            f"resume_from_checkpoint=True to continue the other run.")
+            f"and a save at the same step renames the other one to <name>-of-run-<id>. resume_from_checkpoint=True "
+            f"takes the most recently saved checkpoint, whichever run wrote it. Use a new output_dir to keep runs "
+            f"apart, or resume_from_checkpoint=True to continue the other run.")
 
     def report_resume_pick(self, picked: CheckpointRecord, records: list[CheckpointRecord],
                            previous_run: str | None) -> None:
@@ -507,12 +523,8 @@ class Checkpointer:
                 write_text(os.path.join(tmp, TRAINER_STATE_NAME), snapshot.trainer_state_json)
                 write_text(os.path.join(tmp, LOOPKIT_STATE_NAME), snapshot.stage_states_json)  # written last
                 fsync_tree(tmp)
-                if os.path.isdir(final):  # a re-save of the same step (after a resume): swap, then drop the old
-                    self.warn_if_replacing_another_run(final)
-                    old = os.path.join(run_dir, f".old-{name}")
-                    os.replace(final, old)
-                    os.replace(tmp, final)
-                    shutil.rmtree(old, ignore_errors=True)
+                if os.path.isdir(final):
+                    self.replace_existing(final, tmp)
                 else:
                     os.replace(tmp, final)
                 fsync_dir(run_dir)
@@ -541,11 +553,20 @@ class Checkpointer:
     def is_own(self, path: str) -> bool:
         return self.run_id is not None and read_record(path).run_id == self.run_id
 
-    def warn_if_replacing_another_run(self, path: str) -> None:
-        record = read_record(path)
-        if record.run_id is None or record.run_id != self.run_id:
-            warnings.warn(f"Replacing {record.describe()} in {os.path.dirname(path)} with this run's (run "
-                          f"{self.run_id}) checkpoint of the same step.")
+    def replace_existing(self, final: str, tmp: str) -> None:
+        """A save at a step whose folder exists. This run's own (a re-save after a resume) is swapped and dropped;
+        another run's, or an unrecorded one, is renamed to a name that is not a checkpoint's, never deleted."""
+        record = read_record(final)
+        own = record.run_id is not None and record.run_id == self.run_id
+        name = os.path.basename(final)
+        aside = os.path.join(os.path.dirname(final), f".old-{name}") if own else set_aside_path(record)
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        if own:
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            warnings.warn(f"This run (run {self.run_id}) saved {name}, where {record.describe()} "
+                          f"was: that one is kept as {aside} (pass it to resume_from_checkpoint to resume it).")
 
     def delete(self, path: str) -> None:
         """Rename first, so a kill mid-delete never leaves a half-deleted folder named like a checkpoint."""

@@ -114,6 +114,7 @@ def test_resume_names_its_pick_and_warns_when_it_is_another_runs(tmp_path, caplo
     assert (record(out, "checkpoint-4")["run_id"], record(out, "checkpoint-4")["save_index"]) == (run_mine, 2)
     # Another run then saves checkpoint-2 in the same folder; this Loop's resume=True takes that one, and says so.
     set_mtime(out, ["checkpoint-3", "checkpoint-4"], YEAR_2100)
+    mine_saved = {name: digest(out / name) for name in ("checkpoint-3", "checkpoint-4")}
     with pytest.warns(UserWarning, match="already holds checkpoints of another run"):
         make_loop(out, max_steps=2, save_steps=2).train()
     run_other = record(out, "checkpoint-2")["run_id"]
@@ -128,6 +129,13 @@ def test_resume_names_its_pick_and_warns_when_it_is_another_runs(tmp_path, caplo
     assert re.search(rf"Not picked, from other runs: checkpoint-3 \(run {run_mine}, save #1.*checkpoint-4 \(run "
                      rf"{run_mine}, save #2", messages[0])
     assert mine.initial_global_step == 2 and mine.state.global_step == 4
+    # It continued the other run (save_steps=2, from its checkpoint), whose save at 4 took that name: "mine"'s
+    # checkpoint-4 was renamed, not lost, and rotation (the other run's 2 and 4 now) deleted nothing.
+    assert any(f"kept as {out / f'checkpoint-4-of-run-{run_mine}'}" in str(w.message) for w in caught)
+    assert checkpoints(out) == ["checkpoint-2", "checkpoint-3", "checkpoint-4"]
+    assert record(out, "checkpoint-4")["run_id"] == run_other
+    assert digest(out / f"checkpoint-4-of-run-{run_mine}") == mine_saved["checkpoint-4"]
+    assert digest(out / "checkpoint-3") == mine_saved["checkpoint-3"]
 
 
 @IGNORE_PIN_MEMORY_WARNING
