@@ -239,20 +239,20 @@ def write_report(report: dict, folder: str, echo: bool = True) -> dict:
 
 def report_from_files(run_dir: str) -> dict:
     """Rebuild the report of a finished or crashed run: its `run_report.json` if the run got to write one, else
-    the newest checkpoint's `trainer_state.json` (a run killed before its teardown)."""
-    from .checkpoint import TRAINER_STATE_NAME, checkpoint_dirs
+    the most recently saved checkpoint's `trainer_state.json` (a run killed before its teardown)."""
+    from .checkpoint import TRAINER_STATE_NAME, last_checkpoint
 
     path = os.path.join(run_dir, REPORT_JSON)
     if os.path.isfile(path):
         with open(path) as f:
             return json.load(f)
-    checkpoints = checkpoint_dirs(run_dir)
-    if not checkpoints:
+    newest = last_checkpoint(run_dir)
+    if newest is None:
         raise FileNotFoundError(f"{run_dir} holds neither {REPORT_JSON} nor a checkpoint: nothing to report.")
-    with open(os.path.join(checkpoints[-1], TRAINER_STATE_NAME)) as f:
+    with open(os.path.join(newest, TRAINER_STATE_NAME)) as f:
         state = json.load(f)
     evals = [h for h in state["log_history"] if any(k.startswith("eval_") for k in h)]
-    return {"status": f"incomplete (rebuilt from {os.path.basename(checkpoints[-1])})", "output_dir": run_dir,
+    return {"status": f"incomplete (rebuilt from {os.path.basename(newest)})", "output_dir": run_dir,
             "global_step": state["global_step"], "max_steps": state["max_steps"], "epoch": state["epoch"] or 0,
             "final_metrics": evals[-1] if evals else {}, "best_metric": state.get("best_metric"),
             "metric_for_best_model": None, "best_checkpoint": state.get("best_model_checkpoint"),

@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import Trainer
 
 from helpers import IGNORE_PIN_MEMORY_WARNING, hf_args, regression_data, tiny_regression
@@ -162,3 +163,22 @@ def test_hf_trainer_folder_still_resumes_and_is_never_rotated_away(tmp_path):
     # A fresh rerun names HF's folders as unrecorded.
     with pytest.warns(UserWarning, match=r"checkpoint-2 \(no run recorded: HF Trainer's"):
         make_loop(out, max_steps=1, save_steps=1).train()
+
+
+def test_a_reruns_best_is_never_the_other_runs_folder(tmp_path):
+    """Evaluation every 2 steps, saves every 4: this run's best (step 2) has no checkpoint of its own, but run A's
+    checkpoint-2 lies in the folder. Taking it as the best would load A's weights at the end."""
+    out = tmp_path / "out"
+    make_loop(out, max_steps=2, learning_rate=0.2).train()  # run A: checkpoint-2, other weights than this run's
+    scores, loop = {2: 0.9, 4: 0.1}, None
+    loop = Loop(model=tiny_regression(), train_dataset=regression_data(16), eval_dataset=regression_data(4, seed=1),
+                args=args(out, max_steps=4, eval_strategy="steps", eval_steps=2, save_steps=4,
+                          metric_for_best_model="score", load_best_model_at_end=True),
+                compute_metrics=lambda _: {"score": scores[loop.state.global_step]})
+    with pytest.warns(UserWarning, match="already holds checkpoints of another run"):
+        loop.train()
+    assert loop.state.best_global_step == 2 and loop.state.best_model_checkpoint is None
+    final = load_file(out / "checkpoint-4" / "model.safetensors")
+    assert all(torch.equal(final[k], v) for k, v in loop.model.state_dict().items())
+    assert not torch.equal(load_file(out / "checkpoint-2" / "model.safetensors")["linear.weight"],
+                           final["linear.weight"])
