@@ -139,8 +139,7 @@ class SetupStage(Stage):
             kwargs = args.activation_checkpointing_kwargs or args.gradient_checkpointing_kwargs
             enable(gradient_checkpointing_kwargs=kwargs) if "gradient" in enable.__name__ else enable(
                 activation_checkpointing_kwargs=kwargs)
-        run.checkpointer.remove_leftovers()
-        checkpoint = run.checkpointer.resolve(resume_from_checkpoint)
+        checkpoint = run.checkpointer.start(resume_from_checkpoint)  # also: which run the coming saves belong to
         if checkpoint is not None and full_state_dict_saved(run.accelerator):  # else: after `prepare` (FSDP)
             load_model_weights(run.model, checkpoint)
         return checkpoint
