@@ -40,6 +40,7 @@ class TeardownStage(Stage):
                                 num_steps=steps_run)
         metrics["total_flos"] = state.total_flos
         metrics["train_loss"] = train_loss
+        run.memory.stop_and_update_metrics("train", metrics)
         run.log(metrics)
         run.checkpointer.wait()  # an asynchronous save still in flight
         if run.args.load_best_model_at_end and state.best_model_checkpoint is not None:
