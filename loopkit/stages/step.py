@@ -12,6 +12,7 @@ Contract (HF Trainer 5.24 semantics, facts file sections 1.2 and 4):
   `on_optimizer_step` -> `lr_scheduler.step()` -> `zero_grad` -> `global_step += 1` -> `on_step_end`.
 
 Reads `run.args`, `run.accelerator`, `run.model`, `run.model_accepts_loss_kwargs`, `run.compute_loss_func`,
+`run.label_smoother`, `run.processing_class` (its pad token, for `include_num_input_tokens_seen="non_padding"`),
 `run.optimizers_given`, `run.optimizer_cls_and_kwargs`, `run.checkpointer`, `run.clock`; writes `run.model_wrapped`,
 `run.optimizer`, `run.lr_scheduler`, and `run.state.global_step` / `epoch`. Owns HF's overridable
 `create_optimizer`, `get_optimizer_cls_and_kwargs`, `create_scheduler`, `get_decay_parameter_names`, `compute_loss`,
@@ -27,13 +28,14 @@ override that returns a per-batch mean on a model that takes `num_items_in_batch
 normalise by `num_items_in_batch` itself; `train()` warns when an override falls under the "scaled" rule with
 gradient accumulation, so the choice is never silent.
 
-Hot path: nothing here calls `.item()` or otherwise waits for the device. A step's losses, token count and gradient
+Hot path: nothing here calls `.item()` or otherwise waits for the device. A step's losses, token counts and gradient
 norm stay device tensors in the `StepResult` until a logging point reads them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 import warnings
@@ -80,11 +82,16 @@ def is_causal_lm(model) -> bool:
     return type(base).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
-def is_causal_lm_class(model) -> bool:
-    """HF's test for shifting labels in the label smoother: the (PEFT-unwrapped) class is a causal-LM class."""
+@functools.lru_cache(maxsize=1)
+def causal_lm_class_names() -> frozenset:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    return type(base_model(model)).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def is_causal_lm_class(model) -> bool:
+    """HF's test for shifting labels in the label smoother: the (PEFT-unwrapped) class is a causal-LM class."""
+    return type(base_model(model)).__name__ in causal_lm_class_names()
 
 
 @dataclass(eq=False)

@@ -11,6 +11,9 @@ Contract:
 * `export(output_dir, example_inputs, formats)` writes the model in `save_pretrained`, `torch.export` and ONNX
   form, each checked against the live model.
 
+The summary also carries the memory metrics of `skip_memory_metrics=False` (`run.memory`, loopkit/memory.py), added
+before it is logged, as in HF.
+
 Reads `run.args`, `run.accelerator`, `run.state`, `run.model_wrapped`, `run.optimizer`, `run.checkpointer`,
 `run.clock`, `run.processing_class`; writes no run-state field.
 """
