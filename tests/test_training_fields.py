@@ -68,6 +68,25 @@ def test_label_smoothing_matches_trainer_with_accumulation_and_evaluation(tmp_pa
     assert_same_weights(runs["loopkit"].model, runs["hf"].model, RTOL)
 
 
+def tiny_classifier():
+    """A 1-layer BertForSequenceClassification with 3 labels and no dropout: label smoothing without the shift."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def test_label_smoothing_matches_trainer_on_a_classifier(tmp_path):
+    data = [{"input_ids": s["input_ids"], "attention_mask": s["attention_mask"], "labels": torch.tensor(i % 3)}
+            for i, s in enumerate(lm_data(10))]
+    runs = train_both(tmp_path, data, data[:5], model=tiny_classifier, label_smoothing_factor=0.1,
+                      gradient_accumulation_steps=2, eval_strategy="steps", eval_steps=2)
+    assert_same_history(runs)
+    assert_same_weights(runs["loopkit"].model, runs["hf"].model, RTOL)
+
+
 @pytest.mark.parametrize("setting", ["all", "non_padding", True])
 def test_num_input_tokens_seen_matches_trainer(tmp_path, setting):
     """`state.num_input_tokens_seen` and the `num_input_tokens_seen` / `train_tokens_per_second` log keys, in step,
