@@ -13,8 +13,8 @@ Contract:
   `on_init_end`, the "train" stage starts in `begin_training`.
 
 Reads `run.args`, `run.model_init`, `run.checkpointer`; writes `run.accelerator`, `run.model`,
-`run.model_accepts_loss_kwargs`, `run.label_smoother`, `run.gather_function`, `run.memory`. Owns HF's overridable `call_model_init(trial)` and
-`create_accelerator_and_postprocess()`.
+`run.model_accepts_loss_kwargs`, `run.label_smoother`, `run.gather_function`, `run.memory`. Owns HF's overridable
+`call_model_init(trial)` and `create_accelerator_and_postprocess()`.
 """
 
 from __future__ import annotations
