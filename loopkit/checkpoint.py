@@ -164,8 +164,8 @@ def safe_torch_load(path: str):
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # UnpicklingError, truncated zip, ...: name the file, never fall back to full pickle
-        raise RuntimeError(f"Refusing or failing to load {path}: {exc}. loopkit loads only tensors and plain "
-                           f"values (weights_only=True); re-create the file or resume from another checkpoint.") from exc
+        raise RuntimeError(f"Refusing or failing to load {path}: {exc}. loopkit loads only tensors and plain values "
+                           f"(weights_only=True); re-create the file or resume from another checkpoint.") from exc
 
 
 def rng_state() -> dict:
