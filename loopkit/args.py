@@ -114,6 +114,16 @@ class LoopArgs:
     torch_compile: bool = False
     torch_compile_backend: str | None = None
     torch_compile_mode: str | None = None
+    # training options (loopkit/stages/step.py, schedule.py, stages/setup.py, memory.py)
+    label_smoothing_factor: float = 0.0
+    include_num_input_tokens_seen: str | bool = "no"  # True / False become "all" / "no", as TrainingArguments does
+    neftune_noise_alpha: float | None = None
+    torch_empty_cache_steps: int | None = None
+    bf16_full_eval: bool = False
+    fp16_full_eval: bool = False
+    eval_use_gather_object: bool = False
+    skip_memory_metrics: bool = True
+    debug: str | list = ""  # "underflow_overflow" (space-separated options), a list after __post_init__
 
     def __post_init__(self):
         """The derivations of `TrainingArguments.__post_init__` (5.24), in its order, for the fields we have."""
@@ -164,6 +174,12 @@ class LoopArgs:
             self.torch_compile_backend = "inductor"
         if self.use_cpu:
             self.dataloader_pin_memory = False
+        if isinstance(self.include_num_input_tokens_seen, bool):
+            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
+        if isinstance(self.debug, str):
+            self.debug = self.debug.split()
+        elif self.debug is None:
+            self.debug = []
 
     # Derived values with TrainingArguments' names, so the loop reads both kinds of args the same way.
     @property
@@ -240,6 +256,7 @@ SUPPORTED_CHOICES = {
                           "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr",
                           "cosine_warmup_with_min_lr", "warmup_stable_decay"),
     "train_sampling_strategy": ("random", "sequential"),
+    "include_num_input_tokens_seen": ("no", "all", "non_padding"),
     "logging_strategy": ("no", "steps", "epoch"),
     "eval_strategy": ("no", "steps", "epoch"),
     "save_strategy": ("no", "steps", "epoch", "best"),
@@ -250,13 +267,8 @@ FIXES = {
                          "scheduler) to Loop or override create_scheduler",
     "train_sampling_strategy": "use 'random' or 'sequential', or return your sampler from a DataStage subclass's "
                                "train_sampler(dataset) and pass Loop(..., data=YourDataStage())",
-    "label_smoothing_factor": "leave it at 0 and pass compute_loss_func=... that smooths the labels (e.g. "
-                              "torch.nn.functional.cross_entropy(..., label_smoothing=0.1))",
     "push_to_hub": "leave it False, and after training call loop.save_model(dir) and push that folder with "
                    "huggingface_hub.upload_folder",
-    "neftune_noise_alpha": "leave it None, or add the embedding noise in a StepStage subclass's compute_loss",
-    "include_num_input_tokens_seen": "leave it 'no', or count tokens in a callback's on_step_begin",
-    "skip_memory_metrics": "leave it True (loopkit does not measure memory)",
 }
 
 
@@ -332,6 +344,7 @@ def check_args(args) -> None:
         if plain(getattr(args, strategy)) == "steps" and (value is None or value <= 0):
             raise config_error(name, value, f"{strategy}='steps' needs a positive interval",
                                f"set {name} > 0 (or a fraction of max_steps below 1)")
+    check_training_options(args)
     if args.warmup_steps < 0:
         raise config_error("warmup_steps", args.warmup_steps, "it cannot be negative",
                            "set warmup_steps >= 0 (a value below 1 is a fraction of max_steps)")
@@ -351,6 +364,23 @@ def check_args(args) -> None:
     check_optim(args)
     if not isinstance(args, LoopArgs) and dataclasses.is_dataclass(args):
         check_unsupported_fields(args)
+
+
+def check_training_options(args) -> None:
+    """The values of the training options TrainingArguments validates when it is built (checked again here, for
+    `LoopArgs` and for fields changed afterwards), and the debug options this machine cannot run."""
+    steps = args.torch_empty_cache_steps
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise config_error("torch_empty_cache_steps", steps, "it is the interval, in optimizer steps, at which the "
+                           "device cache is emptied", "set a positive integer, or None")
+    if args.bf16_full_eval and args.fp16_full_eval:
+        raise config_error("fp16_full_eval", True, "bf16_full_eval=True is set too, and evaluation casts the model "
+                           "to one dtype", "set only one of bf16_full_eval and fp16_full_eval")
+    for option in (plain(o) for o in args.debug):
+        if option != "underflow_overflow":
+            raise config_error("debug", option, "it prints torch_xla's metrics, and this machine has no TPU (no "
+                               "torch_xla)" if option == "tpu_metrics_debug" else "it is not a debug option",
+                               "use debug='underflow_overflow' or leave debug empty")
 
 
 def check_inputs(args, *, model, model_init, train_dataset, eval_dataset, compute_metrics, optimizers) -> None:

@@ -9,6 +9,15 @@ Atomicity: everything is written into a hidden sibling `.tmp-checkpoint-<step>`,
 (`loopkit_state.json` is the last file written) and renamed into place. A kill mid-save leaves only the temporary
 folder, which the next save removes; `resume_from_checkpoint=True` never picks it.
 
+Reruns: every checkpoint records, in `loopkit_state.json` ("checkpoint" entry), the run that wrote it (`run_id`: new
+for each fresh `train()`, inherited when resuming) and its save number in `output_dir` (`save_index`: one more than
+the highest present when it is written, so it orders saves by when they happened without reading a clock or an mtime,
+which a copy or a restore changes). "Most recently saved" means the highest save number; folders that record none
+(HF Trainer's, or loopkit's before run ids) rank below every numbered one and among themselves by folder mtime (all
+they have). Such folders count as another run: nothing in them says who wrote them, so this run never deletes them.
+Rotation deletes only the current run's checkpoints; `resume_from_checkpoint=True` takes the most recently saved
+complete checkpoint and names it; a fresh run into a folder holding other runs' checkpoints says what it found.
+
 Security: weights go through safetensors, state through JSON, and every `torch.load` uses `weights_only=True`
 (`rng_state.pth` needs numpy's RNG tuple, allowed by an explicit list of numpy classes).
 """
@@ -16,12 +25,15 @@ Security: weights go through safetensors, state through JSON, and every `torch.l
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
 import re
 import shutil
 import threading
+import time
+import uuid
 import warnings
 from dataclasses import dataclass
 
@@ -37,6 +49,9 @@ TRAINER_STATE_NAME = "trainer_state.json"
 LOOPKIT_STATE_NAME = "loopkit_state.json"
 WEIGHTS_NAME = "model.safetensors"
 OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME = "optimizer.pt", "scheduler.pt", "scaler.pt"
+RECORD_KEY = "checkpoint"  # the entry of `loopkit_state.json` that says which run wrote the checkpoint, and when
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_dirs(output_dir: str) -> list[str]:
@@ -52,9 +67,71 @@ def checkpoint_dirs(output_dir: str) -> list[str]:
     return [path for _, path in sorted(found)]
 
 
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """Who wrote a checkpoint folder and when, as it records it (see the module docstring)."""
+
+    path: str
+    step: int
+    run_id: str | None  # None: not recorded (HF Trainer's folder, or loopkit's before run ids)
+    save_index: int | None
+    saved_at: str | None  # UTC time of the save, for messages only
+    mtime: float
+
+    def recency(self) -> tuple:
+        """Sort key, oldest first: numbered saves after unnumbered ones, which go by folder mtime, then step."""
+        if self.save_index is not None:
+            return (1, self.save_index, 0.0, self.step)
+        return (0, 0, self.mtime, self.step)
+
+    def describe(self) -> str:
+        name = os.path.basename(self.path)
+        if self.run_id is None:
+            return f"{name} (no run recorded: HF Trainer's, or loopkit's before run ids)"
+        return f"{name} (run {self.run_id}, save #{self.save_index}, {self.saved_at})"
+
+
+def read_record(path: str) -> CheckpointRecord:
+    """The record of checkpoint folder `path`; a missing or unreadable one counts as not recorded."""
+    match = CHECKPOINT_RE.match(os.path.basename(os.path.normpath(path)))
+    entry = {}
+    try:
+        with open(os.path.join(path, LOOPKIT_STATE_NAME), encoding="utf-8") as f:
+            entry = json.load(f).get(RECORD_KEY) or {}
+    except (OSError, ValueError, AttributeError):
+        pass  # HF Trainer's folder, or a damaged file (resolve() names that one if it is picked)
+    run_id, save_index = entry.get("run_id"), entry.get("save_index")
+    recorded = isinstance(run_id, str) and isinstance(save_index, int)
+    return CheckpointRecord(path=path, step=int(match.group(1)) if match else -1,
+                            run_id=run_id if recorded else None, save_index=save_index if recorded else None,
+                            saved_at=entry.get("saved_at") if recorded else None, mtime=os.path.getmtime(path))
+
+
+def checkpoints_by_recency(output_dir: str) -> list[CheckpointRecord]:
+    """The checkpoint folders under `output_dir`, least recently saved first."""
+    return sorted((read_record(path) for path in checkpoint_dirs(output_dir)), key=CheckpointRecord.recency)
+
+
 def last_checkpoint(output_dir: str) -> str | None:
-    dirs = checkpoint_dirs(output_dir)
-    return dirs[-1] if dirs else None
+    """The most recently saved checkpoint folder under `output_dir` (not the highest step: see the module
+    docstring)."""
+    records = checkpoints_by_recency(output_dir)
+    return records[-1].path if records else None
+
+
+def set_aside_path(record: CheckpointRecord) -> str:
+    """Where another run's checkpoint goes when this run saves the same step: beside it, under a name that is no
+    checkpoint's (so neither rotation nor `resume_from_checkpoint=True` sees it)."""
+    base = f"{os.path.normpath(record.path)}-of-run-{record.run_id or 'unrecorded'}"
+    path, n = base, 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
 
 
 def write_text(path: str, text: str) -> None:
@@ -87,8 +164,8 @@ def safe_torch_load(path: str):
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # UnpicklingError, truncated zip, ...: name the file, never fall back to full pickle
-        raise RuntimeError(f"Refusing or failing to load {path}: {exc}. loopkit loads only tensors and plain "
-                           f"values (weights_only=True); re-create the file or resume from another checkpoint.") from exc
+        raise RuntimeError(f"Refusing or failing to load {path}: {exc}. loopkit loads only tensors and plain values "
+                           f"(weights_only=True); re-create the file or resume from another checkpoint.") from exc
 
 
 def rng_state() -> dict:
@@ -263,6 +340,76 @@ class Checkpointer:
         self.writer_error = None
         self.last_saved_step = None
         self.rng_for_next_save = None  # set when a checkpoint must hold an earlier RNG state (see Schedule)
+        # The run the checkpoints belong to (module docstring): set by `start()` at each train(); a save before any
+        # train() starts a run of its own.
+        self.run_id: str | None = None
+        self.next_save_index = 1
+
+    # -- the run --
+    def start(self, resume_from_checkpoint) -> str | None:
+        """The start of a `train()`: remove a killed save's leftovers, resolve the checkpoint to resume from, and
+        set the run the coming saves belong to (the checkpoint's when resuming, else a new one). Says what it found:
+        a fresh run next to other runs' checkpoints warns; `resume_from_checkpoint=True` names its pick. Returns
+        the checkpoint path or None."""
+        self.remove_leftovers()
+        records = checkpoints_by_recency(self.run.args.output_dir)
+        checkpoint = self.resolve(resume_from_checkpoint)
+        previous_run = self.run_id
+        resumed = read_record(checkpoint) if checkpoint is not None else None
+        self.begin_run((resumed.run_id if resumed is not None else None) or new_run_id(), records)
+        if self.run.accelerator.is_main_process:
+            if checkpoint is None:
+                self.report_other_runs(records)
+            elif resume_from_checkpoint is True:
+                self.report_resume_pick(resumed, records, previous_run)
+        return checkpoint
+
+    def begin_run(self, run_id: str, records: list[CheckpointRecord]) -> None:
+        """Saves from now on belong to `run_id` and are numbered after every checkpoint in `records`. With several
+        processes the main process's id is taken by all (a fresh id differs by rank; `save` compares it on each)."""
+        if self.run.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            run_id = broadcast_object_list([run_id], from_process=0)[0]
+        self.run_id = run_id
+        self.next_save_index = 1 + max((r.save_index for r in records if r.save_index is not None), default=0)
+
+    def report_other_runs(self, records: list[CheckpointRecord]) -> None:
+        """A fresh run into an `output_dir` that holds checkpoints: say whose they are and what happens to them."""
+        if not records:
+            return
+        found = ", ".join(r.describe() for r in records)
+        warnings.warn(
+            f"output_dir={self.run.args.output_dir!r} already holds checkpoints of another run: {found}. This fresh "
+            f"run (run {self.run_id}) keeps them: rotation (save_total_limit) deletes only this run's checkpoints, "
+            f"and a save at the same step renames the other one to <name>-of-run-<id>. resume_from_checkpoint=True "
+            f"takes the most recently saved checkpoint, whichever run wrote it. Use a new output_dir to keep runs "
+            f"apart, or resume_from_checkpoint=True to continue the other run.")
+
+    def report_resume_pick(self, picked: CheckpointRecord, records: list[CheckpointRecord],
+                           previous_run: str | None) -> None:
+        """`resume_from_checkpoint=True`: name the checkpoint; warn when another run's is picked or passed over."""
+        others = [r for r in records if r.run_id != picked.run_id]  # unrecorded ones: only next to recorded ones
+        message = (f"resume_from_checkpoint=True: resuming from {picked.describe()}, the most recently saved "
+                   f"complete checkpoint in output_dir={self.run.args.output_dir!r}.")
+        if previous_run is not None and picked.run_id != previous_run:
+            message += f" It belongs to another run than this Loop's previous train() (run {previous_run})."
+        elif not others:
+            logger.info(message)
+            return
+        if others:
+            message += (f" Not picked, from other runs: {', '.join(r.describe() for r in others)}. Pass "
+                        f"resume_from_checkpoint=<folder> to resume one of those.")
+        warnings.warn(message)
+
+    def record(self) -> dict:
+        """The next save's entry in `loopkit_state.json`: its run and save number."""
+        if self.run_id is None:  # a save outside train(): a run of its own
+            self.begin_run(new_run_id(), checkpoints_by_recency(self.run.args.output_dir))
+        entry = {"run_id": self.run_id, "save_index": self.next_save_index,
+                 "saved_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        self.next_save_index += 1
+        return entry
 
     # -- writing --
     def save(self, stage_states: dict) -> str:
@@ -279,7 +426,7 @@ class Checkpointer:
         final = os.path.join(run.args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
         if state.best_global_step is not None:
             best = os.path.join(run.args.output_dir, f"{CHECKPOINT_PREFIX}-{state.best_global_step}")
-            if os.path.isdir(best) or best == final:
+            if best == final or (os.path.isdir(best) and self.is_own(best)):  # never another run's folder
                 state.best_model_checkpoint = best
         snapshot = self.snapshot(stage_states)
         self.last_saved_step, self.rng_for_next_save = state.global_step, None
@@ -306,7 +453,7 @@ class Checkpointer:
             scaler=copy(acc.scaler.state_dict()) if full_state and acc.scaler is not None else None,
             rng=(self.rng_for_next_save or rng_state()) if full_state else None,
             trainer_state_json=run.state.to_json_string(),
-            stage_states_json=json.dumps(stage_states, indent=2, sort_keys=True),
+            stage_states_json=json.dumps({**stage_states, RECORD_KEY: self.record()}, indent=2, sort_keys=True),
         )
 
     def write_handling_errors(self, snapshot: Snapshot) -> None:
@@ -340,7 +487,7 @@ class Checkpointer:
     def report_failure(self, snapshot: Snapshot, exc: Exception) -> None:
         previous = last_checkpoint(self.run.args.output_dir)
         message = (f"Saving checkpoint-{snapshot.step} failed ({type(exc).__name__}: {exc}). Nothing was "
-                   f"half-written; the newest complete checkpoint is still {previous}.")
+                   f"half-written; the most recently saved complete checkpoint is still {previous}.")
         if self.on_save_error == "raise":
             raise RuntimeError(message + " (on_save_error='raise')") from exc
         warnings.warn(message + f" on_save_error={self.on_save_error!r}: "
@@ -376,11 +523,8 @@ class Checkpointer:
                 write_text(os.path.join(tmp, TRAINER_STATE_NAME), snapshot.trainer_state_json)
                 write_text(os.path.join(tmp, LOOPKIT_STATE_NAME), snapshot.stage_states_json)  # written last
                 fsync_tree(tmp)
-                if os.path.isdir(final):  # a re-save of the same step (after a resume): swap, then drop the old
-                    old = os.path.join(run_dir, f".old-{name}")
-                    os.replace(final, old)
-                    os.replace(tmp, final)
-                    shutil.rmtree(old, ignore_errors=True)
+                if os.path.isdir(final):
+                    self.replace_existing(final, tmp)
                 else:
                     os.replace(tmp, final)
                 fsync_dir(run_dir)
@@ -400,6 +544,29 @@ class Checkpointer:
         for entry in os.listdir(run_dir):
             if entry.startswith(LEFTOVER_PREFIXES) and CHECKPOINT_RE.match(entry.split("-", 1)[1]):
                 shutil.rmtree(os.path.join(run_dir, entry), ignore_errors=True)
+
+    def own_checkpoints(self) -> list[str]:
+        """This run's checkpoint folders in `output_dir`, least recently saved first."""
+        records = checkpoints_by_recency(self.run.args.output_dir)
+        return [r.path for r in records if r.run_id is not None and r.run_id == self.run_id]
+
+    def is_own(self, path: str) -> bool:
+        return self.run_id is not None and read_record(path).run_id == self.run_id
+
+    def replace_existing(self, final: str, tmp: str) -> None:
+        """A save at a step whose folder exists. This run's own (a re-save after a resume) is swapped and dropped;
+        another run's, or an unrecorded one, is renamed to a name that is not a checkpoint's, never deleted."""
+        record = read_record(final)
+        own = record.run_id is not None and record.run_id == self.run_id
+        name = os.path.basename(final)
+        aside = os.path.join(os.path.dirname(final), f".old-{name}") if own else set_aside_path(record)
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        if own:
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            warnings.warn(f"This run (run {self.run_id}) saved {name}, where {record.describe()} "
+                          f"was: that one is kept as {aside} (pass it to resume_from_checkpoint to resume it).")
 
     def delete(self, path: str) -> None:
         """Rename first, so a kill mid-delete never leaves a half-deleted folder named like a checkpoint."""
@@ -443,12 +610,13 @@ class Checkpointer:
         With `EvalStage(best_total_limit=k)` the limits are separate: the `save_total_limit` newest checkpoints and
         the k best (by `metric_for_best_model`) are kept.
 
-        Ordering is by step number (HF uses mtimes, which a copy or a restore can reorder).
+        Only this run's checkpoints are counted and deleted (another run's are never this run's to delete), in the
+        order they were saved (their save numbers; HF uses mtimes, which a copy or a restore can reorder).
         """
         limit = self.run.args.save_total_limit
         if limit is None or limit <= 0:
             return
-        dirs = checkpoint_dirs(self.run.args.output_dir)
+        dirs = self.own_checkpoints()
         if not dirs:
             return
         best = self.best_checkpoints(dirs)
@@ -473,7 +641,7 @@ class Checkpointer:
             return
         if self.best_total_limit is not None:
             return
-        dirs = checkpoint_dirs(self.run.args.output_dir)
+        dirs = self.own_checkpoints()
         if os.path.realpath(best) not in {os.path.realpath(d) for d in dirs}:
             return  # e.g. a run resumed into a new output_dir: its best lies elsewhere (HF deletes the whole run here)
         for path in dirs:
@@ -482,13 +650,14 @@ class Checkpointer:
 
     # -- reading --
     def resolve(self, resume_from_checkpoint) -> str | None:
-        """The checkpoint folder to resume from. `True`: the newest usable one in `output_dir`, falling back (with
-        a warning) past any that is corrupt; a path: that folder, or a clear error naming the bad file."""
+        """The checkpoint folder to resume from. `True`: the most recently saved usable one in `output_dir` (module
+        docstring), falling back (with a warning) past any that is corrupt; a path: that folder, or a clear error
+        naming the bad file."""
         if resume_from_checkpoint is None or resume_from_checkpoint is False:
             return None
         output_dir = self.run.args.output_dir
         if resume_from_checkpoint is True:
-            for path in reversed(checkpoint_dirs(output_dir)):
+            for path in reversed([r.path for r in checkpoints_by_recency(output_dir)]):
                 problem = checkpoint_problem(path)
                 if problem is None:
                     return path

@@ -30,7 +30,8 @@ OWNERS = {
 RUN_VIEWS = ("args", "model", "optimizer", "lr_scheduler", "state", "control", "accelerator", "train_dataset",
              "eval_dataset", "data_collator", "processing_class", "model_init", "compute_loss_func", "compute_metrics",
              "preprocess_logits_for_metrics", "optimizer_cls_and_kwargs", "label_names", "train_dataloader",
-             "model_accepts_loss_kwargs", "metrics", "preemption", "clock", "checkpointer", "gather_function")
+             "model_accepts_loss_kwargs", "metrics", "preemption", "clock", "checkpointer", "gather_function",
+             "label_smoother", "is_in_train")
 
 
 def run_view(name: str) -> property:

@@ -148,7 +148,7 @@ class Loop(HFMethods, TrainerAPI):
 
         # 3. Step: optimizer, scheduler, accelerator.prepare, and their resumed state.
         self.step.prepare(plan.max_steps, checkpoint)
-        start_time = time.time()
+        start_time = self.schedule.start_time = time.time()
         run.model_wrapped.zero_grad()
 
         # 4. The epochs: optimizer steps, each followed by the log / evaluate / save schedule.
@@ -235,7 +235,7 @@ class Loop(HFMethods, TrainerAPI):
         run = self.run
         steps_run = run.state.global_step - self.initial_global_step
         train_loss = self.schedule.running_loss.train_loss(run.accelerator, steps_run)
-        self.schedule.store_flos()
+        self.schedule.store_work()
         output = self.teardown.finish_training(plan, start_time, train_loss, steps_run)
         self.release()
         self.teardown.write_run_report("preempted" if run.preemption.requested else "completed",
@@ -270,6 +270,7 @@ class Loop(HFMethods, TrainerAPI):
         """HF's `Trainer.log`: adds `epoch`, appends to `log_history` with `step`, fires `on_log`."""
         state = self.run.state
         logs["epoch"] = state.epoch
+        logs.update(self.schedule.token_logs(start_time))  # include_num_input_tokens_seen
         state.log_history.append({**logs, "step": state.global_step})
         self.run.fire("on_log", logs=logs)
 

@@ -414,20 +414,21 @@ def write_report(report: dict, folder: str, echo: bool = True) -> dict:
 
 
 def report_from_files(run_dir: str) -> dict:
-    """Rebuild the report of a finished or crashed run: its `run_report.json` if that is newer than its newest
-    checkpoint, else that checkpoint's `trainer_state.json` and run record (a run killed before its teardown)."""
-    from .checkpoint import checkpoint_dirs
+    """Rebuild the report of a finished or crashed run: its `run_report.json` if that is newer than its most
+    recently saved checkpoint, else that checkpoint's `trainer_state.json` and run record (a run killed before its
+    teardown)."""
+    from .checkpoint import last_checkpoint
 
     path = os.path.join(run_dir, REPORT_JSON)
-    checkpoints = checkpoint_dirs(run_dir)
-    if os.path.isfile(path) and (not checkpoints or os.path.getmtime(path) >= os.path.getmtime(checkpoints[-1])):
+    newest = last_checkpoint(run_dir)
+    if os.path.isfile(path) and (newest is None or os.path.getmtime(path) >= os.path.getmtime(newest)):
         with open(path) as f:
             report = json.load(f)
         report["charts"] = planned_charts(report.get("log_history", []))
         return report
-    if not checkpoints:
+    if newest is None:
         raise FileNotFoundError(f"{run_dir} holds neither {REPORT_JSON} nor a checkpoint: nothing to report.")
-    return report_from_checkpoint(run_dir, checkpoints[-1])
+    return report_from_checkpoint(run_dir, newest)
 
 
 def report_from_checkpoint(run_dir: str, checkpoint: str) -> dict:

@@ -35,10 +35,13 @@ user's own `loop.optimizer = ...` goes through those views; it is the user's wri
 | get_eval_dataloader,           | the data stage's loaders, for the evaluation stage          | loop.py           |
 |   get_test_dataloader          | (through the `Loop`, likewise)                              |                   |
 | train_dataloader               | the prepared train loader of the current `train()`          | loop.py           |
+| is_in_train                    | whether `train()` is running (HF's `trainer.is_in_train`)   | loop.py           |
 | accelerator                    | the `accelerate.Accelerator`                                | stages/setup.py   |
 | gather_function                | gathers eval tensors across processes (HF's attribute)      | stages/setup.py   |
 | model                          | the unwrapped model                                         | stages/setup.py   |
 | model_accepts_loss_kwargs      | whether the model's loss takes `num_items_in_batch`         | stages/setup.py   |
+| label_smoother                 | HF's `LabelSmoother` when `label_smoothing_factor` is set   | stages/setup.py   |
+| memory                         | the memory metrics (`loopkit.memory`, skip_memory_metrics)  | stages/setup.py   |
 | model_wrapped                  | the model as `accelerator.prepare` returned it (DDP, ...)   | stages/step.py    |
 | optimizer, lr_scheduler        | the prepared optimizer and its scheduler                    | stages/step.py    |
 | eval_dataloader                | the loader of the latest evaluation or prediction           | stages/evaluation.py |
@@ -51,9 +54,12 @@ the loop sets `should_training_stop` when a guard or a failed save stops the run
 | global_step, epoch                                 | stages/step.py                                        |
 | log_history                                        | loop.py (`Loop.log`, the run's `log`)                 |
 | best_metric, best_global_step, total_flos          | schedule.py                                           |
+| num_input_tokens_seen                              | schedule.py (summed over processes at logs and saves) |
 | best_model_checkpoint                              | checkpoint.py                                         |
-| stateful_callbacks                                 | state.py (`record_callback_states`: at a fresh start, each save) |
-| max_steps, num_train_epochs, is_hyper_param_search, trial_params, trial_name, is_local_process_zero, is_world_process_zero | loop.py |
+| stateful_callbacks                                 | state.py (`record_callback_states`: start, each save) |
+| max_steps, num_train_epochs, is_hyper_param_search,| loop.py (when a `train()` begins)                     |
+|   trial_params, trial_name, is_local_process_zero, |                                                       |
+|   is_world_process_zero                            |                                                       |
 
 `tests/test_stage_contract.py` reads the source of `loopkit/` and checks both tables.
 """
@@ -63,6 +69,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .memory import MemoryTracker
 from .state import LoopControl
 
 
@@ -96,10 +103,13 @@ class RunState:
     get_eval_dataloader: Callable | None = None
     get_test_dataloader: Callable | None = None
     train_dataloader: Any = None
+    is_in_train: bool = False
     accelerator: Any = None
     gather_function: Callable | None = None
     model: Any = None
     model_accepts_loss_kwargs: bool = False
+    label_smoother: Callable | None = None
+    memory: MemoryTracker = field(default_factory=MemoryTracker)
     model_wrapped: Any = None
     optimizer: Any = None
     lr_scheduler: Any = None

@@ -5,7 +5,9 @@ step stage's `StepResult` (`record`) and then lets it act on what the callbacks 
 HF's `_maybe_log_save_evaluate`): a train log (the one host sync of the training loop), an evaluation (then the best
 metric and, for `ReduceLROnPlateau`, the scheduler), a checkpoint (then `on_save`).
 
-It writes `state.log_history` through `run.log`, `state.best_metric`, `state.best_global_step` and `state.total_flos`;
+It writes `state.log_history` through `run.log`, `state.best_metric`, `state.best_global_step`, `state.total_flos`
+and `state.num_input_tokens_seen` (`include_num_input_tokens_seen`: counted on the device or from shapes each step,
+summed over processes into the state only before a log, an evaluation or a save, where HF syncs at every step);
 it reads the evaluation through the `evaluate` callable it is given (`Loop.evaluate`, overridable as on a Trainer)
 and saves through `run.checkpointer`.
 """
@@ -81,6 +83,9 @@ class Schedule:
         self.tokens_seen = self.samples_seen = 0  # input tokens and samples of this train() call (the report)
         self.pending_evaluation = None  # an evaluation a preemption interrupted (resumed runs do it first)
         self.last_step = None  # the latest completed step's result: its grad norm and LR go into the next log
+        self.input_tokens_pending = 0  # this process's input tokens not yet in state.num_input_tokens_seen
+        self.initial_tokens_seen = 0  # state.num_input_tokens_seen when this train() started (HF's tokens/s)
+        self.start_time = None  # when this train() started training (after the optimizer is prepared)
 
     def start(self, saved_loss: dict, saved_schedule: dict) -> None:
         run = self.run
@@ -89,6 +94,7 @@ class Schedule:
         self.pending_evaluation = saved_schedule.get("pending_evaluation")
         self.tokens_seen = self.samples_seen = 0
         self.last_step = None
+        self.input_tokens_pending, self.initial_tokens_seen = 0, run.state.num_input_tokens_seen
 
     def record(self, result) -> None:
         """A `StepResult`: its losses into the running loss, its work into the counters."""
@@ -98,6 +104,7 @@ class Schedule:
         self.current_flos += result.flos
         self.tokens_seen += result.tokens
         self.samples_seen += result.samples
+        self.input_tokens_pending = self.input_tokens_pending + result.input_tokens_seen
         if result.completed:
             self.last_step = result
 
@@ -114,6 +121,37 @@ class Schedule:
         run.state.total_flos += flos
         self.current_flos = 0.0
 
+    def store_input_tokens(self) -> None:
+        """Move the input tokens counted since the last call into `state.num_input_tokens_seen`, summed over
+        processes (HF gathers them at every step; here only before a log, an evaluation or a save)."""
+        run = self.run
+        if run.args.include_num_input_tokens_seen == "no":
+            return
+        pending = torch.as_tensor(self.input_tokens_pending, dtype=torch.int64, device=run.accelerator.device)
+        if run.accelerator.num_processes > 1:
+            pending = run.accelerator.reduce(pending, reduction="sum")
+        run.state.num_input_tokens_seen += int(pending.item())
+        self.input_tokens_pending = 0
+
+    def store_work(self) -> None:
+        """The FLOPs and input tokens counted so far into the state (at logs and saves, and at the end)."""
+        self.store_flos()
+        self.store_input_tokens()
+
+    def token_logs(self, start_time=None) -> dict:
+        """What HF's `Trainer.log` adds with `include_num_input_tokens_seen`: the count, and with the training's
+        `start_time` (step logs) the runtime and tokens per second of this `train()` call."""
+        run = self.run
+        if run.args.include_num_input_tokens_seen == "no":
+            return {}
+        logs = {"num_input_tokens_seen": run.state.num_input_tokens_seen}
+        if start_time is not None:
+            from .stages.evaluation import speed_metrics
+
+            tokens = run.state.num_input_tokens_seen - self.initial_tokens_seen
+            logs.update(speed_metrics("train", start_time, num_tokens=tokens))
+        return logs
+
     def log_training_progress(self) -> None:
         """The step log: mean loss per optimizer step since the last log, pre-clip grad norm, LR."""
         run, last = self.run, self.last_step
@@ -124,13 +162,15 @@ class Schedule:
         lr = last.learning_rate if last is not None else None
         # torchao's low-bit optimizers keep lr as a (host) tensor; HF logs a float, and state JSON needs one.
         logs["learning_rate"] = lr.item() if isinstance(lr, torch.Tensor) else lr
-        self.store_flos()
-        run.log(logs)
+        self.store_work()
+        run.log(logs, self.start_time)
 
     def after_step(self, ignore_keys_for_eval=None) -> None:
         """HF's `_maybe_log_save_evaluate`: act on `control.should_log / should_evaluate / should_save`."""
         run = self.run
         control = run.control
+        if control.should_evaluate:
+            self.store_input_tokens()  # the evaluation's log shows the count
         if control.should_log and run.state.global_step > self.running_loss.last_logged_step:
             with run.clock.span("logging"):  # where a GPU run waits for its device (the loss read)
                 self.log_training_progress()
@@ -153,7 +193,7 @@ class Schedule:
             run.fire("on_save")
 
     def save_checkpoint(self) -> None:
-        self.store_flos()
+        self.store_work()
         with self.run.clock.span("checkpoint"):
             self.save()
 

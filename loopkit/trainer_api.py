@@ -135,10 +135,8 @@ class TrainerAPI:
 
     # Instance attributes of a constructed Trainer that loopkit sets only when they change.
     hub_model_id = None  # set by init_hf_repo
-    is_in_train = False  # True inside train()
     hp_name = None  # set by hyperparameter_search
     hp_search_backend = None  # "optuna" during hyperparameter_search
-    label_smoother = None  # label_smoothing_factor is refused (LoopConfigError): smoothing is compute_loss_func's
     hp_space = compute_objective = objective = None  # set by hyperparameter_search
 
     def __init_subclass__(cls, **kwargs):

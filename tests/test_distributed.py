@@ -187,6 +187,19 @@ def test_one_checkpoint_folder_resumable_by_two_and_by_one_process(runs):
     assert [w for w in resumed_one["warnings"] if "saved by 2 process(es) and is resumed by 1" in w]
 
 
+def test_input_tokens_seen_are_summed_over_processes_at_logging_points(runs):
+    """include_num_input_tokens_seen="non_padding": each rank counts its attention masks on its device, and the
+    count summed over ranks reaches the state at each log: 4 samples x 8 tokens per step, on 2 processes as on 1, and
+    a resumed run continues the checkpoint's count."""
+    two, one = runs
+    per_step = 4 * child.SEQ_LEN
+    for name in ("adamw", "sgd", "iterable", "resume"):
+        counts = [result(two, name, 0), result(two, name, 1), result(one, name)]
+        assert [c["num_input_tokens_seen"] for c in counts] == [child.MAX_STEPS * per_step] * 3, name
+    logged = [e["num_input_tokens_seen"] for e in result(two, "resume")["log_history"] if "loss" in e]
+    assert logged == [per_step * step for step in range(1, child.MAX_STEPS + 1)]
+
+
 def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(runs):
     """Rank 1 alone gets SIGTERM after step 3; with guard_check_every=2 both ranks stop after step 4, write one
     checkpoint together and leave with 143."""

@@ -299,7 +299,7 @@ def test_an_override_under_the_already_scaled_rule_is_never_silent(tmp_path):
             loss = torch.nn.functional.cross_entropy(outputs.logits, inputs["labels"])
             return (loss, outputs) if return_outputs else loss
 
-    args = hf_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3, max_steps=1)
+    args = hf_args(tmp_path / "undeclared", per_device_train_batch_size=2, gradient_accumulation_steps=3, max_steps=1)
     with pytest.warns(UserWarning, match="set loss_is_scaled_for_ga = False"):
         Loop(model=tiny_bert_classifier(), args=args, train_dataset=six_samples(), step=PerBatchMean()).train()
 
@@ -308,5 +308,6 @@ def test_an_override_under_the_already_scaled_rule_is_never_silent(tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
+        args.output_dir = str(tmp_path / "declared")  # a folder of its own: a rerun next to checkpoints warns
         Loop(model=tiny_bert_classifier(), args=args, train_dataset=six_samples(),
              step=DeclaredPerBatchMean()).train()

@@ -141,14 +141,12 @@ def declared_writers(header: str) -> dict:
     """Parse a table of `loopkit/run.py`'s docstring: field -> the file that writes it."""
     doc = ast.get_docstring(ast.parse(open(os.path.join(PACKAGE, "run.py")).read()))
     table = doc.split(header, 1)[1].split("\n\n", 1)[0]
-    writers, pending = {}, []
+    writers, writer = {}, None
     for line in table.splitlines()[2:]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        pending += [name.strip() for name in cells[0].split(",") if name.strip()]
-        writer = re.search(r"[\w/]+\.py", cells[-1])
-        if writer:
-            writers.update(dict.fromkeys(pending, writer.group(0).replace("stages/", "stages/")))
-            pending = []
+        found = re.search(r"[\w/]+\.py", cells[-1])
+        writer = found.group(0) if found else writer  # a row with an empty writer cell continues the one above
+        writers.update(dict.fromkeys((name.strip() for name in cells[0].split(",") if name.strip()), writer))
     return writers
 
 

@@ -12,7 +12,8 @@ Contract:
 
 Reads `run.args`, `run.accelerator`, `run.model`, `run.model_wrapped`, `run.optimizer`, `run.label_names`,
 `run.metrics`, `run.compute_metrics`, `run.preprocess_logits_for_metrics`, `run.compute_loss`,
-`run.count_loss_items`, `run.compute_loss_context_manager`, `run.gather_function`, `run.preemption`, and gets its
+`run.count_loss_items`, `run.compute_loss_context_manager`, `run.gather_function`, `run.preemption`,
+`run.is_in_train` (`bf16_full_eval` / `fp16_full_eval` cast the model outside training), `run.memory`, and gets its
 loaders through the `get_eval_dataloader` / `get_test_dataloader` callables in the run state; writes
 `run.eval_dataloader`.
 """
@@ -34,7 +35,7 @@ from ..state import EvalLoopOutput, EvalPrediction, PredictionOutput
 from .base import Stage
 
 
-def speed_metrics(split: str, start_time: float, num_samples=None, num_steps=None) -> dict:
+def speed_metrics(split: str, start_time: float, num_samples=None, num_steps=None, num_tokens=None) -> dict:
     runtime = time.time() - start_time
     result = {f"{split}_runtime": round(runtime, 4)}
     if runtime == 0:
@@ -43,6 +44,8 @@ def speed_metrics(split: str, start_time: float, num_samples=None, num_steps=Non
         result[f"{split}_samples_per_second"] = round(num_samples / runtime, 3)
     if num_steps is not None:
         result[f"{split}_steps_per_second"] = round(num_steps / runtime, 3)
+    if num_tokens is not None:
+        result[f"{split}_tokens_per_second"] = round(num_tokens / runtime, 3)
     return result
 
 
@@ -165,18 +168,22 @@ class EvalStage(Stage):
                 metrics.update(self.evaluate(dataset if override else name, ignore_keys,
                                              f"{metric_key_prefix}_{name}"))
             return metrics
+        run.memory.start("eval")
         dataloader = run.get_eval_dataloader(eval_dataset)
         # Without compute_metrics no predictions are kept (streaming metrics still see every batch's logits).
         output = self.timed_loop(dataloader, "Evaluation", True if run.compute_metrics is None else None,
                                  ignore_keys, metric_key_prefix)
         run.log(output.metrics)
         run.fire("on_evaluate", metrics=output.metrics)
+        run.memory.stop_and_update_metrics("eval", output.metrics)  # HF: in the returned metrics, not the log
         return output.metrics
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
+        self.run.memory.start("test")
         dataloader = self.run.get_test_dataloader(test_dataset)
         output = self.timed_loop(dataloader, "Prediction", None, ignore_keys, metric_key_prefix)
         self.run.fire("on_predict", metrics=output.metrics)
+        self.run.memory.stop_and_update_metrics("test", output.metrics)
         return PredictionOutput(output.predictions, output.label_ids, output.metrics)
 
     def timed_loop(self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix):
@@ -203,12 +210,24 @@ class EvalStage(Stage):
             self.model_preparation_time = round(time.time() - start, 4)
         return self.prepared_for_eval[1]
 
+    def cast_for_full_eval(self, model):
+        """`fp16_full_eval` / `bf16_full_eval`: outside `train()`, HF casts the model itself (in place: it stays
+        in that dtype afterwards, as in HF) and evaluates without autocast's float32 weights."""
+        run, args = self.run, self.run.args
+        if run.is_in_train:
+            return model
+        if args.fp16_full_eval:
+            return model.to(dtype=torch.float16, device=run.accelerator.device)
+        if args.bf16_full_eval:
+            return model.to(dtype=torch.bfloat16, device=run.accelerator.device)
+        return model
+
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval") -> EvalLoopOutput:
         run, args = self.run, self.run.args
         if prediction_loss_only is None:
             prediction_loss_only = args.prediction_loss_only
-        model = self.eval_model()
+        model = self.cast_for_full_eval(self.eval_model())
         model.eval()
         if callable(getattr(run.optimizer, "eval", None)):
             run.optimizer.eval()

@@ -6,17 +6,23 @@ Contract:
   was given, and moves it to the device.
 * `begin_training(resume_from_checkpoint, trial)` runs at the start of every `train()`: re-seeds and rebuilds the
   model when `model_init` is used, turns on activation checkpointing, resolves the checkpoint to resume from and
-  loads its weights (before `accelerator.prepare`, as HF does). It returns the checkpoint path or None.
+  loads its weights (before `accelerator.prepare`, as HF does). It returns the checkpoint path or None. With
+  `neftune_noise_alpha` it adds HF's NEFTune hook to the input embeddings (removed at `on_train_end`), with
+  `debug="underflow_overflow"` HF's `DebugUnderflowOverflow` hooks, as `Trainer.train` does.
+* Memory metrics (`skip_memory_metrics=False`, loopkit/memory.py): the "init" stage runs from the `Accelerator` to
+  `on_init_end`, the "train" stage starts in `begin_training`.
 
-Reads `run.args`, `run.model_init`, `run.checkpointer`; writes `run.accelerator`, `run.model` and
-`run.model_accepts_loss_kwargs`, `run.gather_function`. Owns HF's overridable `call_model_init(trial)` and
-`create_accelerator_and_postprocess()`.
+Reads `run.args`, `run.model_init`, `run.checkpointer`; writes `run.accelerator`, `run.model`,
+`run.model_accepts_loss_kwargs`, `run.label_smoother`, `run.gather_function`, `run.memory`. Owns HF's overridable
+`call_model_init(trial)` and `create_accelerator_and_postprocess()`.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
+import warnings
 
 import torch
 
@@ -24,6 +30,7 @@ from ..args import config_error
 from ..checkpoint import load_model_weights
 from ..distributed import (active_engine, check_engines_active, check_launch, engine_plugins, full_state_dict_saved,
                            requested_engines)
+from ..memory import MemoryTracker
 from .base import Stage, base_model
 
 
@@ -50,11 +57,14 @@ class SetupStage(Stage):
 
     def __init__(self, fsdp_plugin=None, deepspeed_plugin=None):
         self.fsdp_plugin, self.deepspeed_plugin = fsdp_plugin, deepspeed_plugin
+        self.neftune_hook = None  # the NEFTune forward hook of the current train()
 
     def build(self, model):
         run = self.run
         self.seed()
         self.create_accelerator_and_postprocess()
+        run.memory = MemoryTracker(run.args.skip_memory_metrics)
+        run.memory.start("init")
         check_launch(run.accelerator)  # several processes that Accelerate did not join: refuse (distributed.py)
         if model is None:
             if run.model_init is None:
@@ -71,6 +81,8 @@ class SetupStage(Stage):
         run = self.run
         run.accelerator = self.create_accelerator()
         run.gather_function = run.accelerator.gather_for_metrics
+        if run.args.eval_use_gather_object:  # HF: gather_for_metrics(use_gather_object=...) for non-tensor outputs
+            run.gather_function = functools.partial(run.gather_function, use_gather_object=True)
 
     def create_accelerator(self):
         from accelerate import Accelerator
@@ -124,9 +136,11 @@ class SetupStage(Stage):
         else:
             params = inspect.signature(base.forward).parameters.values()
             run.model_accepts_loss_kwargs = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+        run.label_smoother = label_smoother(run.args, model)
 
     def begin_training(self, resume_from_checkpoint, trial=None):
         run, args = self.run, self.run.args
+        run.memory.start("train")
         if run.model_init is not None:  # a new model: the step stage then builds a new optimizer for it
             self.seed()
             self.set_model(self.call_model_init(trial))
@@ -139,8 +153,53 @@ class SetupStage(Stage):
             kwargs = args.activation_checkpointing_kwargs or args.gradient_checkpointing_kwargs
             enable(gradient_checkpointing_kwargs=kwargs) if "gradient" in enable.__name__ else enable(
                 activation_checkpointing_kwargs=kwargs)
-        run.checkpointer.remove_leftovers()
-        checkpoint = run.checkpointer.resolve(resume_from_checkpoint)
+        self.add_training_hooks()
+        checkpoint = run.checkpointer.start(resume_from_checkpoint)  # also: which run the coming saves belong to
         if checkpoint is not None and full_state_dict_saved(run.accelerator):  # else: after `prepare` (FSDP)
             load_model_weights(run.model, checkpoint)
         return checkpoint
+
+    def add_training_hooks(self) -> None:
+        """NEFTune's embedding noise and the underflow/overflow detector, where `Trainer.train` adds them. (HF adds
+        a new detector at every `train()`, and so does this.)"""
+        run, args = self.run, self.run.args
+        if args.neftune_noise_alpha is not None:
+            from transformers.integrations.neftune import activate_neftune
+
+            self.neftune_hook = activate_neftune(run.model, args.neftune_noise_alpha, run.accelerator)
+        if any(getattr(option, "value", option) == "underflow_overflow" for option in args.debug):
+            from transformers.debug_utils import DebugUnderflowOverflow
+
+            DebugUnderflowOverflow(run.model)
+
+    def remove_training_hooks(self) -> None:
+        """HF removes the NEFTune hook when training ends, so evaluation and inference see clean embeddings."""
+        if self.neftune_hook is not None:
+            from transformers.integrations.neftune import deactivate_neftune
+
+            deactivate_neftune(self.run.model, self.neftune_hook, self.run.accelerator)
+            self.neftune_hook = None
+
+    # -- events (a stage hears each before the callbacks) --
+    def on_init_end(self, args, state, control, **kwargs):
+        self.run.memory.stop_and_update_metrics("init")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.remove_training_hooks()
+
+    def on_train_failed(self, args, state, control, **kwargs):
+        self.remove_training_hooks()
+
+
+def label_smoother(args, model):
+    """HF's `LabelSmoother(epsilon=label_smoothing_factor)`, or None; HF turns it off (with a warning) for
+    multi-label classification."""
+    if not args.label_smoothing_factor:
+        return None
+    if getattr(getattr(model, "config", None), "problem_type", None) == "multi_label_classification":
+        warnings.warn("Label smoothing is not compatible with multi-label classification. Disabling label smoothing "
+                      "for this training run.", UserWarning)
+        return None
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    return LabelSmoother(epsilon=args.label_smoothing_factor)

@@ -12,6 +12,7 @@ Contract (HF Trainer 5.24 semantics, facts file sections 1.2 and 4):
   `on_optimizer_step` -> `lr_scheduler.step()` -> `zero_grad` -> `global_step += 1` -> `on_step_end`.
 
 Reads `run.args`, `run.accelerator`, `run.model`, `run.model_accepts_loss_kwargs`, `run.compute_loss_func`,
+`run.label_smoother`, `run.processing_class` (its pad token, for `include_num_input_tokens_seen="non_padding"`),
 `run.optimizers_given`, `run.optimizer_cls_and_kwargs`, `run.checkpointer`, `run.clock`; writes `run.model_wrapped`,
 `run.optimizer`, `run.lr_scheduler`, and `run.state.global_step` / `epoch`. Owns HF's overridable
 `create_optimizer`, `get_optimizer_cls_and_kwargs`, `create_scheduler`, `get_decay_parameter_names`, `compute_loss`,
@@ -27,13 +28,14 @@ override that returns a per-batch mean on a model that takes `num_items_in_batch
 normalise by `num_items_in_batch` itself; `train()` warns when an override falls under the "scaled" rule with
 gradient accumulation, so the choice is never silent.
 
-Hot path: nothing here calls `.item()` or otherwise waits for the device. A step's losses, token count and gradient
+Hot path: nothing here calls `.item()` or otherwise waits for the device. A step's losses, token counts and gradient
 norm stay device tensors in the `StepResult` until a logging point reads them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 import warnings
@@ -80,6 +82,18 @@ def is_causal_lm(model) -> bool:
     return type(base).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
+@functools.lru_cache(maxsize=1)
+def causal_lm_class_names() -> frozenset:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def is_causal_lm_class(model) -> bool:
+    """HF's test for shifting labels in the label smoother: the (PEFT-unwrapped) class is a causal-LM class."""
+    return type(base_model(model)).__name__ in causal_lm_class_names()
+
+
 @dataclass(eq=False)
 class StepResult:
     """What one optimizer step produced, handed back to the `Loop`: the micro-batch losses (detached device
@@ -94,6 +108,7 @@ class StepResult:
     flos: float = 0.0
     tokens: int = 0
     samples: int = 0
+    input_tokens_seen: torch.Tensor | int = 0  # HF's count for include_num_input_tokens_seen (this process)
 
 
 class StepStage(Stage):
@@ -112,6 +127,7 @@ class StepStage(Stage):
         self.prepared_model = None  # the model the optimizer was built for and `accelerator.prepare` wrapped
         # Decided once per train() by `prepare_hot_path`; these defaults serve an evaluation before any training.
         self.label_shift, self.main_input, self.num_non_embedding_params = None, "input_ids", 0
+        self.warned_no_main_input = False
 
     # -- optimizer and scheduler (HF's create_optimizer / create_scheduler) --
     def get_decay_parameter_names(self, model) -> list[str]:
@@ -225,14 +241,20 @@ class StepStage(Stage):
         return self.autocast_smart_context_manager()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """HF's: the model's loss, or `compute_loss_func`'s, or the label smoother's (`label_smoothing_factor`,
+        over shifted labels for a causal LM class, as HF decides it by the class name)."""
         run = self.run
         require_named_batch(inputs)
-        labels = inputs.pop("labels") if run.compute_loss_func is not None and "labels" in inputs else None
+        takes_labels = run.compute_loss_func is not None or run.label_smoother is not None
+        labels = inputs.pop("labels") if takes_labels and "labels" in inputs else None
         if run.model_accepts_loss_kwargs and num_items_in_batch is not None:
             inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
         outputs = model(**inputs)
         if run.compute_loss_func is not None:
             loss = run.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        elif labels is not None:
+            loss = run.label_smoother(outputs, labels, shift_labels=is_causal_lm_class(run.accelerator.unwrap_model(
+                model)), num_items_in_batch=num_items_in_batch)
         else:
             loss = model_loss(outputs, inputs)
         if (run.args.average_tokens_across_devices and num_items_in_batch is not None
@@ -274,6 +296,13 @@ class StepStage(Stage):
             run.optimizer.train()
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        every = run.args.torch_empty_cache_steps
+        if every is not None and run.state.global_step % every == 0:  # HF: at every micro-batch of such a step
+            from accelerate.utils.memory import clear_device_cache
+
+            clear_device_cache()
+            if torch.backends.mps.is_available() and hasattr(torch.mps, "clear_graph_cache"):
+                torch.mps.clear_graph_cache()
         if not self.loss_is_scaled(num_items_in_batch):
             loss = loss / self.current_gradient_accumulation_steps
         with run.clock.span("backward"):
@@ -326,6 +355,26 @@ class StepStage(Stage):
         if isinstance(main, torch.Tensor):
             result.tokens += main.numel()
             result.samples += main.shape[0] if main.ndim else 1
+        if self.run.args.include_num_input_tokens_seen != "no":
+            result.input_tokens_seen = result.input_tokens_seen + self.input_tokens(inputs, main)
+
+    def input_tokens(self, inputs, main) -> torch.Tensor | int:
+        """HF's `_track_num_input_tokens` for one micro-batch: every token of the main input ("all"), or the
+        attention mask's sum / the tokens that are not padding ("non_padding"), a device tensor (no sync)."""
+        run = self.run
+        if not isinstance(main, torch.Tensor):
+            if not self.warned_no_main_input:
+                warnings.warn(f"include_num_input_tokens_seen: the batch has no {self.main_input!r} (the model's "
+                              f"main_input_name), so its tokens are not counted (as HF Trainer does).")
+                self.warned_no_main_input = True
+            return 0
+        if run.args.include_num_input_tokens_seen == "non_padding":
+            if "attention_mask" in inputs:
+                return inputs["attention_mask"].sum()
+            pad = getattr(run.processing_class, "pad_token_id", None)
+            if pad is not None:
+                return (main != pad).sum()
+        return main.numel()
 
     def clip_gradients(self, model) -> torch.Tensor:
         """Pre-clip total norm; clips to `max_grad_norm` when it is positive (HF logs the norm either way)."""

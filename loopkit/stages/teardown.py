@@ -11,6 +11,9 @@ Contract:
 * `export(output_dir, example_inputs, formats)` writes the model in `save_pretrained`, `torch.export` and ONNX
   form, each checked against the live model.
 
+The summary also carries the memory metrics of `skip_memory_metrics=False` (`run.memory`, loopkit/memory.py), added
+before it is logged, as in HF.
+
 Reads `run.args`, `run.accelerator`, `run.state`, `run.model_wrapped`, `run.optimizer`, `run.checkpointer`,
 `run.clock`, `run.processing_class`; writes no run-state field.
 """
@@ -40,6 +43,7 @@ class TeardownStage(Stage):
                                 num_steps=steps_run)
         metrics["total_flos"] = state.total_flos
         metrics["train_loss"] = train_loss
+        run.memory.stop_and_update_metrics("train", metrics)
         run.log(metrics)
         run.checkpointer.wait()  # an asynchronous save still in flight
         if run.args.load_best_model_at_end and state.best_model_checkpoint is not None:

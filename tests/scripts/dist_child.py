@@ -99,7 +99,8 @@ def build_loop(output_dir: str, per_device_batch: int, *, accumulation: int = 1,
     args = LoopArgs(output_dir=output_dir, max_steps=MAX_STEPS, per_device_train_batch_size=per_device_batch,
                     gradient_accumulation_steps=accumulation, per_device_eval_batch_size=eval_batch or 3,
                     learning_rate=3e-2 if sgd else 3e-3, warmup_steps=2, weight_decay=0.01, logging_steps=1,
-                    save_strategy="no", optim="adamw_torch", disable_tqdm=True, seed=7)
+                    save_strategy="no", optim="adamw_torch", disable_tqdm=True, seed=7,
+                    include_num_input_tokens_seen="non_padding")
     optimizer = (torch.optim.SGD, {"lr": 3e-2, "momentum": 0.9}) if sgd else None
     train = lm_samples(TRAIN_SAMPLES, 1)
     return Loop(model=tiny_llama(), args=args, train_dataset=Stream(train) if iterable else train,
@@ -113,7 +114,8 @@ def write_result(out: str, name: str, loop: Loop, **extra) -> None:
                .items()}
     save_file(weights, os.path.join(out, f"{name}_rank{rank}.safetensors"))
     result = {"num_processes": loop.accelerator.num_processes, "global_step": loop.state.global_step,
-              "log_history": loop.state.log_history, **extra}
+              "log_history": loop.state.log_history, "num_input_tokens_seen": loop.state.num_input_tokens_seen,
+              **extra}
     with open(os.path.join(out, f"{name}_rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
 
