@@ -148,6 +148,20 @@ class TrainerAPI:
                 raise TypeError(f"{cls.__name__} overrides Trainer.{hook}, which loopkit's run does not call, so the "
                                 f"override would change nothing. Override {instead} instead.")
 
+    def __repr__(self) -> str:
+        """The model, stages, key arguments, data, callbacks and progress (loopkit/notebook.py)."""
+        if "run" not in vars(self):  # a Loop whose construction failed
+            return object.__repr__(self)
+        from .notebook import loop_repr
+
+        return loop_repr(self)
+
+    @property
+    def report(self):
+        """loopkit addition: the latest run report (`RunReport`, a dict that renders as Markdown in a notebook),
+        None before the first `train()` ends and on processes other than the main one."""
+        return getattr(self.teardown, "last_report", None)
+
     # -- attributes derived from the run --------------------------------------------------------------------------
     @property
     def is_deepspeed_enabled(self) -> bool:
