@@ -95,7 +95,7 @@ class Rows(IterableDataset):
         return iter(self.rows)
 
 
-def test_misspelt_key_of_an_iterable_dataset_is_caught_at_the_first_batch(tmp_path):
+def test_misspelt_key_of_an_iterable_dataset_is_caught_at_its_first_batch(tmp_path):
     loop = Loop(model=tiny_bert(), args=loop_args(tmp_path, max_steps=2),
                 train_dataset=Rows(token_rows(8, ids_column="input_idz")), processing_class=minilm_tokenizer())
     loader = loop.get_train_dataloader()  # an iterable's keys are known only from its first rows

@@ -9,6 +9,10 @@ Contract:
 * `windows(epoch, plan, resume)` yields one `Window` of micro-batches per optimizer step of the epoch from
   `run.train_dataloader`, skipping the micro-batches a resumed run already trained without collating them.
 * `state_dict()` is the data position (epoch, micro-batches, samples; an iterable dataset's own state).
+* Errors at the cause, before the first batch: `check_columns` (with `remove_unused_columns`, a column that is a
+  near miss of a forward argument, or a missing column the forward or a padding collator needs; for a dataset
+  that is neither a `datasets.Dataset` nor a list, on the first rows its loader reads), `check_padding` (a padding collator's tokenizer without pad token), and, at
+  construction, `check_eval_labels` (an unlabelled eval dataset while `metric_for_best_model` needs labels).
 
 Reads `run.args`, `run.accelerator`, `run.model`, `run.label_names`, `run.train_dataset`, `run.eval_dataset`,
 `run.data_collator`, `run.processing_class`, `run.train_dataloader`, `run.clock`, `run.checkpointer`; writes no
@@ -62,22 +66,22 @@ class RemoveColumnsCollator:
 
 
 def dataset_columns(dataset) -> list[str] | None:
-    """The column names of a `datasets.Dataset`, or the keys of a map-style dataset's first example (read once per
-    loader, never per batch); None when they cannot be known without iterating (an iterable dataset)."""
+    """The column names of a `datasets.Dataset`, or the keys of a list's first row; None for any other dataset,
+    whose rows are known only once the loader reads them (reading one here could have side effects: an
+    augmentation drawing from the RNG, a dataset counting its reads)."""
     names = getattr(dataset, "column_names", None)
     if isinstance(names, list):
         return names
-    if isinstance(dataset, IterableDataset) or not has_length(dataset) or len(dataset) == 0:
-        return None
-    try:
-        first = dataset[0]
-    except (IndexError, KeyError, TypeError):
-        return None
-    return list(first.keys()) if isinstance(first, Mapping) else None
+    if isinstance(dataset, (list, tuple)) and dataset and isinstance(dataset[0], Mapping):
+        return list(dataset[0].keys())
+    return None
 
 
 def collator_input_name(collator) -> str | None:
-    """The input a tokenizer-padding collator cannot do without (`tokenizer.pad` needs `model_input_names[0]`)."""
+    """The input one of HF's tokenizer collators cannot do without (`tokenizer.pad` needs `model_input_names[0]`);
+    None for any other collator (a user's may build its inputs itself)."""
+    if not type(collator).__module__.startswith("transformers."):
+        return None
     names = getattr(getattr(collator, "tokenizer", None), "model_input_names", None)
     return names[0] if names else None
 
@@ -216,7 +220,7 @@ class DataStage(Stage):
                                    "rename the columns to the model's inputs or set remove_unused_columns=False")
             return (dataset.remove_columns(unused) if unused else dataset), collator
         check_first = None
-        if columns is None:  # an iterable dataset: check the keys of its first features, once
+        if columns is None:  # known from the first rows the loader reads: check their keys, once
             def check_first(features):
                 if features and isinstance(features[0], Mapping):
                     self.check_columns(list(features[0].keys()), collator, description)
@@ -225,7 +229,10 @@ class DataStage(Stage):
     def check_columns(self, columns: list[str], collator, description: str) -> None:
         """Before the first batch: refuse a column that `remove_unused_columns` would drop although its name is a
         near miss of a forward argument no column provides (`input_idz`), and a missing column that the forward
-        (an argument without default) or a padding collator (the tokenizer's main input) cannot do without."""
+        (an argument without default, when the collator is HF's default one, which makes no input of its own) or
+        a padding collator (the tokenizer's main input) cannot do without."""
+        from transformers.data.data_collator import default_data_collator
+
         base = base_model(self.run.model)
         params = inspect.signature(base.forward).parameters
         arguments = [p for p, v in params.items() if v.kind not in (v.VAR_POSITIONAL, v.VAR_KEYWORD)]
@@ -240,7 +247,10 @@ class DataStage(Stage):
                     f"did you mean its argument {match[0]!r}, which no column provides?",
                     f"rename the column to {match[0]!r} (datasets: dataset.rename_column({column!r}, "
                     f"{match[0]!r})), or, if your collator reads {column!r}, set remove_unused_columns=False")
-        needed = {a: f"{model}.forward" for a, v in params.items() if a in arguments and v.default is v.empty}
+        needed = {}
+        if collator is default_data_collator:  # labels may be absent (prediction) or renamed from "label"
+            needed = {a: f"{model}.forward" for a, v in params.items()
+                      if a in arguments and v.default is v.empty and a not in self.run.label_names}
         collator_input = collator_input_name(collator)
         if collator_input is not None:
             needed.setdefault(collator_input, f"the collator {type(collator).__name__} (it pads them)")

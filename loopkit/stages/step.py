@@ -27,7 +27,8 @@ override that returns a per-batch mean on a model that takes `num_items_in_batch
 normalise by `num_items_in_batch` itself; `train()` warns when an override falls under the "scaled" rule with
 gradient accumulation, so the choice is never silent.
 
-Hot path: nothing here calls `.item()` or otherwise waits for the device. A step's losses, token count and gradient
+Hot path: nothing here calls `.item()` or otherwise waits for the device, except once per `train()`: the labels of
+the first micro-batch are checked against the model's own loss (loopkit/first_batch.py), behind a flag. A step's losses, token count and gradient
 norm stay device tensors in the `StepResult` until a logging point reads them.
 """
 
