@@ -13,6 +13,7 @@ import os
 import sys
 
 from .batches import has_length
+from .events import PrinterCallback, ProgressCallback
 
 
 def in_notebook() -> bool:
@@ -31,8 +32,6 @@ def in_notebook() -> bool:
 def default_progress_callback(args):
     """HF's choice for the last default callback: the printer with `disable_tqdm`, the notebook display in a
     notebook, else tqdm bars."""
-    from .events import PrinterCallback, ProgressCallback
-
     if args.disable_tqdm:
         return PrinterCallback()
     if in_notebook():
@@ -86,11 +85,12 @@ def loop_repr(loop) -> str:
     run = loop.run
     stages = ", ".join(f"{name}={type(stage).__name__}" for name, stage in
                        zip(("setup", "data", "step", "evaluation", "teardown"), loop.stages))
-    state = run.state
-    progress = f"global_step={state.global_step}" + (f"/{state.max_steps}" if state.max_steps else "")
+    state, events = run.state, run.events  # None while a failing construction is under way
+    progress = "not started" if state is None else \
+        f"global_step={state.global_step}" + (f"/{state.max_steps}" if state.max_steps else "")
     collator = run.data_collator
     collator = "default" if collator is None else getattr(collator, "__name__", type(collator).__name__)
-    callbacks = ", ".join(type(cb).__name__ for cb in run.events.callbacks)
+    callbacks = "not built" if events is None else ", ".join(type(cb).__name__ for cb in events.callbacks)
     return "\n".join([
         f"{type(loop).__name__}(",
         f"  model: {model_text(run)}",

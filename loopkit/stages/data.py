@@ -11,8 +11,9 @@ Contract:
 * `state_dict()` is the data position (epoch, micro-batches, samples; an iterable dataset's own state).
 * Errors at the cause, before the first batch: `check_columns` (with `remove_unused_columns`, a column that is a
   near miss of a forward argument, or a missing column the forward or a padding collator needs; for a dataset
-  that is neither a `datasets.Dataset` nor a list, on the first rows its loader reads), `check_padding` (a padding collator's tokenizer without pad token), and, at
-  construction, `check_eval_labels` (an unlabelled eval dataset while `metric_for_best_model` needs labels).
+  that is neither a `datasets.Dataset` nor a list, on the first rows its loader reads), `check_padding` (a padding
+  collator's tokenizer without pad token), and, at construction, `check_eval_labels` (an unlabelled eval dataset
+  while `metric_for_best_model` needs labels).
 
 Reads `run.args`, `run.accelerator`, `run.model`, `run.label_names`, `run.train_dataset`, `run.eval_dataset`,
 `run.data_collator`, `run.processing_class`, `run.train_dataloader`, `run.clock`, `run.checkpointer`; writes no

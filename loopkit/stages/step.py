@@ -28,8 +28,8 @@ normalise by `num_items_in_batch` itself; `train()` warns when an override falls
 gradient accumulation, so the choice is never silent.
 
 Hot path: nothing here calls `.item()` or otherwise waits for the device, except once per `train()`: the labels of
-the first micro-batch are checked against the model's own loss (loopkit/first_batch.py), behind a flag. A step's losses, token count and gradient
-norm stay device tensors in the `StepResult` until a logging point reads them.
+the first micro-batch are checked against the model's own loss (loopkit/first_batch.py), behind a flag. A step's
+losses, token count and gradient norm stay device tensors in the `StepResult` until a logging point reads them.
 """
 
 from __future__ import annotations
@@ -210,7 +210,8 @@ class StepStage(Stage):
     def warn_if_override_scaling_is_implicit(self) -> None:
         """Say which loss-scaling rule an overridden `compute_loss` falls under, where the choice matters."""
         run = self.run
-        if not self.compute_loss_overridden() or self.loss_is_scaled_for_ga is not None or run.args.gradient_accumulation_steps == 1:
+        if not self.compute_loss_overridden() or self.loss_is_scaled_for_ga is not None or \
+                run.args.gradient_accumulation_steps == 1:
             return
         if run.model_accepts_loss_kwargs and run.compute_loss_func is None:
             warnings.warn(
