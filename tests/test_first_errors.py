@@ -95,10 +95,27 @@ class Rows(IterableDataset):
         return iter(self.rows)
 
 
-def test_misspelt_key_of_an_iterable_dataset_is_caught_at_its_first_batch(tmp_path):
-    loop = Loop(model=tiny_bert(), args=loop_args(tmp_path, max_steps=2),
-                train_dataset=Rows(token_rows(8, ids_column="input_idz")), processing_class=minilm_tokenizer())
-    loader = loop.get_train_dataloader()  # an iterable's keys are known only from its first rows
+class CountedRows(torch.utils.data.Dataset):
+    """A map-style dataset that counts its reads (as one with random augmentation would draw from the RNG)."""
+
+    def __init__(self, rows):
+        self.rows, self.reads = rows, 0
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return self.rows[index]
+
+
+@pytest.mark.parametrize("kind", [Rows, CountedRows])
+def test_misspelt_key_of_another_dataset_is_caught_at_its_first_batch(tmp_path, kind):
+    dataset = kind(token_rows(8, ids_column="input_idz"))
+    loop = Loop(model=tiny_bert(), args=loop_args(tmp_path, max_steps=2), train_dataset=dataset,
+                processing_class=minilm_tokenizer())
+    loader = loop.get_train_dataloader()  # its keys are known only from the rows the loader reads
+    assert getattr(dataset, "reads", 0) == 0  # building the loader read nothing
     with pytest.raises(LoopConfigError) as error:
         next(iter(loader))
     assert_names(error, "'input_idz'", "'input_ids'")
