@@ -8,6 +8,8 @@ same attribute names, so the rest of loopkit never asks which one it got.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import inspect
 import json
 import logging
@@ -20,8 +22,17 @@ class LoopConfigError(ValueError):
     """A configuration value loopkit cannot run with. The message names the field, the value and the fix."""
 
 
+class UnknownArgumentError(LoopConfigError, TypeError):
+    """A keyword `LoopArgs` has no field for (a `TypeError` too, as Python's own error for it is)."""
+
+
 def config_error(field_name: str, value: Any, problem: str, fix: str) -> LoopConfigError:
     return LoopConfigError(f"{field_name}={value!r}: {problem}. Fix: {fix}.")
+
+
+def nearest(name: str, candidates, n: int = 1) -> list[str]:
+    """The (up to `n`) candidates closest to a misspelt `name` (difflib), closest first; [] when none is close."""
+    return difflib.get_close_matches(name, sorted(candidates), n=n, cutoff=0.75)
 
 
 def plain(value: Any) -> Any:
@@ -215,6 +226,32 @@ class LoopArgs:
         return json.dumps(self.to_dict(), indent=2, default=str)
 
 
+def reject_unknown_keywords(init):
+    """Wrap `LoopArgs.__init__`: an unknown keyword names the nearest field (a misspelling) or, for a
+    `TrainingArguments` field loopkit does not support, the way out."""
+
+    @functools.wraps(init)
+    def checked_init(self, *args, **kwargs):
+        for name in kwargs:
+            if name not in SUPPORTED_FIELDS:
+                raise unknown_argument_error(name, kwargs[name])
+        init(self, *args, **kwargs)
+
+    return checked_init
+
+
+def unknown_argument_error(name: str, value: Any) -> UnknownArgumentError:
+    guesses = nearest(name, SUPPORTED_FIELDS, n=2)
+    if guesses:
+        fix = f"did you mean {' or '.join(guesses)}? Write LoopArgs({guesses[0]}={value!r})"
+    elif name in FIXES:
+        fix = FIXES[name]
+    else:
+        fix = (f"use one of LoopArgs' fields (TrainingArguments' names: dataclasses.fields(LoopArgs)); if {name} is a "
+               f"TrainingArguments field loopkit does not support, train with transformers.Trainer for it")
+    return UnknownArgumentError(f"{name}={value!r}: LoopArgs has no field {name!r}. Fix: {fix}.")
+
+
 DICT_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")
 
 # TrainingArguments fields that may take any value under loopkit, because HF Trainer does not change how it trains
@@ -248,6 +285,7 @@ ACCELERATE_ENGINE_FIELDS = frozenset({"fsdp", "fsdp_config", "deepspeed"})
 # sees), `debug="underflow_overflow"` adds detection hooks, and `save_on_each_node` decides which processes write
 # checkpoints in multi-node runs.
 SUPPORTED_FIELDS = frozenset(f.name for f in dataclasses.fields(LoopArgs))
+LoopArgs.__init__ = reject_unknown_keywords(LoopArgs.__init__)
 # `optim` is checked by loopkit/optimizers.py (every value this machine can run, refusals name the package or device).
 SUPPORTED_CHOICES = {
     # transformers' schedulers except "greedy" (GreedyLR steps on eval metrics, which loopkit does only for
@@ -395,6 +433,12 @@ def check_inputs(args, *, model, model_init, train_dataset, eval_dataset, comput
         raise config_error("optimizers", passed, "model_init builds a new model at each train(), which an "
                            "optimizer built beforehand would not hold", "drop optimizers=... and override "
                            "create_optimizer / create_scheduler in a Loop subclass instead")
+    for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+        for key, part in (dataset.items() if isinstance(dataset, dict) else [(None, dataset)]):
+            if part is not None and has_length(part) and len(part) == 0:
+                where = f"{name}[{key!r}]" if key is not None else name
+                raise config_error(where, f"<empty {type(part).__name__}>", "it has no example", "pass a dataset with "
+                                   "at least one example (check the split, filter or file that built it)")
     if train_dataset is not None and not has_length(train_dataset) and args.max_steps <= 0:
         raise config_error("max_steps", args.max_steps, f"the train dataset ({type(train_dataset).__name__}) has no "
                            "__len__, so the number of steps cannot be derived from num_train_epochs",

@@ -21,11 +21,12 @@ import warnings
 
 from .args import LoopArgs, check_args, check_inputs, config_error
 from .checkpoint import Checkpointer
-from .events import DefaultFlowCallback, EventHandler, PrinterCallback, ProgressCallback, reporting_callbacks
+from .events import DefaultFlowCallback, EventHandler, reporting_callbacks
 from .guards import Preempted, PreemptionWatch, preemption_agreed
 from .hf_methods import HFMethods, bind_overrides
 from .trainer_api import TrainerAPI
 from .metrics import check_metrics
+from .notebook import default_progress_callback
 from .report import RUN_RECORD_KEY, PhaseClock, run_record
 from .run import RunState
 from .schedule import Schedule, running_loss_state
@@ -83,9 +84,10 @@ class Loop(HFMethods, TrainerAPI):
         self.setup.build(model)  # seeds, Accelerate, the model
         run.metrics = check_metrics(metrics, run.accelerator.num_processes)
         run.label_names = list(args.label_names) if args.label_names is not None else find_labels(run.model)
+        self.data.check_eval_labels()  # before any training: metric_for_best_model needs labelled evaluations
         # Events: HF's callback order (flow, integrations, the user's, then progress or printer).
         default = [DefaultFlowCallback()] + reporting_callbacks(args.report_to)
-        progress = PrinterCallback() if args.disable_tqdm else ProgressCallback()
+        progress = default_progress_callback(args)  # the printer, HF's notebook display, or tqdm bars
         run.events = EventHandler(default + list(callbacks or []) + [progress], self.stages, run)
         # As in Trainer.__init__: an evaluate() before train() logs (and reports) on the main process only.
         run.state = LoopState(is_local_process_zero=run.accelerator.is_local_main_process,

@@ -192,7 +192,7 @@ def build_report(run, status: str, counters: dict, train_metrics: dict | None = 
     with clock.span("report"):
         evals = [h for h in state.log_history if any(k.startswith("eval_") and k.endswith("_loss") for k in h)]
         history = list(state.log_history)
-        report = {
+        report = RunReport({
             "status": status, "output_dir": args.output_dir, "global_step": state.global_step,
             "max_steps": state.max_steps, "epoch": state.epoch, "final_metrics": evals[-1] if evals else {},
             "best_metric": state.best_metric, "metric_for_best_model": args.metric_for_best_model,
@@ -200,7 +200,7 @@ def build_report(run, status: str, counters: dict, train_metrics: dict | None = 
             "train_metrics": train_metrics or {}, "input_tokens": counters["tokens"],
             "peak_host_memory_mb": peak_host_memory_mb(), "peak_device_memory_mb": peak_device_memory_mb(),
             "slow_steps": clock.slow_steps, "log_history": history, "charts": planned_charts(history),
-        }
+        })
     clock.enter(None)  # closes the teardown phase: everything up to here is in the totals below
     segments = clock.segments(state.global_step)
     this_run = segments[-1]["seconds"]
@@ -209,6 +209,30 @@ def build_report(run, status: str, counters: dict, train_metrics: dict | None = 
                   samples_per_second=round(counters["samples"] / this_run, 3) if this_run else None,
                   tokens_per_second=round(counters["tokens"] / this_run, 3) if this_run else None)
     return report
+
+
+class RunReport(dict):
+    """The run report: the dict written to run_report.json, which a notebook renders as Markdown (`loop.report`)."""
+
+    def _repr_markdown_(self) -> str:
+        return report_markdown(self)
+
+
+def report_markdown(report: dict) -> str:
+    """The report as Markdown: the summary, time by phase as a table, and the charts (waited for: they are drawn
+    after `train()` returns)."""
+    summary = summary_text(report).splitlines()
+    lines = [f"**{summary[0]}**", "", *(f"- {line.strip()}" for line in summary[1:]
+                                         if not line.strip().startswith(("time by phase", "charts")))]
+    phases = report.get("time_by_phase")
+    if phases:
+        lines += ["", "| phase | seconds | % |", "|---|---:|---:|"]
+        lines += [f"| {p} | {s:.2f} | {phases['percent'][p]:.0f} |" for p, s in phases["seconds"].items() if s > 0]
+    charts = report.get("charts")
+    if isinstance(charts, list) and charts:
+        wait_for_charts()
+        lines += [""] + [f"![{c}]({os.path.join(report['output_dir'], c).replace(' ', '%20')})" for c in charts]
+    return "\n".join(lines)
 
 
 # -- charts ------------------------------------------------------------------------------------------------------

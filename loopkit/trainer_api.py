@@ -162,6 +162,20 @@ class TrainerAPI:
     def is_local_process_zero(self) -> bool:
         return self.accelerator.is_local_main_process
 
+    def __repr__(self) -> str:
+        """The model, stages, key arguments, data, callbacks and progress (loopkit/notebook.py)."""
+        if "run" not in vars(self):  # a Loop whose construction failed
+            return object.__repr__(self)
+        from .notebook import loop_repr
+
+        return loop_repr(self)
+
+    @property
+    def report(self):
+        """loopkit addition: the latest run report (`RunReport`, a dict that renders as Markdown in a notebook),
+        None before the first `train()` ends and on processes other than the main one."""
+        return getattr(self.teardown, "last_report", None)
+
     # -- attributes derived from the run --------------------------------------------------------------------------
     @property
     def is_deepspeed_enabled(self) -> bool:

@@ -28,8 +28,9 @@ override that returns a per-batch mean on a model that takes `num_items_in_batch
 normalise by `num_items_in_batch` itself; `train()` warns when an override falls under the "scaled" rule with
 gradient accumulation, so the choice is never silent.
 
-Hot path: nothing here calls `.item()` or otherwise waits for the device. A step's losses, token counts and gradient
-norm stay device tensors in the `StepResult` until a logging point reads them.
+Hot path: nothing here calls `.item()` or otherwise waits for the device, except once per `train()`: the labels of
+the first micro-batch are checked against the model's own loss (loopkit/first_batch.py), behind a flag. A step's
+losses, token counts and gradient norm stay device tensors in the `StepResult` until a logging point reads them.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from torch import nn
 
 from ..args import config_error
 from ..batches import require_named_batch
+from ..first_batch import check_labels
 from ..guards import NONFINITE_POLICIES, NonFiniteWatch
 from ..optimizers import backward_kwargs, build_optimizer, optimizer_cls_and_kwargs, updates_in_backward
 from .base import Stage, base_model
@@ -128,6 +130,7 @@ class StepStage(Stage):
         # Decided once per train() by `prepare_hot_path`; these defaults serve an evaluation before any training.
         self.label_shift, self.main_input, self.num_non_embedding_params = None, "input_ids", 0
         self.warned_no_main_input = False
+        self.labels_unchecked = False
 
     # -- optimizer and scheduler (HF's create_optimizer / create_scheduler) --
     def get_decay_parameter_names(self, model) -> list[str]:
@@ -199,6 +202,8 @@ class StepStage(Stage):
                                          if hasattr(run.model, "num_parameters") else 0)
         self.main_input = getattr(run.model, "main_input_name", "input_ids")
         self.label_shift = is_causal_lm(run.model)
+        # The labels of the first micro-batch are checked against the model's own loss (loopkit/first_batch.py).
+        self.labels_unchecked = run.compute_loss_func is None and not self.compute_loss_overridden()
         # Plain engines (one process, DDP) without a loss scaler: Accelerate's backward, clip and optimizer wrappers
         # then only forward to torch, but cost ~250 us a step on a CPU (an optional-package lookup in every
         # `AcceleratedOptimizer.step`, a per-parameter DTensor scan in every clip). Call torch directly there, with
@@ -221,8 +226,8 @@ class StepStage(Stage):
     def warn_if_override_scaling_is_implicit(self) -> None:
         """Say which loss-scaling rule an overridden `compute_loss` falls under, where the choice matters."""
         run = self.run
-        overridden = "compute_loss" in vars(self) or type(self).compute_loss is not StepStage.compute_loss
-        if not overridden or self.loss_is_scaled_for_ga is not None or run.args.gradient_accumulation_steps == 1:
+        if not self.compute_loss_overridden() or self.loss_is_scaled_for_ga is not None or \
+                run.args.gradient_accumulation_steps == 1:
             return
         if run.model_accepts_loss_kwargs and run.compute_loss_func is None:
             warnings.warn(
@@ -231,6 +236,9 @@ class StepStage(Stage):
                 f"already normalised over the whole accumulation window (HF's rule) and not divided by the number "
                 f"of micro-batches. If it is a per-batch mean, set loss_is_scaled_for_ga = False on your stage or "
                 f"Loop subclass (or divide a summed loss by num_items_in_batch); set it to True to silence this.")
+
+    def compute_loss_overridden(self) -> bool:
+        return "compute_loss" in vars(self) or type(self).compute_loss is not StepStage.compute_loss
 
     # -- loss --
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
@@ -317,6 +325,9 @@ class StepStage(Stage):
         """Train on one window of micro-batches (see the module docstring for the order of events)."""
         run, acc = self.run, self.run.accelerator
         model, batches = run.model_wrapped, window.batches
+        if self.labels_unchecked:  # once per train(): one flag test per step after that
+            self.labels_unchecked = False
+            check_labels(run.model, batches[0], self.label_shift)
         num_items = self.count_loss_items(batches)
         self.current_gradient_accumulation_steps = len(batches)
         result = StepResult(completed=False)

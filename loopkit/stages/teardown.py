@@ -8,6 +8,7 @@ Contract:
 * `release()` frees what the run holds on the device (gradients, cached blocks); it also runs when training fails.
 * `write_run_report(status, counters, train_metrics)` writes the run report (loopkit/report.py: JSON summary, time
   by phase, slow steps, charts, a console summary); a failed run gets its report too.
+  `last_report` keeps it (`loop.report` renders it in a notebook).
 * `export(output_dir, example_inputs, formats)` writes the model in `save_pretrained`, `torch.export` and ONNX
   form, each checked against the live model.
 
@@ -35,6 +36,8 @@ from .evaluation import speed_metrics
 class TeardownStage(Stage):
     """The end of a run."""
 
+    last_report = None  # the latest run report (a `RunReport`: `loop.report`), on the main process
+
     def finish_training(self, plan, start_time: float, train_loss: float, steps_run: int) -> TrainOutput:
         run = self.run
         state = run.state
@@ -60,7 +63,7 @@ class TeardownStage(Stage):
         if not run.accelerator.is_main_process:
             return
         try:
-            write_report(build_report(run, status, counters, train_metrics), run.args.output_dir)
+            self.last_report = write_report(build_report(run, status, counters, train_metrics), run.args.output_dir)
         except Exception as exc:
             warnings.warn(f"Could not write the run report: {type(exc).__name__}: {exc}")
 
