@@ -106,6 +106,19 @@ class LoopArgs:
     remove_unused_columns: bool = True
     label_names: list | None = None
     train_sampling_strategy: str = "random"
+    length_column_name: str = "length"  # group_by_length: the datasets column holding each sample's length
+    dataloader_multiprocessing_context: str | None = None
+    dataloader_in_order: bool = True
+    # Accelerate and DDP (loopkit/stages/setup.py); None: HF's rule / torch's default
+    accelerator_config: Any = None  # dict, JSON file path or transformers' AcceleratorConfig
+    ddp_find_unused_parameters: bool | None = None
+    ddp_bucket_cap_mb: int | None = None
+    ddp_broadcast_buffers: bool | None = None
+    ddp_static_graph: bool | None = None
+    auto_find_batch_size: bool = False
+    # checkpoints on preemption and on multi-node runs
+    save_on_each_node: bool = False
+    enable_jit_checkpoint: bool = False
     # model transforms
     gradient_checkpointing: bool | None = None
     gradient_checkpointing_kwargs: dict | None = None
@@ -215,8 +228,6 @@ INERT_FIELDS = frozenset({
     "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push", "hub_revision",
     # applied by TrainingArguments.__post_init__ (the process group through its `device`, and TF32 backends)
     "local_rank", "ddp_timeout", "ddp_backend", "tf32",
-    # only read by the group_by_length sampler, and train_sampling_strategy="group_by_length" is refused
-    "length_column_name",
 })
 # FSDP and DeepSpeed: `TrainingArguments` turns these into Accelerate plugins (`fsdp_plugin_args`, `deepspeed_plugin`),
 # which the setup stage hands to the `Accelerator` and then checks are active (loopkit/distributed.py).
@@ -234,7 +245,7 @@ SUPPORTED_CHOICES = {
     "lr_scheduler_type": ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
                           "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr",
                           "cosine_warmup_with_min_lr", "warmup_stable_decay"),
-    "train_sampling_strategy": ("random", "sequential"),
+    "train_sampling_strategy": ("random", "sequential", "group_by_length"),
     "logging_strategy": ("no", "steps", "epoch"),
     "eval_strategy": ("no", "steps", "epoch"),
     "save_strategy": ("no", "steps", "epoch", "best"),
@@ -243,7 +254,7 @@ SUPPORTED_CHOICES = {
 FIXES = {
     "lr_scheduler_type": "choose one of those, or build the scheduler yourself: pass optimizers=(optimizer, "
                          "scheduler) to Loop or override create_scheduler",
-    "train_sampling_strategy": "use 'random' or 'sequential', or return your sampler from a DataStage subclass's "
+    "train_sampling_strategy": "use one of those, or return your sampler from a DataStage subclass's "
                                "train_sampler(dataset) and pass Loop(..., data=YourDataStage())",
     "label_smoothing_factor": "leave it at 0 and pass compute_loss_func=... that smooths the labels (e.g. "
                               "torch.nn.functional.cross_entropy(..., label_smoothing=0.1))",

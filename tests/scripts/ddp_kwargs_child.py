@@ -1,0 +1,45 @@
+"""Launched by tests/test_run_fields.py with `torchrun --nproc_per_node 2`: trains a tiny model for 2 steps with
+every `ddp_*` field set away from torch's default, then writes what the DDP wrapper got to OUT/ddp_rank<r>.json."""
+
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+
+from loopkit import Loop, LoopArgs
+
+
+class TwoHeads(nn.Module):
+    """`unused` takes no part in the loss: DDP needs find_unused_parameters=True to train it without an error."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(2, 1), nn.Linear(2, 1)
+
+    def forward(self, x, labels=None):
+        prediction = self.used(x).squeeze(-1)
+        return {"loss": nn.functional.mse_loss(prediction, labels), "logits": prediction}
+
+
+def main(out: str) -> None:
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(2), "labels": torch.randn(())} for _ in range(8)]
+    args = LoopArgs(output_dir=out, max_steps=2, per_device_train_batch_size=2, save_strategy="no",
+                    report_to="none", disable_tqdm=True, ddp_find_unused_parameters=True, ddp_bucket_cap_mb=7,
+                    ddp_broadcast_buffers=False, ddp_static_graph=True)
+    loop = Loop(model=TwoHeads(), args=args, train_dataset=data)
+    loop.train()
+    ddp, rank = loop.model_wrapped, loop.accelerator.process_index
+    seen = dict(wrapper=type(ddp).__name__, find_unused_parameters=ddp.find_unused_parameters,
+                bucket_bytes_cap=ddp.bucket_bytes_cap, broadcast_buffers=ddp.broadcast_buffers,
+                static_graph=ddp.static_graph, global_step=loop.state.global_step)
+    with open(os.path.join(out, f"ddp_rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

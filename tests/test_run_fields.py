@@ -1,0 +1,240 @@
+"""The TrainingArguments fields of issue 12 (part 2) that change how a run is built, each against HF Trainer live or,
+where a field only changes plumbing, checked where it lands (the DataLoader, the Accelerator, the DDP wrapper).
+
+group_by_length (HF's LengthGroupedSampler order, and an exact mid-epoch resume), the ddp_* fields (a 2-process gloo
+launch), accelerator_config, dataloader_multiprocessing_context / dataloader_in_order, auto_find_batch_size (a model
+that raises Accelerate's out-of-memory error above a batch size).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import BatchEncoding, Trainer
+
+from loopkit import Loop, LoopArgs, LoopConfigError
+
+from helpers import (IGNORE_PIN_MEMORY_WARNING, TinyRegression, assert_same_weights, hf_args, regression_data,
+                     runners, tiny_llama, tiny_regression)
+
+datasets = pytest.importorskip("datasets")
+pytestmark = IGNORE_PIN_MEMORY_WARNING
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train_sampling_strategy="group_by_length"
+# ---------------------------------------------------------------------------------------------------------------
+def ragged_lm_dataset(n: int = 40, vocab: int = 64) -> "datasets.Dataset":
+    """Causal-LM samples of 3 to 14 tokens (a `datasets.Dataset`, with a `length` column the model does not take)."""
+    g = torch.Generator().manual_seed(1)
+    rows = {"input_ids": [], "labels": [], "length": []}
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (int(torch.randint(3, 15, (1,), generator=g)),), generator=g).tolist()
+        rows["input_ids"].append(ids)
+        rows["labels"].append(ids[:-1] + [-100])
+        rows["length"].append(len(ids))
+    return datasets.Dataset.from_dict(rows)
+
+
+class PaddingCollator:
+    """Right-pads input_ids (0) and labels (-100), returns a `BatchEncoding` as HF collators do, and records the
+    order the samples came in."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, features):
+        self.seen.append([tuple(f["input_ids"]) for f in features])
+        width = max(len(f["input_ids"]) for f in features)
+        pad = lambda values, fill: [list(v) + [fill] * (width - len(v)) for v in values]
+        ids = torch.tensor(pad([f["input_ids"] for f in features], 0))
+        return BatchEncoding({"input_ids": ids, "attention_mask": (torch.arange(width) < torch.tensor(
+            [[len(f["input_ids"])] for f in features])).long(), "labels": torch.tensor(pad([f["labels"] for f in
+                                                                                            features], -100))})
+
+
+def grouped_run(runner, output_dir, collator, resume_from=None, **overrides):
+    kwargs = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=2,
+                  learning_rate=1e-2, logging_steps=1, save_steps=5, train_sampling_strategy="group_by_length",
+                  seed=3, use_cpu=True)
+    kwargs.update(overrides)
+    trainer = runner(model=tiny_llama(), args=hf_args(output_dir, **kwargs), train_dataset=ragged_lm_dataset(),
+                     data_collator=collator)
+    trainer.train(resume_from_checkpoint=resume_from)
+    return trainer
+
+
+def logged_losses(trainer) -> dict:
+    """{step: logged loss} (logging_steps=1: every step)."""
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+def test_group_by_length_gives_trainers_order_losses_and_weights(tmp_path):
+    results = {}
+    for name, runner in runners():
+        collator = PaddingCollator()
+        results[name] = grouped_run(runner, tmp_path / name, collator), collator.seen
+    (hf, hf_order), (loop, loop_order) = results["hf"], results["loopkit"]
+    assert len(loop_order) == 40 // 2 * 2 and loop_order == hf_order  # both epochs, sample by sample
+    lengths = [max(map(len, batch)) for batch in loop_order]
+    assert lengths[0] == 14 and lengths != sorted(lengths, reverse=True)  # longest first, then megabatches
+    assert logged_losses(loop) == pytest.approx(logged_losses(hf), rel=1e-5)
+    assert_same_weights(loop.model, hf.model, rtol=1e-5)
+
+
+def test_group_by_length_resumes_mid_epoch_exactly(tmp_path):
+    full_collator, resumed_collator = PaddingCollator(), PaddingCollator()
+    full = grouped_run(Loop, tmp_path / "full", full_collator)
+    checkpoint = tmp_path / "full" / "checkpoint-15"  # 10 optimizer steps per epoch: step 15 is mid-epoch 2
+    assert checkpoint.is_dir()
+    resumed = grouped_run(Loop, tmp_path / "resumed", resumed_collator, resume_from=str(checkpoint))
+    assert resumed_collator.seen == full_collator.seen[15 * 2:]  # the rest of epoch 2, in the same order
+    assert logged_losses(resumed) == logged_losses(full)
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs after the resume"
+
+
+def test_group_by_length_without_lengths_names_the_column(tmp_path):
+    args = LoopArgs(output_dir=str(tmp_path), train_sampling_strategy="group_by_length", max_steps=1)
+    loop = Loop(model=tiny_regression(), args=args, train_dataset=regression_data(8))
+    with pytest.raises(LoopConfigError, match="'length' column or each sample's 'input_ids'"):
+        loop.train()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ddp_* fields
+# ---------------------------------------------------------------------------------------------------------------
+def test_ddp_find_unused_parameters_default_follows_trainer(tmp_path):
+    cases = [(tiny_llama, {}), (tiny_llama, {"gradient_checkpointing": True}), (tiny_regression, {}),
+             (tiny_regression, {"ddp_find_unused_parameters": False})]
+    for build, overrides in cases:
+        handlers = {}
+        for name, runner in runners():
+            trainer = runner(model=build(), args=hf_args(tmp_path / name, use_cpu=True, **overrides))
+            handlers[name] = trainer.accelerator.ddp_handler.to_kwargs()
+        assert handlers["loopkit"] == handlers["hf"], (build.__name__, overrides)
+    assert handlers["hf"]["find_unused_parameters"] is False
+
+
+def test_ddp_fields_reach_the_ddp_wrapper_of_two_processes(tmp_path):
+    child = os.path.join(os.path.dirname(__file__), "scripts", "ddp_kwargs_child.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(os.path.dirname(__file__)),
+               TRANSFORMERS_VERBOSITY="error")
+    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
+               "--master_port", "0", child, str(tmp_path)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank in (0, 1):
+        seen = json.load(open(tmp_path / f"ddp_rank{rank}.json"))
+        assert seen == dict(wrapper="DistributedDataParallel", find_unused_parameters=True,
+                            bucket_bytes_cap=7 * 1024 * 1024, broadcast_buffers=False, static_graph=True,
+                            global_step=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# accelerator_config
+# ---------------------------------------------------------------------------------------------------------------
+def test_accelerator_config_builds_the_accelerator_as_trainer(tmp_path):
+    config = {"split_batches": True, "even_batches": False, "use_seedable_sampler": False, "non_blocking": True,
+              "gradient_accumulation_kwargs": {"sync_each_batch": True}}
+    built = {}
+    for name, runner in runners():
+        accelerator = runner(model=tiny_regression(), args=hf_args(tmp_path / name, accelerator_config=config,
+                                                                   data_seed=5)).accelerator
+        loader = accelerator.dataloader_config
+        built[name] = (loader.split_batches, loader.dispatch_batches, loader.even_batches,
+                       loader.use_seedable_sampler, loader.non_blocking, loader.data_seed,
+                       accelerator.gradient_state.plugin_kwargs)
+    assert built["loopkit"] == built["hf"] == (True, None, False, False, True, 5,
+                                               built["hf"][-1])
+    assert built["hf"][-1]["sync_each_batch"] is True and built["hf"][-1]["num_steps"] == 1
+
+
+def test_accelerator_config_without_seedable_sampler_trains_as_trainer(tmp_path):
+    """use_seedable_sampler=False: the epoch order comes from the global RNG (torch's RandomSampler), as in HF."""
+    trained = {}
+    for name, runner in runners():
+        args = hf_args(tmp_path / name, accelerator_config={"use_seedable_sampler": False}, num_train_epochs=2,
+                       per_device_train_batch_size=4, learning_rate=0.05, logging_steps=1, save_strategy="no")
+        trainer = runner(model=tiny_regression(), args=args, train_dataset=regression_data(24))
+        trainer.train()
+        trained[name] = trainer
+    assert logged_losses(trained["loopkit"]) == pytest.approx(logged_losses(trained["hf"]), rel=1e-6)
+    assert_same_weights(trained["loopkit"].model, trained["hf"].model, rtol=1e-6)
+
+
+def test_accelerator_config_num_steps_is_refused(tmp_path):
+    args = LoopArgs(output_dir=str(tmp_path), accelerator_config={"gradient_accumulation_kwargs": {"num_steps": 2}})
+    with pytest.raises(LoopConfigError, match="accelerator_config.*num_steps.*gradient_accumulation_steps"):
+        Loop(model=tiny_regression(), args=args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dataloader_multiprocessing_context, dataloader_in_order
+# ---------------------------------------------------------------------------------------------------------------
+def test_dataloader_context_and_order_reach_the_dataloader_as_in_trainer(tmp_path):
+    seen = {}
+    for name, runner in runners():
+        args = hf_args(tmp_path / name, dataloader_num_workers=1, dataloader_multiprocessing_context="spawn",
+                       dataloader_in_order=False)
+        trainer = runner(model=tiny_regression(), args=args, train_dataset=regression_data(8),
+                         eval_dataset=regression_data(4))
+        for loader in (trainer.get_train_dataloader(), trainer.get_eval_dataloader()):
+            base = getattr(loader, "base_dataloader", loader)
+            seen.setdefault(name, []).append((base.multiprocessing_context.get_start_method(), base.in_order))
+    assert seen["loopkit"] == seen["hf"] == [("spawn", False), ("spawn", False)]
+
+
+def test_multiprocessing_context_without_workers_is_refused(tmp_path):
+    args = LoopArgs(output_dir=str(tmp_path), dataloader_multiprocessing_context="spawn", max_steps=1)
+    loop = Loop(model=tiny_regression(), args=args, train_dataset=regression_data(8))
+    with pytest.raises(LoopConfigError, match="dataloader_multiprocessing_context='spawn'.*dataloader_num_workers"):
+        loop.train()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# auto_find_batch_size
+# ---------------------------------------------------------------------------------------------------------------
+class FitsFiveSamples(TinyRegression):
+    """Raises the out-of-memory error Accelerate's `should_reduce_batch_size` recognises above 5 samples a batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.tried = []
+
+    def forward(self, x, labels=None):
+        self.tried.append(len(x))
+        if len(x) > 5:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return super().forward(x, labels)
+
+
+def test_auto_find_batch_size_retries_smaller_batches_as_trainer(tmp_path):
+    trained = {}
+    for name, runner in runners():
+        torch.manual_seed(0)
+        args = hf_args(tmp_path / name, auto_find_batch_size=True, per_device_train_batch_size=8, max_steps=6,
+                       learning_rate=0.05, logging_steps=1, save_steps=3)
+        trainer = runner(model=FitsFiveSamples(), args=args, train_dataset=regression_data(30))
+        trainer.train()
+        trained[name] = trainer
+    hf, loop = trained["hf"], trained["loopkit"]
+    assert loop.model.tried == hf.model.tried and loop.model.tried[:4] == [8, 7, 6, 5]  # x 0.9 each time
+    assert loop.state.train_batch_size == hf.state.train_batch_size == 5
+    assert logged_losses(loop) == pytest.approx(logged_losses(hf), rel=1e-6)
+    assert_same_weights(loop.model, hf.model, rtol=1e-6)
+    # A resume starts from the batch size the checkpoint found, without retrying the larger ones.
+    torch.manual_seed(0)
+    resumed = Loop(model=FitsFiveSamples(), args=hf_args(tmp_path / "resumed", auto_find_batch_size=True,
+                                                         per_device_train_batch_size=8, max_steps=6,
+                                                         learning_rate=0.05, logging_steps=1),
+                   train_dataset=regression_data(30))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "loopkit" / "checkpoint-3"))
+    assert set(resumed.model.tried) == {5}
+    assert_same_weights(resumed.model, loop.model, rtol=1e-6)
