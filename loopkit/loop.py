@@ -275,7 +275,7 @@ class Loop(HFMethods, TrainerAPI):
         from .checkpoint import save_model_files
 
         save_model_files(self.model_wrapped, self.run.accelerator, output_dir or self.run.args.output_dir,
-                         self.run.processing_class)
+                         self.run.processing_class, writer=self.run.checkpointer.writes_files)
 
     def export(self, output_dir: str, example_inputs: dict, formats=("pretrained",)) -> dict:
         """loopkit addition: export the model as "pretrained", "torch_export" and/or "onnx", each checked against

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import BatchEncoding, Trainer
 
 from loopkit import Loop, LoopArgs, LoopConfigError
@@ -130,20 +131,36 @@ def test_ddp_find_unused_parameters_default_follows_trainer(tmp_path):
         assert handlers["hf"].get("find_unused_parameters", False) is expected, (build.__name__, overrides)
 
 
-def test_ddp_fields_reach_the_ddp_wrapper_of_two_processes(tmp_path):
+def test_ddp_fields_and_save_on_each_node_on_two_nodes(tmp_path):
+    """Two one-process "nodes" (two torchrun launches, gloo), each writing into its own folder: the DDP wrapper got
+    the ddp_* fields; with save_on_each_node both nodes hold a complete checkpoint, without it only node 0."""
     child = os.path.join(os.path.dirname(__file__), "scripts", "ddp_kwargs_child.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(os.path.dirname(__file__)),
                TRANSFORMERS_VERBOSITY="error")
-    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
-               "--master_port", str(free_port()), child, str(tmp_path)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    port = str(free_port())
+    nodes = [subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "2",
+                               "--node_rank", str(node), "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
+                               "--master_port", port, child, str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    for node in nodes:
+        output = node.communicate(timeout=150)[0]
+        assert node.returncode == 0, output[-4000:]
     for rank in (0, 1):
         seen = json.load(open(tmp_path / f"ddp_rank{rank}.json"))
         assert seen == dict(wrapper="DistributedDataParallel", find_unused_parameters=True,
                             bucket_bytes_cap=7 * 1024 * 1024, broadcast_buffers=False, static_graph=True,
                             global_step=2)
+    written = {}
+    for folder in ("node0", "node1", "main_only_node0", "main_only_node1"):
+        checkpoint = tmp_path / folder / "checkpoint-2"
+        written[folder] = sorted(os.listdir(checkpoint)) if checkpoint.is_dir() else []
+    assert "model.safetensors" in written["node0"] and "optimizer.pt" in written["node0"]
+    # each node its own RNG file, everything else on both
+    assert [f for f in written["node1"] if "rng" not in f] == [f for f in written["node0"] if "rng" not in f]
+    assert written["main_only_node1"] == [] and "trainer_state.json" in written["main_only_node0"]
+    weights = [load_file(tmp_path / node / "checkpoint-2" / "model.safetensors") for node in ("node0", "node1")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
 # ---------------------------------------------------------------------------------------------------------------
