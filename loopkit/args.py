@@ -263,6 +263,9 @@ FIXES = {
     "neftune_noise_alpha": "leave it None, or add the embedding noise in a StepStage subclass's compute_loss",
     "include_num_input_tokens_seen": "leave it 'no', or count tokens in a callback's on_step_begin",
     "skip_memory_metrics": "leave it True (loopkit does not measure memory)",
+    "parallelism_config": "leave it None: beyond plain data parallelism (DDP, which loopkit runs under any launcher) "
+                          "it is FSDP2 sharding, tensor or context parallelism, which need GPUs this machine lacks, "
+                          "so loopkit neither runs nor tests them",
 }
 
 

@@ -2,8 +2,9 @@
 where a field only changes plumbing, checked where it lands (the DataLoader, the Accelerator, the DDP wrapper).
 
 group_by_length (HF's LengthGroupedSampler order, and an exact mid-epoch resume), the ddp_* fields (a 2-process gloo
-launch), accelerator_config, dataloader_multiprocessing_context / dataloader_in_order, auto_find_batch_size (a model
-that raises Accelerate's out-of-memory error above a batch size).
+launch of two "nodes", with save_on_each_node), accelerator_config, dataloader_multiprocessing_context /
+dataloader_in_order, auto_find_batch_size (a model that raises Accelerate's out-of-memory error above a batch size),
+enable_jit_checkpoint (loopkit's preemption save).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -18,9 +20,10 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import BatchEncoding, Trainer
+from transformers import BatchEncoding, TrainerCallback
 
 from loopkit import Loop, LoopArgs, LoopConfigError
+from loopkit.checkpoint import checkpoint_problem
 
 from helpers import (IGNORE_PIN_MEMORY_WARNING, TinyRegression, assert_same_weights, hf_args, regression_data,
                      runners, tiny_llama, tiny_regression)
@@ -112,57 +115,6 @@ def test_group_by_length_without_lengths_names_the_column(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # ddp_* fields
 # ---------------------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_ddp_find_unused_parameters_default_follows_trainer(tmp_path):
-    cases = [(tiny_llama, {}), (tiny_llama, {"gradient_checkpointing": True}), (tiny_regression, {}),
-             (tiny_regression, {"ddp_find_unused_parameters": False})]
-    for build, overrides in cases:
-        handlers = {}
-        for name, runner in runners():
-            trainer = runner(model=build(), args=hf_args(tmp_path / name, use_cpu=True, **overrides))
-            handlers[name] = trainer.accelerator.ddp_handler.to_kwargs()  # the values that differ from torch's
-        assert handlers["loopkit"] == handlers["hf"], (build.__name__, overrides)
-        expected = not overrides  # True unless activation checkpointing is on or it is set
-        assert handlers["hf"].get("find_unused_parameters", False) is expected, (build.__name__, overrides)
-
-
-def test_ddp_fields_and_save_on_each_node_on_two_nodes(tmp_path):
-    """Two one-process "nodes" (two torchrun launches, gloo), each writing into its own folder: the DDP wrapper got
-    the ddp_* fields; with save_on_each_node both nodes hold a complete checkpoint, without it only node 0."""
-    child = os.path.join(os.path.dirname(__file__), "scripts", "ddp_kwargs_child.py")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(os.path.dirname(__file__)),
-               TRANSFORMERS_VERBOSITY="error")
-    port = str(free_port())
-    nodes = [subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "2",
-                               "--node_rank", str(node), "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
-                               "--master_port", port, child, str(tmp_path)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
-    for node in nodes:
-        output = node.communicate(timeout=150)[0]
-        assert node.returncode == 0, output[-4000:]
-    for rank in (0, 1):
-        seen = json.load(open(tmp_path / f"ddp_rank{rank}.json"))
-        assert seen == dict(wrapper="DistributedDataParallel", find_unused_parameters=True,
-                            bucket_bytes_cap=7 * 1024 * 1024, broadcast_buffers=False, static_graph=True,
-                            global_step=2)
-    written = {}
-    for folder in ("node0", "node1", "main_only_node0", "main_only_node1"):
-        checkpoint = tmp_path / folder / "checkpoint-2"
-        written[folder] = sorted(os.listdir(checkpoint)) if checkpoint.is_dir() else []
-    assert "model.safetensors" in written["node0"] and "optimizer.pt" in written["node0"]
-    # each node its own RNG file, everything else on both
-    assert [f for f in written["node1"] if "rng" not in f] == [f for f in written["node0"] if "rng" not in f]
-    assert written["main_only_node1"] == [] and "trainer_state.json" in written["main_only_node0"]
-    weights = [load_file(tmp_path / node / "checkpoint-2" / "model.safetensors") for node in ("node0", "node1")]
-    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # accelerator_config
 # ---------------------------------------------------------------------------------------------------------------
@@ -264,3 +216,102 @@ def test_auto_find_batch_size_retries_smaller_batches_as_trainer(tmp_path):
     resumed.train(resume_from_checkpoint=str(tmp_path / "loopkit" / "checkpoint-3"))
     assert set(resumed.model.tried) == {5}
     assert_same_weights(resumed.model, loop.model, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# enable_jit_checkpoint
+# ---------------------------------------------------------------------------------------------------------------
+class SigtermAt(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_enable_jit_checkpoint_is_loopkits_preemption_save(tmp_path):
+    """Trainer's JIT checkpoint on SIGTERM is loopkit's preemption save: checkpoint of the step, then exit 143."""
+    args = hf_args(tmp_path, enable_jit_checkpoint=True, max_steps=8, save_strategy="no", learning_rate=0.05)
+    loop = Loop(model=tiny_regression(), args=args, train_dataset=regression_data(32), callbacks=[SigtermAt(3)])
+    with pytest.raises(SystemExit) as stopped:
+        loop.train()
+    assert stopped.value.code == 143 and loop.state.global_step == 3
+    assert checkpoint_problem(str(tmp_path / "checkpoint-3")) is None
+    saved = load_file(tmp_path / "checkpoint-3" / "model.safetensors")
+    assert all(torch.equal(saved[k], v) for k, v in loop.model.state_dict().items())
+
+
+def test_parallelism_config_stays_refused_with_the_reason(tmp_path):
+    from accelerate import ParallelismConfig
+
+    args = hf_args(tmp_path, parallelism_config=ParallelismConfig(dp_replicate_size=1))
+    with pytest.raises(LoopConfigError, match="(?s)parallelism_config=.*need GPUs this machine lacks"):
+        Loop(model=tiny_regression(), args=args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ddp_* fields and save_on_each_node on two processes (launched when this file starts, checked last)
+# ---------------------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_find_unused_parameters_default_follows_trainer(tmp_path):
+    cases = [(tiny_llama, {}), (tiny_llama, {"gradient_checkpointing": True}), (tiny_regression, {}),
+             (tiny_regression, {"ddp_find_unused_parameters": False})]
+    for build, overrides in cases:
+        handlers = {}
+        for name, runner in runners():
+            trainer = runner(model=build(), args=hf_args(tmp_path / name, use_cpu=True, **overrides))
+            handlers[name] = trainer.accelerator.ddp_handler.to_kwargs()  # the values that differ from torch's
+        assert handlers["loopkit"] == handlers["hf"], (build.__name__, overrides)
+        expected = not overrides  # True unless activation checkpointing is on or it is set
+        assert handlers["hf"].get("find_unused_parameters", False) is expected, (build.__name__, overrides)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_nodes(tmp_path_factory):
+    """The 2-node launch starts before this file's first test and runs while the one-process tests do (most of its
+    time is two interpreters importing torch and transformers); its test waits for it."""
+    child = os.path.join(os.path.dirname(__file__), "scripts", "ddp_kwargs_child.py")
+    out = tmp_path_factory.mktemp("two_nodes")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(os.path.dirname(__file__)),
+               TRANSFORMERS_VERBOSITY="error")
+    port = str(free_port())
+    nodes = [subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "2",
+                               "--node_rank", str(node), "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
+                               "--master_port", port, child, str(out)], env=env, stderr=subprocess.STDOUT,
+                              stdout=open(out / f"launch{node}.log", "w")) for node in (0, 1)]
+    yield out, nodes
+    for node in nodes:  # a run of only some of this file's tests does not wait for it
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+
+
+def test_ddp_fields_and_save_on_each_node_on_two_nodes(two_nodes):
+    """Two one-process "nodes" (two torchrun launches, gloo), each writing into its own folder: the DDP wrapper got
+    the ddp_* fields; with save_on_each_node both nodes hold a complete checkpoint, without it only node 0."""
+    tmp_path, nodes = two_nodes
+    for index, node in enumerate(nodes):
+        node.wait(timeout=150)
+        assert node.returncode == 0, (tmp_path / f"launch{index}.log").read_text()[-4000:]
+    for rank in (0, 1):
+        seen = json.load(open(tmp_path / f"ddp_rank{rank}.json"))
+        assert seen == dict(wrapper="DistributedDataParallel", find_unused_parameters=True,
+                            bucket_bytes_cap=7 * 1024 * 1024, broadcast_buffers=False, static_graph=True,
+                            global_step=2)
+    written = {}
+    for folder in ("node0", "node1", "main_only_node0", "main_only_node1"):
+        checkpoint = tmp_path / folder / "checkpoint-2"
+        written[folder] = sorted(os.listdir(checkpoint)) if checkpoint.is_dir() else []
+    assert "model.safetensors" in written["node0"] and "optimizer.pt" in written["node0"]
+    # each node its own RNG file, everything else on both
+    assert [f for f in written["node1"] if "rng" not in f] == [f for f in written["node0"] if "rng" not in f]
+    assert written["main_only_node1"] == [] and "trainer_state.json" in written["main_only_node0"]
+    weights = [load_file(tmp_path / node / "checkpoint-2" / "model.safetensors") for node in ("node0", "node1")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
