@@ -212,7 +212,8 @@ class LoopArgs:
         return json.dumps(self.to_dict(), indent=2, default=str)
 
 
-DICT_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")
+DICT_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs",
+               "accelerator_config")
 
 # TrainingArguments fields that may take any value under loopkit, because HF Trainer does not change how it trains
 # with them, or because TrainingArguments applies them itself when it is built (so they act under Loop too). A

@@ -56,20 +56,28 @@ def ddp_options(args, model) -> dict:
     return options
 
 
+def resolve_accelerator_config(value):
+    """`accelerator_config` as `TrainingArguments.__post_init__` turns it into transformers' `AcceleratorConfig` (a
+    dict, a JSON file path, or None for the defaults). `LoopArgs` keeps the value as given and resolves it here, so
+    that building a `LoopArgs` imports nothing from transformers."""
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    if value is None:
+        return AcceleratorConfig()
+    if isinstance(value, dict):
+        return AcceleratorConfig(**value)
+    if isinstance(value, str):
+        return AcceleratorConfig.from_json_file(value)
+    return value
+
+
 def accelerator_options(args):
     """`args.accelerator_config` (HF's `AcceleratorConfig`, a dict or a JSON file) as Trainer's
     `create_accelerator_and_postprocess` reads it: Accelerate's `DataLoaderConfiguration` and the keywords of the
     `GradientAccumulationPlugin`."""
     from accelerate.utils import DataLoaderConfiguration
-    from transformers.trainer_pt_utils import AcceleratorConfig
 
-    config = args.accelerator_config
-    if config is None:
-        config = AcceleratorConfig()
-    elif isinstance(config, dict):
-        config = AcceleratorConfig(**config)
-    elif isinstance(config, str):
-        config = AcceleratorConfig.from_json_file(config)
+    config = resolve_accelerator_config(args.accelerator_config)
     options = config.to_dict()
     options.pop("use_configured_state", None)  # TrainingArguments hands it to AcceleratorState, as loopkit's do
     accumulation_kwargs = dict(options.pop("gradient_accumulation_kwargs") or {})
