@@ -15,6 +15,8 @@ Three mechanisms, used by the data stage:
   `datasets.IterableDataset` has) is asked for its state at each checkpoint and restored on resume: O(1). That needs
   `num_workers=0` (with workers the state lives in the worker processes). Otherwise the resumed epoch re-reads and
   discards the consumed batches, with a warning that states the cost.
+* **Length-grouped order replayed.** `group_by_length` draws each epoch's order from the global RNG, as Trainer does;
+  the RNG state it drew from is saved in checkpoints, and a run resumed mid-epoch draws the same order from it.
 """
 
 from __future__ import annotations
@@ -125,20 +127,17 @@ class LengthGroupedOrder(Sampler):
         return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=generator))
 
 
-def length_grouped_order(dataset, args, processing_class) -> LengthGroupedOrder:
-    """Trainer's `_get_train_sampler` for group_by_length: lengths from the `length_column_name` column of a
-    `datasets.Dataset`, else the length of each sample's main input; megabatches of batch x accumulation."""
+def sample_lengths(dataset, args, processing_class) -> list[int]:
+    """What Trainer groups by (`group_by_length`): the `length_column_name` column of a `datasets.Dataset`, else the
+    length of each sample's main input."""
     dataset = dataset.dataset if isinstance(dataset, PositionSeededDataset) else dataset
-    lengths = None
     if args.length_column_name in (getattr(dataset, "column_names", None) or []):
-        lengths = list(dataset[args.length_column_name])
-    if lengths is None:
-        name = processing_class.model_input_names[0] if processing_class is not None else "input_ids"
-        first = dataset[0]
-        if not isinstance(first, Mapping) or name not in first:
-            raise config_error("train_sampling_strategy", "group_by_length", f"the lengths come from a "
-                               f"'{args.length_column_name}' column or each sample's '{name}', and the train "
-                               "dataset has neither", f"add a '{args.length_column_name}' column (or set "
-                               "length_column_name) or give each sample that key")
-        lengths = [len(sample[name]) for sample in dataset]
-    return LengthGroupedOrder(lengths, args.per_device_train_batch_size * args.gradient_accumulation_steps)
+        return list(dataset[args.length_column_name])
+    name = processing_class.model_input_names[0] if processing_class is not None else "input_ids"
+    first = dataset[0]
+    if not isinstance(first, Mapping) or name not in first:
+        raise config_error("train_sampling_strategy", "group_by_length", f"the lengths come from a "
+                           f"'{args.length_column_name}' column or each sample's '{name}', and the dataset has "
+                           f"neither", f"add a '{args.length_column_name}' column (or set length_column_name) or "
+                           "give each sample that key")
+    return [len(sample[name]) for sample in dataset]

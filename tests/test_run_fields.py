@@ -35,9 +35,9 @@ pytestmark = IGNORE_PIN_MEMORY_WARNING
 # ---------------------------------------------------------------------------------------------------------------
 # train_sampling_strategy="group_by_length"
 # ---------------------------------------------------------------------------------------------------------------
-def ragged_lm_dataset(n: int = 40, vocab: int = 64) -> "datasets.Dataset":
+def ragged_lm_dataset(n: int = 40, vocab: int = 64, seed: int = 1) -> "datasets.Dataset":
     """Causal-LM samples of 3 to 14 tokens (a `datasets.Dataset`, with a `length` column the model does not take)."""
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     rows = {"input_ids": [], "labels": [], "length": []}
     for _ in range(n):
         ids = torch.randint(0, vocab, (int(torch.randint(3, 15, (1,), generator=g)),), generator=g).tolist()
@@ -87,6 +87,13 @@ def test_group_by_length_gives_trainers_order_losses_and_weights(tmp_path):
         results[name] = grouped_run(runner, tmp_path / name, collator), collator.seen
     (hf, hf_order), (loop, loop_order) = results["hf"], results["loopkit"]
     assert len(loop_order) == 40 // 2 * 2 and loop_order == hf_order  # both epochs, sample by sample
+    # Trainer groups evaluation batches by length too (with a seeded generator): same order, same predictions
+    hf_predicted, loop_predicted = (t.predict(ragged_lm_dataset(10, seed=2)) for t in (hf, loop))
+    assert (loop_predicted.label_ids == hf_predicted.label_ids).all()
+    assert loop_predicted.metrics["test_loss"] == pytest.approx(hf_predicted.metrics["test_loss"], rel=1e-5)
+    assert loop.data_collator.seen[-2:] == hf.data_collator.seen[-2:]
+    eval_samples = ragged_lm_dataset(10, seed=2)
+    assert len(loop.data_collator.seen[-2][0]) == max(eval_samples["length"]) != eval_samples["length"][0]
     lengths = [max(map(len, batch)) for batch in loop_order]
     assert lengths[0] == 14 and lengths != sorted(lengths, reverse=True)  # longest first, then megabatches
     assert logged_losses(loop) == pytest.approx(logged_losses(hf), rel=1e-5)

@@ -3,7 +3,8 @@
 Contract:
 * `get_train_dataloader()`, `get_eval_dataloader(eval_dataset=None)`, `get_test_dataloader(test_dataset)` build
   Accelerate-prepared loaders exactly as HF Trainer does: a `RandomSampler` that Accelerate turns into its seedable
-  sampler, so epoch `e` visits `torch.randperm(n, generator=manual_seed(seed + e))` (`data_seed` if set).
+  sampler, so epoch `e` visits `torch.randperm(n, generator=manual_seed(seed + e))` (`data_seed` if set); with
+  `train_sampling_strategy="group_by_length"` HF's length-grouped order (`LengthGroupedOrder`, loopkit/data_order.py).
 * `plan(train_dataloader)` does the step and epoch arithmetic (`TrainingPlan`, HF's formulas).
 * `resume_point(checkpoint, global_step, plan)` says where a resumed run picks up (a `ResumePoint`).
 * `windows(epoch, plan, resume)` yields one `Window` of micro-batches per optimizer step of the epoch from
@@ -23,12 +24,13 @@ import sys
 import warnings
 from dataclasses import dataclass
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from ..args import config_error
 from ..batches import has_length, without_columns
 from ..checkpoint import restore_rng_state
-from ..data_order import PositionSeededDataset, WorkerSeeding, is_seekable, length_grouped_order
+from ..data_order import LengthGroupedOrder, PositionSeededDataset, WorkerSeeding, is_seekable, sample_lengths
 from ..distributed import prepare_iterable_train_loader
 from .base import Stage, base_model
 
@@ -176,14 +178,24 @@ class DataStage(Stage):
 
     def train_sampler(self, dataset):
         args = self.run.args
+        self.length_order = None
         if args.train_sampling_strategy == "sequential":
             return SequentialSampler(dataset)
-        if args.train_sampling_strategy == "group_by_length":
-            self.length_order = length_grouped_order(dataset, args, self.run.processing_class)
+        if args.train_sampling_strategy == "group_by_length":  # megabatches of batch x accumulation, as Trainer
+            lengths = sample_lengths(dataset, args, self.run.processing_class)
+            self.length_order = LengthGroupedOrder(lengths, args.per_device_train_batch_size *
+                                                   args.gradient_accumulation_steps)
             return self.length_order
         return RandomSampler(dataset)  # Accelerate swaps in its seedable sampler: seed + epoch fixes the order
 
     def eval_sampler(self, dataset):
+        args = self.run.args
+        if args.train_sampling_strategy == "group_by_length":  # Trainer groups evaluation batches too, seeded
+            from transformers.trainer_pt_utils import LengthGroupedSampler
+
+            seed = args.data_seed if args.data_seed is not None else args.seed
+            return LengthGroupedSampler(args.per_device_eval_batch_size, lengths=sample_lengths(
+                dataset, args, self.run.processing_class), generator=torch.Generator().manual_seed(seed))
         return SequentialSampler(dataset) if self.run.accelerator.num_processes == 1 else None
 
     def get_train_dataloader(self) -> DataLoader:
