@@ -212,6 +212,7 @@ def test_auto_find_batch_size_retries_smaller_batches_as_trainer(tmp_path):
     hf, loop = trained["hf"], trained["loopkit"]
     assert loop.model.tried == hf.model.tried and loop.model.tried[:4] == [8, 7, 6, 5]  # x 0.9 each time
     assert loop.state.train_batch_size == hf.state.train_batch_size == 5
+    assert loop.get_total_train_batch_size(loop.args) == hf.get_total_train_batch_size(hf.args) == 5
     assert logged_losses(loop) == pytest.approx(logged_losses(hf), rel=1e-6)
     assert_same_weights(loop.model, hf.model, rtol=1e-6)
     # A resume starts from the batch size the checkpoint found, without retrying the larger ones.
