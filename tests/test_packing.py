@@ -3,10 +3,16 @@ sample isolation, the setup check, a user's `DataCollatorWithFlattening`, iterab
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import BertConfig, BertForMaskedLM, DataCollatorWithFlattening
 
 from loopkit import Loop, LoopArgs, PackingDataStage
@@ -202,3 +208,34 @@ def test_an_interrupted_packed_run_resumes_bit_identical(tmp_path, kind):
     if kind == "hf_iterable":  # the resume seeked the stream, and a sample read but not yet placed waited
         state = json.loads((tmp_path / "cut" / "checkpoint-3" / "loopkit_state.json").read_text())
         assert state["data"]["position"]["dataset_state"]["pending"] is not None
+
+
+def test_two_processes_train_the_packed_model_of_one_process(tmp_path):
+    """torchrun, 2 gloo processes x per-device batch 4 = 1 process x batch 8, each batch packed on its own: the
+    ranks hold different token counts, so equal weights need the window's count summed across ranks."""
+    script = os.path.join(os.path.dirname(__file__), "scripts", "packing_dist_child.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
+               "--master_port", str(free_port()), script, str(tmp_path / "two")]
+    launch = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    spec = importlib.util.spec_from_file_location("packing_dist_child", script)
+    child = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(child)
+    one = child.train(str(tmp_path / "one"))  # the reference, while the launch runs
+    output, _ = launch.communicate(timeout=180)
+    assert launch.returncode == 0, output[-3000:]
+    expected = {name: p.detach() for name, p in one.model.named_parameters()}
+    assert json.loads((tmp_path / "two" / "losses_rank0.json").read_text()) == pytest.approx(
+        [h["loss"] for h in one.state.log_history if "loss" in h], rel=1e-5)
+    for rank in (0, 1):
+        weights = load_file(str(tmp_path / "two" / f"weights_rank{rank}.safetensors"))
+        for name, value in expected.items():
+            torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
