@@ -107,3 +107,22 @@ def test_a_model_whose_logits_are_not_a_linear_head_is_refused(tmp_path):
     data = [{"input_ids": torch.arange(5), "labels": torch.tensor(1)}]
     with pytest.raises(ValueError, match="step='ChunkedLossStep on BertForSequenceClassification'.*causal-LM loss"):
         Loop(model, args, train_dataset=data, step=ChunkedLossStep()).train()
+
+
+def test_chunked_loss_on_packed_rows_equals_the_packed_run(tmp_path):
+    """With `PackingDataStage` (position ids, `use_cache=False`, no attention mask) the chunked loss is the same."""
+    from loopkit import PackingDataStage
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in
+            (torch.randint(1, VOCAB, (int(torch.randint(3, 13, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(16))]
+    logged = {}
+    for name, step in (("default", None), ("chunked", ChunkedLossStep(chunk_tokens=16))):
+        args = LoopArgs(output_dir=str(tmp_path / name), per_device_train_batch_size=2, max_steps=2,
+                        learning_rate=1e-2, logging_steps=1, report_to="none", disable_tqdm=True, save_strategy="no")
+        loop = Loop(tiny_llama(vocab_size=VOCAB), args, train_dataset=data, data=PackingDataStage(row_tokens=24),
+                    step=step)
+        loop.train()
+        logged[name] = [h["loss"] for h in loop.state.log_history if "loss" in h]
+    assert logged["chunked"] == pytest.approx(logged["default"], rel=1e-5) and len(logged["chunked"]) == 2
