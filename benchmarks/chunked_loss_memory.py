@@ -3,7 +3,7 @@ loss vs `ChunkedLossStep`: each in a fresh subprocess, the peak resident set (ru
 one before it (the model and data built), read at the end of the step by a callback (the run report's charts
 come later and are not counted).
 
-    python -m benchmarks.bench_chunked_loss_memory [--vocab 128256] [--seq 512]
+    python -m benchmarks.chunked_loss_memory [--vocab 128256] [--seq 512]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def one_step(chunked: bool, vocab: int, seq: int) -> dict:
 def measure(vocab: int, seq: int) -> dict:
     results = {}
     for chunked in (False, True):
-        command = [sys.executable, "-m", "benchmarks.bench_chunked_loss_memory", "--child", str(int(chunked)),
+        command = [sys.executable, "-m", "benchmarks.chunked_loss_memory", "--child", str(int(chunked)),
                    "--vocab", str(vocab), "--seq", str(seq)]
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         done = subprocess.run(command, capture_output=True, text=True, cwd=root, check=True)
