@@ -183,14 +183,27 @@ def test_the_packing_stage_alone_serves_packed_windows(tmp_path):
     assert real == sum(sum(t != -100 for t in s["labels"][1:]) for s in samples)
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """A stream that cannot seek: a resumed run re-reads and discards what it trained."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __iter__(self):
+        return iter(self.samples)
+
+
 def source(kind: str, n: int = 40):
     samples = ragged_samples(n)
     if kind == "map":
         return samples
+    if kind == "stream":
+        return Stream(samples)
     return datasets.Dataset.from_list(samples).to_iterable_dataset(num_shards=2)
 
 
-@pytest.mark.parametrize("kind", ["map", "hf_iterable"])
+@pytest.mark.filterwarnings("ignore:Resuming mid-epoch on an iterable dataset that cannot seek")
+@pytest.mark.parametrize("kind", ["map", "hf_iterable", "stream"])
 def test_an_interrupted_packed_run_resumes_bit_identical(tmp_path, kind):
     common = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=6)
     whole = Loop(tiny_llama(), quiet_args(tmp_path / "whole", **common), train_dataset=source(kind),

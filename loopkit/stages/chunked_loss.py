@@ -101,7 +101,7 @@ def chunkable_head(model) -> nn.Linear:
                            "use it with a *ForCausalLM model, or the default step stage")
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     config = getattr(base, "config", None)
-    extra = [a for a in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
+    extra = [a for a in ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
              if getattr(config, a, None) not in (None, 1, 1.0)]
     if not isinstance(head, nn.Linear) or extra:
         raise config_error("step", f"ChunkedLossStep on {name}", "its logits are not a plain linear layer of the "
