@@ -86,6 +86,10 @@ def test_packed_rows_hold_every_token_once_with_positions_and_labels_per_sample(
     assert (row["labels"][start:] == -100).all()
     with pytest.raises(ValueError, match="row_tokens=4: sample .* samples are never split"):
         packing.pack_samples(samples, row_tokens=4)
+    with pytest.raises(ValueError, match="row_tokens=0: a row holds"):
+        PackingDataStage(row_tokens=0)
+    with pytest.raises(ValueError, match="pack='rows': packing is across the dataset or within each batch"):
+        PackingDataStage(pack="rows")
 
 
 def test_a_stream_packs_in_order_into_rows_of_the_budget():

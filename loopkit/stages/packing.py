@@ -239,6 +239,9 @@ class PackingDataStage(DataStage):
         if pack not in ("dataset", "batch"):
             raise config_error("pack", pack, "packing is across the dataset or within each batch",
                                "pass pack='dataset' or pack='batch'")
+        if not isinstance(row_tokens, int) or row_tokens < 2:
+            raise config_error("row_tokens", row_tokens, "a row holds a whole number of tokens, at least 2",
+                               "pass the row length in tokens, e.g. the model's context length")
         self.row_tokens, self.pad_id, self.pack, self.tolerance = row_tokens, pad_id, pack, tolerance
         self.rows = None
 
