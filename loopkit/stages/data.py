@@ -145,7 +145,9 @@ class DataStage(Stage):
     def resolve_collator(self):
         run = self.run
         if run.data_collator is not None:
-            return run.data_collator
+            from .packing import exact_flattening  # HF's flattening collator: checked, and use_cache=False
+
+            return exact_flattening(run.data_collator, run.model)
         pc = run.processing_class
         if pc is not None and callable(getattr(pc, "pad", None)) and hasattr(pc, "model_input_names"):
             from transformers.data.data_collator import DataCollatorWithPadding
