@@ -20,6 +20,8 @@ _EXPORTS = {
     "SetupStage": "loopkit.stages.setup",
     "DataStage": "loopkit.stages.data",
     "StepStage": "loopkit.stages.step",
+    "PackingDataStage": "loopkit.stages.packing",
+    "ChunkedLossStep": "loopkit.stages.chunked_loss",
     "EvalStage": "loopkit.stages.evaluation",
     "TeardownStage": "loopkit.stages.teardown",
     "Seq2SeqLoop": "loopkit.seq2seq",

@@ -117,6 +117,19 @@ class LoopArgs:
     remove_unused_columns: bool = True
     label_names: list | None = None
     train_sampling_strategy: str = "random"
+    length_column_name: str = "length"  # group_by_length: the datasets column holding each sample's length
+    dataloader_multiprocessing_context: str | None = None
+    dataloader_in_order: bool = True
+    # Accelerate and DDP (loopkit/stages/setup.py); None: HF's rule / torch's default
+    accelerator_config: Any = None  # dict, JSON file path or transformers' AcceleratorConfig
+    ddp_find_unused_parameters: bool | None = None
+    ddp_bucket_cap_mb: int | None = None
+    ddp_broadcast_buffers: bool | None = None
+    ddp_static_graph: bool | None = None
+    auto_find_batch_size: bool = False
+    # checkpoints on preemption and on multi-node runs
+    save_on_each_node: bool = False
+    enable_jit_checkpoint: bool = False
     # model transforms
     gradient_checkpointing: bool | None = None
     gradient_checkpointing_kwargs: dict | None = None
@@ -252,7 +265,8 @@ def unknown_argument_error(name: str, value: Any) -> UnknownArgumentError:
     return UnknownArgumentError(f"{name}={value!r}: LoopArgs has no field {name!r}. Fix: {fix}.")
 
 
-DICT_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")
+DICT_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs",
+               "accelerator_config")
 
 # TrainingArguments fields that may take any value under loopkit, because HF Trainer does not change how it trains
 # with them, or because TrainingArguments applies them itself when it is built (so they act under Loop too). A
@@ -268,8 +282,6 @@ INERT_FIELDS = frozenset({
     "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push", "hub_revision",
     # applied by TrainingArguments.__post_init__ (the process group through its `device`, and TF32 backends)
     "local_rank", "ddp_timeout", "ddp_backend", "tf32",
-    # only read by the group_by_length sampler, and train_sampling_strategy="group_by_length" is refused
-    "length_column_name",
 })
 # `Seq2SeqTrainingArguments`' own fields. The generation ones are read by the generating evaluation stage
 # (`Seq2SeqLoop`'s, loopkit/stages/seq2seq.py), and any other evaluation stage refuses predict_with_generate=True
@@ -279,11 +291,8 @@ SEQ2SEQ_FIELDS = frozenset({"predict_with_generate", "generation_max_length", "g
 # FSDP and DeepSpeed: `TrainingArguments` turns these into Accelerate plugins (`fsdp_plugin_args`, `deepspeed_plugin`),
 # which the setup stage hands to the `Accelerator` and then checks are active (loopkit/distributed.py).
 ACCELERATE_ENGINE_FIELDS = frozenset({"fsdp", "fsdp_config", "deepspeed"})
-# Not inert, although they look like plumbing (so they are refused when changed): `dataloader_in_order` and
-# `dataloader_multiprocessing_context` go to the DataLoader (batch order, worker start method), `accelerator_config`
-# builds the Accelerator (`use_seedable_sampler`, `split_batches`, `even_batches`, ... change the data each process
-# sees), `debug="underflow_overflow"` adds detection hooks, and `save_on_each_node` decides which processes write
-# checkpoints in multi-node runs.
+# Plumbing-like fields that do change a run (`dataloader_in_order`, `dataloader_multiprocessing_context`,
+# `accelerator_config`, `debug`, `save_on_each_node`) are LoopArgs fields: supported, never inert.
 SUPPORTED_FIELDS = frozenset(f.name for f in dataclasses.fields(LoopArgs))
 LoopArgs.__init__ = reject_unknown_keywords(LoopArgs.__init__)
 # `optim` is checked by loopkit/optimizers.py (every value this machine can run, refusals name the package or device).
@@ -293,7 +302,7 @@ SUPPORTED_CHOICES = {
     "lr_scheduler_type": ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
                           "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr",
                           "cosine_warmup_with_min_lr", "warmup_stable_decay"),
-    "train_sampling_strategy": ("random", "sequential"),
+    "train_sampling_strategy": ("random", "sequential", "group_by_length"),
     "include_num_input_tokens_seen": ("no", "all", "non_padding"),
     "logging_strategy": ("no", "steps", "epoch"),
     "eval_strategy": ("no", "steps", "epoch"),
@@ -303,10 +312,25 @@ SUPPORTED_CHOICES = {
 FIXES = {
     "lr_scheduler_type": "choose one of those, or build the scheduler yourself: pass optimizers=(optimizer, "
                          "scheduler) to Loop or override create_scheduler",
-    "train_sampling_strategy": "use 'random' or 'sequential', or return your sampler from a DataStage subclass's "
+    "train_sampling_strategy": "use one of those, or return your sampler from a DataStage subclass's "
                                "train_sampler(dataset) and pass Loop(..., data=YourDataStage())",
-    "push_to_hub": "leave it False, and after training call loop.save_model(dir) and push that folder with "
+    "push_to_hub": "leave it False, and after training call loop.push_to_hub() (it fails at once, naming the reason, "
+                   "when the Hub is unreachable) or push the folder of loop.save_model(dir) with "
                    "huggingface_hub.upload_folder",
+    "parallelism_config": "leave it None (plain data parallelism, DDP, runs under any launcher)",
+    "use_liger_kernel": "leave it False; for the memory saving on large vocabularies use "
+                        "Loop(..., step=loopkit.ChunkedLossStep())",
+    "liger_kernel_config": "leave it None",
+}
+# Why each remaining refusal cannot run here: about this machine or a missing package, never about loopkit.
+REFUSAL_REASONS = {
+    "push_to_hub": "pushing to the Hugging Face Hub at every save needs the Hub, which this machine cannot reach, so "
+                   "loopkit can neither run nor test it",
+    "parallelism_config": "beyond plain data parallelism it is FSDP2 sharding, tensor or context parallelism, which "
+                          "need GPUs this machine lacks, so loopkit neither runs nor tests them",
+    "use_liger_kernel": "Liger's fused kernels are Triton GPU kernels (package liger-kernel): this machine has no GPU, "
+                        "so loopkit can neither run nor test them",
+    "liger_kernel_config": "it configures Liger's GPU kernels (see use_liger_kernel), which cannot run here",
 }
 
 
@@ -337,8 +361,9 @@ def check_best_model_schedule(args) -> None:
 
 def unsupported_field_error(name: str, value: Any, default: Any) -> LoopConfigError:
     fix = FIXES.get(name, f"leave {name} at its default ({default!r}), or train with transformers.Trainer")
-    return config_error(name, value, "loopkit does not support this TrainingArguments field, and will not ignore "
-                        "it silently", fix)
+    reason = REFUSAL_REASONS.get(name, "loopkit does not support this TrainingArguments field, and will not ignore "
+                                       "it silently")
+    return config_error(name, value, reason, fix)
 
 
 def check_unsupported_fields(args) -> None:

@@ -199,9 +199,12 @@ def saved_world_size(checkpoint: str) -> int | None:
     return 1 if os.path.isfile(os.path.join(checkpoint, "rng_state.pth")) else None
 
 
-def save_model_files(model, accelerator, output_dir: str, processing_class=None, state_dict=None) -> None:
+def save_model_files(model, accelerator, output_dir: str, processing_class=None, state_dict=None,
+                     writer: bool | None = None) -> None:
     """Weights (+ config) in `save_pretrained` layout when the model has it, else a bare `model.safetensors`.
-    `state_dict` (host copies taken earlier) is written instead of the live weights when given."""
+    `state_dict` (host copies taken earlier) is written instead of the live weights when given. `writer`: whether
+    this process writes (default: the main process; `save_on_each_node`: each node's first)."""
+    writer = accelerator.is_main_process if writer is None else writer
     os.makedirs(output_dir, exist_ok=True)
     if state_dict is None and active_engine(accelerator) is not None:
         # FSDP / DeepSpeed: the whole model, gathered from the shards (a collective: every process calls this).
@@ -210,13 +213,13 @@ def save_model_files(model, accelerator, output_dir: str, processing_class=None,
             return
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     if hasattr(unwrapped, "save_pretrained"):
-        unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
-    elif accelerator.is_main_process:
+        unwrapped.save_pretrained(output_dir, is_main_process=writer, state_dict=state_dict)
+    elif writer:
         from safetensors.torch import save_file
 
         state = {k: v.contiguous() for k, v in (state_dict or unwrapped.state_dict()).items()}
         save_file(state, os.path.join(output_dir, WEIGHTS_NAME), metadata={"format": "pt"})
-    if processing_class is not None and accelerator.is_main_process and hasattr(processing_class, "save_pretrained"):
+    if processing_class is not None and writer and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(output_dir)
 
 
@@ -412,6 +415,13 @@ class Checkpointer:
         return entry
 
     # -- writing --
+    @property
+    def writes_files(self) -> bool:
+        """HF's `args.should_save`: the main process, or with `save_on_each_node` the first process of each node
+        (for nodes without a shared disk)."""
+        acc = self.run.accelerator
+        return acc.is_local_main_process if self.run.args.save_on_each_node else acc.is_main_process
+
     def save(self, stage_states: dict) -> str:
         """Save a full checkpoint of the current step atomically, with `stage_states` (JSON values by stage name)
         as `loopkit_state.json`; return its final path."""
@@ -447,9 +457,9 @@ class Checkpointer:
         return Snapshot(
             step=run.state.global_step,
             model_state=copy(unwrapped.state_dict()) if self.async_save else None,
-            optimizer=copy(run.optimizer.state_dict()) if full_state and acc.is_main_process and not sharded
+            optimizer=copy(run.optimizer.state_dict()) if full_state and self.writes_files and not sharded
             else None,
-            scheduler=copy(run.lr_scheduler.state_dict()) if full_state and acc.is_main_process else None,
+            scheduler=copy(run.lr_scheduler.state_dict()) if full_state and self.writes_files else None,
             scaler=copy(acc.scaler.state_dict()) if full_state and acc.scaler is not None else None,
             rng=(self.rng_for_next_save or rng_state()) if full_state else None,
             trainer_state_json=run.state.to_json_string(),
@@ -501,25 +511,26 @@ class Checkpointer:
         run_dir = run.args.output_dir
         name = f"{CHECKPOINT_PREFIX}-{snapshot.step}"
         final, tmp = os.path.join(run_dir, name), os.path.join(run_dir, f".tmp-{name}")
-        if acc.is_main_process:
+        if self.writes_files:
             os.makedirs(run_dir, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
         acc.wait_for_everyone()
         try:
             if full_state_dict_saved(acc):  # all but FSDP's SHARDED_STATE_DICT: one model.safetensors
-                save_model_files(run.model_wrapped, acc, tmp, run.processing_class, state_dict=snapshot.model_state)
+                save_model_files(run.model_wrapped, acc, tmp, run.processing_class, state_dict=snapshot.model_state,
+                                 writer=self.writes_files)
             if active_engine(acc) is not None:  # FSDP / DeepSpeed: Accelerate's paths, on every process
                 save_engine_state(run, tmp, with_optimizer=not run.args.save_only_model)
             if snapshot.optimizer is not None:
                 torch.save(snapshot.optimizer, os.path.join(tmp, OPTIMIZER_NAME))
             if snapshot.scheduler is not None:
                 torch.save(snapshot.scheduler, os.path.join(tmp, SCHEDULER_NAME))
-            if snapshot.scaler is not None and acc.is_main_process:
+            if snapshot.scaler is not None and self.writes_files:
                 torch.save(snapshot.scaler, os.path.join(tmp, SCALER_NAME))
             if snapshot.rng is not None:
                 torch.save(snapshot.rng, os.path.join(tmp, rng_file_name(acc.num_processes, acc.process_index)))
             acc.wait_for_everyone()
-            if acc.is_main_process:
+            if self.writes_files:
                 write_text(os.path.join(tmp, TRAINER_STATE_NAME), snapshot.trainer_state_json)
                 write_text(os.path.join(tmp, LOOPKIT_STATE_NAME), snapshot.stage_states_json)  # written last
                 fsync_tree(tmp)
@@ -529,17 +540,17 @@ class Checkpointer:
                     os.replace(tmp, final)
                 fsync_dir(run_dir)
         except BaseException:
-            if acc.is_main_process:
+            if self.writes_files:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if acc.is_main_process:
+        if self.writes_files:
             self.rotate()
         acc.wait_for_everyone()
 
     def remove_leftovers(self) -> None:
         """Folders a killed save or rotation left behind (never complete checkpoints): removed at train start."""
         run_dir = self.run.args.output_dir
-        if not self.run.accelerator.is_main_process or not os.path.isdir(run_dir):
+        if not self.writes_files or not os.path.isdir(run_dir):
             return
         for entry in os.listdir(run_dir):
             if entry.startswith(LEFTOVER_PREFIXES) and CHECKPOINT_RE.match(entry.split("-", 1)[1]):
@@ -637,7 +648,7 @@ class Checkpointer:
         PR 25136, and HF 5.24 still does it after resuming into a new output_dir) or when best and regular checkpoints
         have separate limits (`EvalStage(best_total_limit=...)`)."""
         best = self.run.state.best_model_checkpoint
-        if self.run.args.save_total_limit != 1 or best is None or not self.run.accelerator.is_main_process:
+        if self.run.args.save_total_limit != 1 or best is None or not self.writes_files:
             return
         if self.best_total_limit is not None:
             return

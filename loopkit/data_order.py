@@ -15,16 +15,22 @@ Three mechanisms, used by the data stage:
   `datasets.IterableDataset` has) is asked for its state at each checkpoint and restored on resume: O(1). That needs
   `num_workers=0` (with workers the state lives in the worker processes). Otherwise the resumed epoch re-reads and
   discards the consumed batches, with a warning that states the cost.
+* **Length-grouped order replayed.** `group_by_length` draws each epoch's order from the global RNG, as Trainer does;
+  the RNG state it drew from is saved in checkpoints, and a run resumed mid-epoch draws the same order from it.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import random
+from collections.abc import Mapping
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset, Sampler, get_worker_info
+
+from .args import config_error
 
 
 def derived_seed(*parts: int) -> int:
@@ -87,3 +93,51 @@ class PositionSeededDataset(Dataset):
 def is_seekable(dataset) -> bool:
     """The iterable-dataset resume protocol: `state_dict()` and `load_state_dict(state)`."""
     return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+
+
+class LengthGroupedOrder(Sampler):
+    """HF's `LengthGroupedSampler` order (`train_sampling_strategy="group_by_length"`): each epoch a permutation from
+    the global torch RNG, cut into megabatches sorted by length, longest batch first. Drawn from the global RNG as
+    Trainer draws it, so the order equals Trainer's; the RNG state it was drawn from is kept (`drawn_from`, base64,
+    saved in checkpoints) so a run resumed mid-epoch draws the same order again (`replay`) without touching the
+    global RNG, which the checkpoint restores to where the interrupted run stood."""
+
+    def __init__(self, lengths: list[int], batch_size: int):
+        self.lengths, self.batch_size = lengths, batch_size
+        self.drawn_from, self.replay_from = None, None
+
+    def replay(self, drawn_from: str) -> None:
+        """Draw the next epoch's order from this saved RNG state instead of the global RNG (once)."""
+        self.replay_from = drawn_from
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __iter__(self):
+        from transformers.trainer_pt_utils import get_length_grouped_indices
+
+        if self.replay_from is not None:
+            state, self.replay_from = self.replay_from, None
+            generator = torch.Generator().set_state(torch.frombuffer(bytearray(base64.b64decode(state)),
+                                                                     dtype=torch.uint8))
+        else:
+            state = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+            generator = None  # the global RNG, as Trainer
+        self.drawn_from = state
+        return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=generator))
+
+
+def sample_lengths(dataset, args, processing_class) -> list[int]:
+    """What Trainer groups by (`group_by_length`): the `length_column_name` column of a `datasets.Dataset`, else the
+    length of each sample's main input."""
+    dataset = dataset.dataset if isinstance(dataset, PositionSeededDataset) else dataset
+    if args.length_column_name in (getattr(dataset, "column_names", None) or []):
+        return list(dataset[args.length_column_name])
+    name = processing_class.model_input_names[0] if processing_class is not None else "input_ids"
+    first = dataset[0]
+    if not isinstance(first, Mapping) or name not in first:
+        raise config_error("train_sampling_strategy", "group_by_length", f"the lengths come from a "
+                           f"'{args.length_column_name}' column or each sample's '{name}', and the dataset has "
+                           f"neither", f"add a '{args.length_column_name}' column (or set length_column_name) or "
+                           "give each sample that key")
+    return [len(sample[name]) for sample in dataset]

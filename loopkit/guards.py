@@ -21,6 +21,7 @@ Each check reports the first bad step and the micro-batches of the epoch that fo
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 
@@ -112,3 +113,23 @@ class NonFiniteWatch:
             if where else ""
         return (f"{count} optimizer step(s) had a non-finite loss or gradient norm since the last check "
                 f"({self.total} in this run); the first was step {first}{place}")
+
+
+def with_batch_size_search(run_training, run):
+    """`run_training(batch_size, ...)` with `args.auto_find_batch_size` applied as Trainer applies it: Accelerate's
+    `find_executable_batch_size` restarts the run with a smaller per-device batch after an out-of-memory error
+    (this Accelerate version multiplies it by 0.9 each time), starting from a resumed checkpoint's batch size."""
+    args = run.args
+    if not args.auto_find_batch_size:
+        return functools.partial(run_training, args.per_device_train_batch_size)
+    from accelerate.utils import find_executable_batch_size
+
+    def search(resume_from_checkpoint, trial, ignore_keys_for_eval):
+        batch_size = args.per_device_train_batch_size
+        checkpoint = run.checkpointer.resolve(resume_from_checkpoint)
+        if checkpoint is not None:
+            batch_size = run.checkpointer.read_trainer_state(checkpoint).train_batch_size or batch_size
+        return find_executable_batch_size(run_training, starting_batch_size=batch_size)(
+            resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    return search

@@ -22,7 +22,7 @@ import warnings
 from .args import LoopArgs, check_args, check_inputs, config_error
 from .checkpoint import Checkpointer
 from .events import DefaultFlowCallback, EventHandler, reporting_callbacks
-from .guards import Preempted, PreemptionWatch, preemption_agreed
+from .guards import Preempted, PreemptionWatch, preemption_agreed, with_batch_size_search
 from .hf_methods import HFMethods, bind_overrides
 from .trainer_api import TrainerAPI
 from .metrics import check_metrics
@@ -122,7 +122,8 @@ class Loop(HFMethods, TrainerAPI):
         self.is_in_train = True
         try:
             with run.preemption:
-                output = self.run_training(resume_from_checkpoint, trial, ignore_keys_for_eval)
+                output = with_batch_size_search(self.run_training, run)(resume_from_checkpoint, trial,
+                                                                        ignore_keys_for_eval)
         except BaseException as exc:
             run.checkpointer.wait_quietly()
             run.fire("on_train_failed", exception=exc)
@@ -135,8 +136,9 @@ class Loop(HFMethods, TrainerAPI):
             raise Preempted(128 + run.preemption.signum)
         return output
 
-    def run_training(self, resume_from_checkpoint, trial, ignore_keys_for_eval):
+    def run_training(self, batch_size, resume_from_checkpoint, trial, ignore_keys_for_eval):
         run, args = self.run, self.run.args
+        run.train_batch_size = batch_size
         run.clock.reset()
         # 1. Setup: the model (model_init), and the checkpoint to resume from, whose weights load now.
         checkpoint = self.setup.begin_training(resume_from_checkpoint, trial)
@@ -176,7 +178,7 @@ class Loop(HFMethods, TrainerAPI):
         """The run's `state` (HF: a checkpoint's logging/eval/save intervals win) and every component's own
         checkpointed state (empty for a fresh run)."""
         run, args = self.run, self.run.args
-        run.state = LoopState(train_batch_size=args.per_device_train_batch_size)
+        run.state = LoopState(train_batch_size=run.train_batch_size)
         run.state.compute_steps(args, plan.max_steps)
         saved = {}
         if checkpoint is not None:
@@ -281,7 +283,7 @@ class Loop(HFMethods, TrainerAPI):
         from .checkpoint import save_model_files
 
         save_model_files(self.model_wrapped, self.run.accelerator, output_dir or self.run.args.output_dir,
-                         self.run.processing_class)
+                         self.run.processing_class, writer=self.run.checkpointer.writes_files)
 
     def export(self, output_dir: str, example_inputs: dict, formats=("pretrained",)) -> dict:
         """loopkit addition: export the model as "pretrained", "torch_export" and/or "onnx", each checked against

@@ -36,6 +36,8 @@ user's own `loop.optimizer = ...` goes through those views; it is the user's wri
 |   get_test_dataloader          | (through the `Loop`, likewise)                              |                   |
 | train_dataloader               | the prepared train loader of the current `train()`          | loop.py           |
 | is_in_train                    | whether `train()` is running (HF's `trainer.is_in_train`)   | loop.py           |
+| train_batch_size               | per-device train batch of the current `train()` (lowered by | loop.py           |
+|                                | `auto_find_batch_size` after an out-of-memory error)        |                   |
 | accelerator                    | the `accelerate.Accelerator`                                | stages/setup.py   |
 | gather_function                | gathers eval tensors across processes (HF's attribute)      | stages/setup.py   |
 | model                          | the unwrapped model                                         | stages/setup.py   |
@@ -104,6 +106,7 @@ class RunState:
     get_test_dataloader: Callable | None = None
     train_dataloader: Any = None
     is_in_train: bool = False
+    train_batch_size: int | None = None
     accelerator: Any = None
     gather_function: Callable | None = None
     model: Any = None

@@ -298,7 +298,8 @@ class TrainerAPI:
         """Micro-batch x accumulation x data-parallel processes."""
         data_parallel = self.accelerator.num_processes // self.get_tp_size() // self.get_cp_size() // \
             self.get_sp_size()
-        return args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel
+        micro_batch = self.run.train_batch_size or args.per_device_train_batch_size  # auto_find_batch_size's
+        return micro_batch * args.gradient_accumulation_steps * data_parallel
 
     def set_initial_training_values(self, args, dataloader) -> tuple:
         """HF's 7-tuple (epochs, updates per epoch, examples, train samples, total batch, micro-batches per epoch,

@@ -3,7 +3,8 @@
 Contract:
 * `get_train_dataloader()`, `get_eval_dataloader(eval_dataset=None)`, `get_test_dataloader(test_dataset)` build
   Accelerate-prepared loaders exactly as HF Trainer does: a `RandomSampler` that Accelerate turns into its seedable
-  sampler, so epoch `e` visits `torch.randperm(n, generator=manual_seed(seed + e))` (`data_seed` if set).
+  sampler, so epoch `e` visits `torch.randperm(n, generator=manual_seed(seed + e))` (`data_seed` if set); with
+  `train_sampling_strategy="group_by_length"` HF's length-grouped order (`LengthGroupedOrder`, loopkit/data_order.py).
 * `plan(train_dataloader)` does the step and epoch arithmetic (`TrainingPlan`, HF's formulas).
 * `resume_point(checkpoint, global_step, plan)` says where a resumed run picks up (a `ResumePoint`).
 * `windows(epoch, plan, resume)` yields one `Window` of micro-batches per optimizer step of the epoch from
@@ -29,12 +30,13 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from ..args import config_error, nearest, plain
 from ..batches import has_length, without_columns
 from ..checkpoint import restore_rng_state
-from ..data_order import PositionSeededDataset, WorkerSeeding, is_seekable
+from ..data_order import LengthGroupedOrder, PositionSeededDataset, WorkerSeeding, is_seekable, sample_lengths
 from ..distributed import prepare_iterable_train_loader
 from .base import Stage, base_model
 
@@ -136,12 +138,16 @@ class DataStage(Stage):
         self.epoch, self.micro_batches_done = 0, 0
         self.saved_position = None  # the position read from a checkpoint, used by resume_point()
         self.eval_loaders = {}  # kept only with persistent workers
+        self.length_order = None  # the group_by_length sampler (LengthGroupedOrder), whose draw a resume replays
+        self.saved_order_rng = None
 
     # -- collation and columns --
     def resolve_collator(self):
         run = self.run
         if run.data_collator is not None:
-            return run.data_collator
+            from .packing import exact_flattening  # HF's flattening collator: checked, and use_cache=False
+
+            return exact_flattening(run.data_collator, run.model)
         pc = run.processing_class
         if pc is not None and callable(getattr(pc, "pad", None)) and hasattr(pc, "model_input_names"):
             from transformers.data.data_collator import DataCollatorWithPadding
@@ -278,7 +284,13 @@ class DataStage(Stage):
         params = dict(batch_size=batch_size, collate_fn=collator, num_workers=args.dataloader_num_workers,
                       pin_memory=args.dataloader_pin_memory and run.accelerator.device.type != "cpu",
                       persistent_workers=args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
-                      prefetch_factor=args.dataloader_prefetch_factor)
+                      prefetch_factor=args.dataloader_prefetch_factor, in_order=args.dataloader_in_order)
+        if args.dataloader_multiprocessing_context is not None:
+            if args.dataloader_num_workers == 0:
+                raise config_error("dataloader_multiprocessing_context", args.dataloader_multiprocessing_context,
+                                   "it is how worker processes start, and dataloader_num_workers=0",
+                                   "set dataloader_num_workers > 0 or leave it None")
+            params["multiprocessing_context"] = args.dataloader_multiprocessing_context
         if training:
             self.train_source = dataset
             if args.dataloader_num_workers > 0:
@@ -294,18 +306,36 @@ class DataStage(Stage):
         return run.accelerator.prepare(DataLoader(dataset, **params))
 
     def train_sampler(self, dataset):
-        if self.run.args.train_sampling_strategy == "sequential":
+        args = self.run.args
+        self.length_order = None
+        if args.train_sampling_strategy == "sequential":
             return SequentialSampler(dataset)
+        if args.train_sampling_strategy == "group_by_length":  # megabatches of batch x accumulation, as Trainer
+            lengths = sample_lengths(dataset, args, self.run.processing_class)
+            self.length_order = LengthGroupedOrder(lengths, args.per_device_train_batch_size *
+                                                   args.gradient_accumulation_steps)
+            return self.length_order
         return RandomSampler(dataset)  # Accelerate swaps in its seedable sampler: seed + epoch fixes the order
 
     def eval_sampler(self, dataset):
+        args = self.run.args
+        if args.train_sampling_strategy == "group_by_length":  # Trainer groups evaluation batches too, seeded
+            from transformers.trainer_pt_utils import LengthGroupedSampler
+
+            seed = args.data_seed if args.data_seed is not None else args.seed
+            return LengthGroupedSampler(args.per_device_eval_batch_size, lengths=sample_lengths(
+                dataset, args, self.run.processing_class), generator=torch.Generator().manual_seed(seed))
         return SequentialSampler(dataset) if self.run.accelerator.num_processes == 1 else None
 
     def get_train_dataloader(self) -> DataLoader:
         run = self.run
         if run.train_dataset is None:
             raise config_error("train_dataset", None, "training needs a train dataset", "pass train_dataset=...")
-        return self.build_dataloader(run.train_dataset, run.args.per_device_train_batch_size, "training", True)
+        return self.build_dataloader(run.train_dataset, self.train_batch_size(), "training", True)
+
+    def train_batch_size(self) -> int:
+        """The per-device train batch of this `train()` (`auto_find_batch_size` may have lowered it)."""
+        return self.run.train_batch_size or self.run.args.per_device_train_batch_size
 
     def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
         run = self.run
@@ -342,12 +372,12 @@ class DataStage(Stage):
     def plan(self, dataloader) -> TrainingPlan:
         args, acc = self.run.args, self.run.accelerator
         ga = args.gradient_accumulation_steps
-        total_batch = args.per_device_train_batch_size * ga * acc.num_processes
+        total_batch = self.train_batch_size() * ga * acc.num_processes
         if has_length(dataloader):
             micro_batches = len(dataloader)
             updates_per_epoch = max(math.ceil(micro_batches / ga), 1)
             num_examples = len(dataloader.dataset) if has_length(dataloader.dataset) else \
-                micro_batches * args.per_device_train_batch_size
+                micro_batches * self.train_batch_size()
             if args.max_steps > 0:
                 max_steps = args.max_steps
                 epochs = math.ceil(max_steps / updates_per_epoch)
@@ -380,9 +410,9 @@ class DataStage(Stage):
             return ResumePoint(checkpoint, global_step // plan.num_update_steps_per_epoch,
                                (global_step % plan.num_update_steps_per_epoch) * args.gradient_accumulation_steps,
                                rng=rng)
-        samples_per_micro_batch = args.per_device_train_batch_size * self.run.accelerator.num_processes
+        samples_per_micro_batch = self.train_batch_size() * self.run.accelerator.num_processes
         if saved["samples"] % samples_per_micro_batch:
-            raise config_error("per_device_train_batch_size", args.per_device_train_batch_size,
+            raise config_error("per_device_train_batch_size", self.train_batch_size(),
                                f"the checkpoint stopped after {saved['samples']} samples of epoch {saved['epoch']}, "
                                f"which is not a whole number of micro-batches of {samples_per_micro_batch} samples",
                                "resume with the same global batch size (per-device batch x processes x GA)")
@@ -428,6 +458,8 @@ class DataStage(Stage):
         set_epoch(loader, epoch)
         if self.worker_seeding is not None:
             self.worker_seeding.epoch = epoch
+        if self.length_order is not None and skip and self.saved_order_rng is not None:
+            self.length_order.replay(self.saved_order_rng)  # the interrupted epoch's order, drawn again
         loader, discard = self.skip_batches(loader, skip, resume)
         dataset = getattr(loader, "dataset", None)
         if isinstance(dataset, PositionSeededDataset):
@@ -463,12 +495,16 @@ class DataStage(Stage):
     # -- checkpointed state: the data position --
     def state_dict(self) -> dict:
         run = self.run
-        samples = self.micro_batches_done * run.args.per_device_train_batch_size * run.accelerator.num_processes
+        samples = self.micro_batches_done * self.train_batch_size() * run.accelerator.num_processes
         position = {"epoch": self.epoch, "micro_batches": self.micro_batches_done, "samples": samples}
         if isinstance(self.train_source, IterableDataset) and is_seekable(self.train_source) and \
                 run.args.dataloader_num_workers == 0:
             position["dataset_state"] = self.train_source.state_dict()
-        return {"position": position}
+        state = {"position": position}
+        if self.length_order is not None and self.length_order.drawn_from is not None:
+            state["length_order_rng"] = self.length_order.drawn_from
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.saved_position = state.get("position")
+        self.saved_order_rng = state.get("length_order_rng")

@@ -47,6 +47,58 @@ def seed_everything(seed: int, full_determinism: bool = False) -> None:
     set_seed(seed)
 
 
+def ddp_options(args, model) -> dict:
+    """`DistributedDataParallel` keywords, as `Trainer._build_accelerator_args`: `find_unused_parameters` defaults
+    to True, except for a transformers model with activation checkpointing (which it would break)."""
+    find_unused = args.ddp_find_unused_parameters
+    if find_unused is None:
+        from transformers import PreTrainedModel
+
+        find_unused = not isinstance(model, PreTrainedModel) or not (
+            getattr(model, "is_activation_checkpointing", False) or args.activation_checkpointing)
+    options = {"find_unused_parameters": find_unused}
+    for name in ("bucket_cap_mb", "broadcast_buffers", "static_graph"):
+        if getattr(args, f"ddp_{name}") is not None:
+            options[name] = getattr(args, f"ddp_{name}")
+    return options
+
+
+def resolve_accelerator_config(value):
+    """`accelerator_config` as `TrainingArguments.__post_init__` turns it into transformers' `AcceleratorConfig` (a
+    dict, a JSON file path, or None for the defaults). `LoopArgs` keeps the value as given and resolves it here, so
+    that building a `LoopArgs` imports nothing from transformers."""
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    if value is None:
+        return AcceleratorConfig()
+    if isinstance(value, dict):
+        return AcceleratorConfig(**value)
+    if isinstance(value, str):
+        return AcceleratorConfig.from_json_file(value)
+    return value
+
+
+def accelerator_options(args):
+    """`args.accelerator_config` (HF's `AcceleratorConfig`, a dict or a JSON file) as Trainer's
+    `create_accelerator_and_postprocess` reads it: Accelerate's `DataLoaderConfiguration` and the keywords of the
+    `GradientAccumulationPlugin`."""
+    from accelerate.utils import DataLoaderConfiguration
+
+    config = resolve_accelerator_config(args.accelerator_config)
+    options = config.to_dict()
+    options.pop("use_configured_state", None)  # TrainingArguments hands it to AcceleratorState, as loopkit's do
+    accumulation_kwargs = dict(options.pop("gradient_accumulation_kwargs") or {})
+    # Trainer adds num_steps=1 to this dict in place, so a reused TrainingArguments carries it: that one is a no-op.
+    if accumulation_kwargs.pop("num_steps", 1) != 1:
+        raise config_error("accelerator_config", {"gradient_accumulation_kwargs": dict(
+            config.gradient_accumulation_kwargs)}, "num_steps would be a second gradient-accumulation setting",
+            "drop num_steps and set gradient_accumulation_steps instead")
+    loader_keys = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler", "non_blocking")
+    dataloader_config = DataLoaderConfiguration(**{key: options.pop(key) for key in loader_keys},
+                                                data_seed=args.data_seed)
+    return dataloader_config, accumulation_kwargs
+
+
 class SetupStage(Stage):
     """Seeding, the `Accelerator`, the model and the resume point.
 
@@ -58,9 +110,11 @@ class SetupStage(Stage):
     def __init__(self, fsdp_plugin=None, deepspeed_plugin=None):
         self.fsdp_plugin, self.deepspeed_plugin = fsdp_plugin, deepspeed_plugin
         self.neftune_hook = None  # the NEFTune forward hook of the current train()
+        self.model_given = None  # the model passed to Loop: HF's default of ddp_find_unused_parameters reads it
 
     def build(self, model):
         run = self.run
+        self.model_given = model
         self.seed()
         self.create_accelerator_and_postprocess()
         run.memory = MemoryTracker(run.args.skip_memory_metrics)
@@ -86,20 +140,19 @@ class SetupStage(Stage):
 
     def create_accelerator(self):
         from accelerate import Accelerator
-        from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,
-                                      GradientAccumulationPlugin)
+        from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin
 
         args = self.run.args
         plugins = engine_plugins(args, self.fsdp_plugin, self.deepspeed_plugin)
         requested = requested_engines(plugins)  # read before the Accelerator, which exports its own flags
-        # loopkit accumulates gradients itself (like HF Trainer), so Accelerate's own accumulation stays at 1.
-        dataloader_config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.data_seed)
+        dataloader_config, accumulation_kwargs = accelerator_options(args)
         kwargs = dict(
             mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else "no",
             cpu=args.use_cpu,
             dataloader_config=dataloader_config,
-            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1),
-            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)],
+            # loopkit accumulates gradients itself (like HF Trainer), so Accelerate's own accumulation stays at 1.
+            gradient_accumulation_plugin=GradientAccumulationPlugin(**accumulation_kwargs, num_steps=1),
+            kwargs_handlers=[DistributedDataParallelKwargs(**ddp_options(args, self.model_given))],
         )
         if args.torch_compile:
             from accelerate.utils import TorchDynamoPlugin

@@ -1,0 +1,161 @@
+"""Chunked cross-entropy: a step stage that trains a causal LM without materialising batch x seq x vocab logits.
+
+The model runs with its output head skipped, so its forward returns the last hidden states; the loss is computed
+from them and the head's weight a chunk of tokens at a time (`LinearCrossEntropy`, a custom autograd function that
+also computes its gradients chunk by chunk, so no step of forward or backward holds more than one chunk of logits).
+The loss is HF's `ForCausalLMLoss`: labels shifted by one, -100 ignored, the sum over tokens divided by
+`num_items_in_batch` (the window's label tokens) or, without it, the mean over the batch's tokens.
+
+    from loopkit import ChunkedLossStep
+    Loop(model, args, train_dataset=data, step=ChunkedLossStep()).train()
+
+Only training chunks: evaluation keeps the model's own forward, whose logits `compute_metrics` and
+`prediction_step` need. Models whose head does more than a linear layer (logit soft-capping, a logit scale) are
+refused with a clear error, as are models that are not causal LMs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from ..args import config_error
+from .base import base_model
+from .step import StepStage, is_causal_lm
+
+IGNORE = -100
+# A chunk holds at most this many logits (32 MiB in float32) unless `chunk_tokens` says otherwise.
+CHUNK_LOGITS = 2 ** 23
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """sum over tokens of cross_entropy(hidden @ weight.T + bias, targets), ignoring -100; returns (sum, count).
+
+    The forward computes the gradients chunk by chunk (softmax minus the one-hot target), so the backward only
+    scales them; ignored targets contribute nothing, without a host sync to drop them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_tokens: int):
+        valid = targets.ne(IGNORE)
+        safe_targets = targets.clamp(min=0)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            end = start + chunk_tokens
+            chunk = hidden[start:end].to(weight.dtype)
+            logits = (chunk @ weight.T if bias is None else torch.addmm(bias, chunk, weight.T)).float()
+            target, keep = safe_targets[start:end], valid[start:end]
+            log_norm = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, target[:, None]).squeeze(1)
+            total += ((log_norm - picked) * keep).sum()
+            if grad_hidden is None and grad_weight is None and grad_bias is None:
+                continue
+            grad_logits = logits.sub_(log_norm[:, None]).exp_()  # softmax, in place: one chunk of logits alive
+            grad_logits[torch.arange(len(target), device=target.device), target] -= 1.0
+            grad_logits = (grad_logits * keep[:, None]).to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = (grad_logits @ weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.T, chunk)
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        return total, valid.sum()
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_count):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        scale = lambda grad: grad * grad_total.to(grad.dtype) if grad is not None else None  # noqa: E731
+        return scale(grad_hidden), scale(grad_weight), scale(grad_bias), None, None
+
+
+def causal_lm_targets(inputs, labels) -> torch.Tensor:
+    """What each position predicts: `shift_labels` if the batch has them, else the labels shifted by one (HF)."""
+    if "shift_labels" in inputs:
+        return inputs["shift_labels"]
+    return nn.functional.pad(labels[..., 1:], (0, 1), value=IGNORE)
+
+
+def chunked_causal_lm_loss(hidden, head: nn.Linear, targets, num_items_in_batch=None,
+                           chunk_tokens: int | None = None) -> torch.Tensor:
+    """HF's causal-LM loss from the last hidden states and the output head, one chunk of tokens at a time."""
+    chunk_tokens = chunk_tokens or max(1, CHUNK_LOGITS // head.weight.shape[0])
+    total, count = LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias,
+                                            targets.reshape(-1).to(hidden.device), chunk_tokens)
+    if num_items_in_batch is None:
+        return total / count  # HF's mean over the batch's label tokens
+    return total / torch.as_tensor(num_items_in_batch, device=total.device)
+
+
+def chunkable_head(model) -> nn.Linear:
+    """The model's output head, if the loss can be computed from it and the last hidden states alone."""
+    base = base_model(model)
+    name = type(base).__name__
+    if not is_causal_lm(base):
+        raise config_error("step", f"ChunkedLossStep on {name}", "chunked cross-entropy is the causal-LM loss",
+                           "use it with a *ForCausalLM model, or the default step stage")
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    config = getattr(base, "config", None)
+    extra = [a for a in ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
+             if getattr(config, a, None) not in (None, 1, 1.0)]
+    if not isinstance(head, nn.Linear) or extra:
+        raise config_error("step", f"ChunkedLossStep on {name}", "its logits are not a plain linear layer of the "
+                           f"last hidden states (head: {type(head).__name__}{', config: ' if extra else ''}"
+                           f"{', '.join(extra)})", "use the default step stage for this model")
+    return head
+
+
+@contextlib.contextmanager
+def head_skipped(head: nn.Module):
+    """Within the block the head returns its input, so the model's `logits` are the last hidden states."""
+    saved = vars(head).get("forward")  # a hook library may have set its own
+    head.forward = lambda hidden: hidden
+    try:
+        yield
+    finally:
+        if saved is None:
+            del head.forward
+        else:
+            head.forward = saved
+
+
+class ChunkedLossStep(StepStage):
+    """`StepStage` whose training loss is chunked cross-entropy (module docstring). `chunk_tokens`: tokens per
+    chunk (default: as many as keep one chunk's logits at 2**23 values)."""
+
+    def __init__(self, chunk_tokens: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise config_error("chunk_tokens", chunk_tokens, "a chunk holds at least one token",
+                               "pass a positive number, or None for the default")
+        self.chunk_tokens, self.head = chunk_tokens, None
+
+    def prepare_hot_path(self) -> None:
+        super().prepare_hot_path()
+        self.head = chunkable_head(self.run.model)
+
+    def warn_if_override_scaling_is_implicit(self) -> None:
+        pass  # the loss follows the default rule: normalised by num_items_in_batch when the model takes it
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        run = self.run
+        chunked = (model.training and not return_outputs and run.compute_loss_func is None
+                   and isinstance(inputs, Mapping) and "labels" in inputs and self.head is not None)
+        if not chunked:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        forward_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+        with head_skipped(self.head):
+            outputs = model(**forward_inputs)
+        hidden = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+        targets = causal_lm_targets(inputs, inputs["labels"])
+        if not run.model_accepts_loss_kwargs:
+            num_items_in_batch = None  # the default step's rule: a per-batch mean, divided over the window
+        loss = chunked_causal_lm_loss(hidden, self.head, targets, num_items_in_batch, self.chunk_tokens)
+        if run.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * run.accelerator.num_processes  # as StepStage.compute_loss: DDP averages the gradients
+        return loss

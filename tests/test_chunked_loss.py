@@ -1,0 +1,128 @@
+"""Chunked cross-entropy (`loopkit.ChunkedLossStep`, loopkit/stages/chunked_loss.py): the same loss and gradients
+as the model's own loss, the same training run, and no tensor of batch x seq x vocab logits during a step. The
+peak-memory ratio at vocabulary 128k is measured by benchmarks/chunked_loss_memory.py (README)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from loopkit import ChunkedLossStep, Loop, LoopArgs
+from loopkit.stages.chunked_loss import causal_lm_targets, chunked_causal_lm_loss, head_skipped
+
+from helpers import tiny_llama
+
+VOCAB = 1000
+
+
+def causal_batch(seed: int = 0) -> dict:
+    """3 rows of 10 tokens: a right-padded row (-100 labels, attention mask 0) and a masked prompt."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (3, 10), generator=g)
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[1, 6:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[2, :4] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def gradients(model) -> dict:
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("num_items", [None, 40])
+def test_chunked_loss_and_gradients_equal_the_model_loss(num_items):
+    batch = causal_batch()
+    items = torch.tensor(num_items) if num_items is not None else None
+    reference = tiny_llama(vocab_size=VOCAB)
+    expected = reference(**batch, num_items_in_batch=items).loss
+    expected.backward()
+    model = tiny_llama(vocab_size=VOCAB)
+    with head_skipped(model.lm_head):
+        hidden = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    assert hidden.shape[-1] == 16  # the head was skipped: hidden states, not logits
+    loss = chunked_causal_lm_loss(hidden, model.lm_head, causal_lm_targets(batch, batch["labels"]), items,
+                                  chunk_tokens=7)  # 30 tokens: chunks of 7 and a last one of 2
+    loss.backward()
+    assert "forward" not in vars(model.lm_head)  # restored
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    for name, grad in gradients(model).items():
+        torch.testing.assert_close(grad, gradients(reference)[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_a_run_with_chunked_loss_equals_the_default_run(tmp_path):
+    data = [{k: v[i] for k, v in causal_batch(seed).items()} for seed in range(4) for i in range(3)]
+    loops = {}
+    for name, step in (("default", None), ("chunked", ChunkedLossStep(chunk_tokens=5))):
+        args = LoopArgs(output_dir=str(tmp_path / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                        max_steps=3, learning_rate=1e-2, logging_steps=1, report_to="none", disable_tqdm=True,
+                        save_strategy="no", optim="sgd")  # Adam would magnify float noise on ~0 gradients
+        loops[name] = Loop(tiny_llama(vocab_size=VOCAB), args, train_dataset=data, step=step)
+        loops[name].train()
+    logged = {name: [h["loss"] for h in loop.state.log_history if "loss" in h] for name, loop in loops.items()}
+    assert logged["chunked"] == pytest.approx(logged["default"], rel=1e-5) and len(logged["chunked"]) == 3
+    for p, q in zip(loops["default"].model.parameters(), loops["chunked"].model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an operation produced, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self.numel = max([self.numel] + sizes)
+        return out
+
+
+def test_a_chunked_step_never_holds_a_tensor_of_all_the_logits(tmp_path):
+    batch = causal_batch()
+    logits_size = batch["input_ids"].numel() * VOCAB
+    largest = {}
+    for name, step in (("default", None), ("chunked", ChunkedLossStep(chunk_tokens=8))):
+        args = LoopArgs(output_dir=str(tmp_path / name), per_device_train_batch_size=3, max_steps=1,
+                        report_to="none", disable_tqdm=True, save_strategy="no")
+        loop = Loop(tiny_llama(vocab_size=VOCAB), args, train_dataset=[{k: v[i] for k, v in batch.items()}
+                                                                      for i in range(3)], step=step)
+        with LargestTensor() as mode:
+            loop.train()
+        largest[name] = mode.numel
+    assert largest["default"] >= logits_size
+    # The largest is now the head's weight (and its gradient), 16 x VOCAB, bigger than one chunk (8 x VOCAB).
+    assert largest["chunked"] == 16 * VOCAB < logits_size
+
+
+def test_a_model_whose_logits_are_not_a_linear_head_is_refused(tmp_path):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    model = BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=32))
+    args = LoopArgs(output_dir=str(tmp_path), max_steps=1, report_to="none", disable_tqdm=True)
+    data = [{"input_ids": torch.arange(5), "labels": torch.tensor(1)}]
+    with pytest.raises(ValueError, match="step='ChunkedLossStep on BertForSequenceClassification'.*causal-LM loss"):
+        Loop(model, args, train_dataset=data, step=ChunkedLossStep()).train()
+
+
+def test_chunked_loss_on_packed_rows_equals_the_packed_run(tmp_path):
+    """With `PackingDataStage` (position ids, `use_cache=False`, no attention mask) the chunked loss is the same."""
+    from loopkit import PackingDataStage
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in
+            (torch.randint(1, VOCAB, (int(torch.randint(3, 13, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(16))]
+    logged = {}
+    for name, step in (("default", None), ("chunked", ChunkedLossStep(chunk_tokens=16))):
+        args = LoopArgs(output_dir=str(tmp_path / name), per_device_train_batch_size=2, max_steps=2,
+                        learning_rate=1e-2, logging_steps=1, report_to="none", disable_tqdm=True, save_strategy="no")
+        loop = Loop(tiny_llama(vocab_size=VOCAB), args, train_dataset=data, data=PackingDataStage(row_tokens=24),
+                    step=step)
+        loop.train()
+        logged[name] = [h["loss"] for h in loop.state.log_history if "loss" in h]
+    assert logged["chunked"] == pytest.approx(logged["default"], rel=1e-5) and len(logged["chunked"]) == 2
