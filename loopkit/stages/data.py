@@ -49,7 +49,10 @@ class RemoveColumnsCollator:
         self.collator, self.keep = collator, keep
 
     def __call__(self, features):
-        return self.collator([without_columns(feature, self.keep) for feature in features])
+        keep = self.keep
+        # The usual row (a dict with nothing to drop) inline: this runs for every row of every batch.
+        return self.collator([dict(feature) if type(feature) is dict and feature.keys() <= keep
+                              else without_columns(feature, keep) for feature in features])
 
 
 def set_epoch(loader, epoch: int) -> None:

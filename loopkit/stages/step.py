@@ -112,6 +112,7 @@ class StepStage(Stage):
         self.prepared_model = None  # the model the optimizer was built for and `accelerator.prepare` wrapped
         # Decided once per train() by `prepare_hot_path`; these defaults serve an evaluation before any training.
         self.label_shift, self.main_input, self.num_non_embedding_params = None, "input_ids", 0
+        self.work_by_shape = None  # main input shape -> (FLOPs, tokens, samples), when FLOPs depend on it alone
 
     # -- optimizer and scheduler (HF's create_optimizer / create_scheduler) --
     def get_decay_parameter_names(self, model) -> list[str]:
@@ -183,6 +184,10 @@ class StepStage(Stage):
                                          if hasattr(run.model, "num_parameters") else 0)
         self.main_input = getattr(run.model, "main_input_name", "input_ids")
         self.label_shift = is_causal_lm(run.model)
+        # HF's FLOP estimate depends on the main input's shape only: computed once per shape, unless overridden.
+        overridden = "floating_point_ops" in vars(self) or \
+            type(self).floating_point_ops is not StepStage.floating_point_ops
+        self.work_by_shape = None if overridden else {}
         # Plain engines (one process, DDP) without a loss scaler: Accelerate's backward, clip and optimizer wrappers
         # then only forward to torch, but cost ~250 us a step on a CPU (an optional-package lookup in every
         # `AcceleratedOptimizer.step`, a per-parameter DTensor scan in every clip). Call torch directly there, with
@@ -321,11 +326,18 @@ class StepStage(Stage):
     def count_work(self, inputs, result: StepResult) -> None:
         """FLOPs (HF's estimate), and the input tokens and samples the run report divides by time. Sizes are
         tensor metadata: no device sync."""
-        result.flos += float(self.floating_point_ops(inputs))
         main = inputs.get(self.main_input) if isinstance(inputs, Mapping) else None
-        if isinstance(main, torch.Tensor):
-            result.tokens += main.numel()
-            result.samples += main.shape[0] if main.ndim else 1
+        if not isinstance(main, torch.Tensor):
+            result.flos += float(self.floating_point_ops(inputs))
+            return
+        work = self.work_by_shape.get(main.shape) if self.work_by_shape is not None else None
+        if work is None:
+            work = (float(self.floating_point_ops(inputs)), main.numel(), main.shape[0] if main.ndim else 1)
+            if self.work_by_shape is not None:
+                self.work_by_shape[main.shape] = work
+        result.flos += work[0]
+        result.tokens += work[1]
+        result.samples += work[2]
 
     def clip_gradients(self, model) -> torch.Tensor:
         """Pre-clip total norm; clips to `max_grad_norm` when it is positive (HF logs the norm either way)."""
