@@ -45,11 +45,13 @@ def comparison_table(rows: list, contenders=CONTENDERS) -> str:
         flags = loopkit_flags(row)
         cells.append(check + (f" (loopkit {'; '.join(flags)})" if flags else ""))
         noisy = row.get("noisy")
-        cells.append(f"NO, no verdict: {'; '.join(noisy)}" if noisy else "yes")
+        spreads = [v for v in row.get("spread", {}).values() if v is not None]
+        agree = f"yes (spread up to {max(spreads):.0%})" if spreads else "one round: unknown"
+        cells.append(f"NO, no verdict: {'; '.join(noisy)}" if noisy else agree)
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("\nRatios are medians of round-by-round ratios (min-max in brackets); below 1 means the first "
-                 f"contender takes less. A row is noisy when one contender's rounds spread over {NOISE_SPREAD:.0%} "
-                 f"of their median, or a contender beats the hand-written loop doing the same work by over "
+                 f"contender takes less. Spread: (max - min) / median of a contender's measured rounds. A row is "
+                 f"noisy when one contender's rounds spread over {NOISE_SPREAD:.0%} of their median, or a contender beats the hand-written loop doing the same work by over "
                  f"{FLOOR_MARGIN:.0%}.")
     return "\n".join(lines)
 

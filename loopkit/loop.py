@@ -21,6 +21,7 @@ import warnings
 
 from .args import LoopArgs, check_args, check_inputs, config_error
 from .checkpoint import Checkpointer
+from .distributed import release_earlier_run
 from .events import DefaultFlowCallback, EventHandler, PrinterCallback, ProgressCallback, reporting_callbacks
 from .guards import Preempted, PreemptionWatch, preemption_agreed
 from .hf_methods import HFMethods, bind_overrides
@@ -295,11 +296,3 @@ class Loop(HFMethods, TrainerAPI):
     def is_local_process_zero(self) -> bool:
         return self.run.accelerator.is_local_main_process
 
-
-def release_earlier_run(accelerator) -> None:
-    """HF's `accelerator.free_memory()` at the start of training, when an earlier `train()` / `evaluate()` left
-    prepared objects to let go of. Its `gc.collect()` takes 0.1-0.6 s in a process that has imported transformers,
-    for nothing on a first `train()`, where nothing was prepared yet."""
-    if accelerator.step or any(getattr(accelerator, name, None) for name in
-                               ("_models", "_optimizers", "_schedulers", "_dataloaders")):
-        accelerator.free_memory()
