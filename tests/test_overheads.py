@@ -81,3 +81,32 @@ def test_column_filter_fast_lane_matches_the_per_key_filter():
     assert seen == reference and [type(f) for f in seen] == [dict] * 4 + [tuple]
     assert all(f is not row for f, row in zip(seen[:4], rows))  # copies: a collator popping keys spares the rows
     assert [without_columns(row, keep) for row in rows] == reference
+
+
+def test_flops_counted_once_per_shape_equal_hfs_count_with_an_uneven_last_batch(tmp_path):
+    """`total_flos` (HF's 6 x tokens x non-embedding parameters, per micro-batch) from the per-shape cache equals HF
+    Trainer's, run live, over batches of 4, 4 and 2 rows; an overridden `floating_point_ops` is still called for
+    every micro-batch."""
+    from transformers import Trainer
+
+    from helpers import hf_args, lm_data, tiny_llama
+    from loopkit import Loop
+
+    args = dict(max_steps=3, per_device_train_batch_size=4, logging_steps=1, save_strategy="no")
+    hf = Trainer(model=tiny_llama(), args=hf_args(tmp_path / "hf", **args), train_dataset=lm_data(10))
+    hf.train()
+    loop = Loop(model=tiny_llama(), args=hf_args(tmp_path / "lk", **args), train_dataset=lm_data(10))
+    loop.train()
+    assert loop.state.total_flos == hf.state.total_flos > 0
+    assert len(loop.step.work_by_shape) == 2  # batches of 4 and of 2 rows
+
+    calls = []
+
+    class CountingLoop(Loop):
+        def floating_point_ops(self, inputs):
+            calls.append(inputs["input_ids"].shape[0])
+            return 1
+
+    counting = CountingLoop(model=tiny_llama(), args=hf_args(tmp_path / "c", **args), train_dataset=lm_data(10))
+    counting.train()
+    assert calls == [4, 4, 2] and counting.state.total_flos == 3
