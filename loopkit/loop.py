@@ -21,6 +21,7 @@ import warnings
 
 from .args import LoopArgs, check_args, check_inputs, config_error
 from .checkpoint import Checkpointer
+from .distributed import release_earlier_run
 from .events import DefaultFlowCallback, EventHandler, reporting_callbacks
 from .guards import Preempted, PreemptionWatch, preemption_agreed, with_batch_size_search
 from .hf_methods import HFMethods, bind_overrides
@@ -144,7 +145,7 @@ class Loop(HFMethods, TrainerAPI):
         checkpoint = self.setup.begin_training(resume_from_checkpoint, trial)
 
         # 2. Data: the train loader and the step/epoch arithmetic; the run's state, fresh or the checkpoint's.
-        run.accelerator.free_memory()
+        release_earlier_run(run.accelerator)
         run.train_dataloader = self.get_train_dataloader()
         plan = self.data.plan(run.train_dataloader)
         self.start_state(checkpoint, plan, trial)

@@ -344,6 +344,8 @@ class ChartQueue:
             try:
                 draw_charts(log_history, folder)
             except Exception as exc:
+                if not os.path.isdir(folder):
+                    continue  # the run's folder was deleted meanwhile (a temporary run): nobody wants its charts
                 warnings.warn(f"Could not draw the run's charts in {folder}: {type(exc).__name__}: {exc}. "
                               f"`python -m loopkit report {folder}` draws them again.")
 

@@ -131,6 +131,7 @@ class StepStage(Stage):
         self.label_shift, self.main_input, self.num_non_embedding_params = None, "input_ids", 0
         self.warned_no_main_input = False
         self.labels_unchecked = False
+        self.work_by_shape = None  # main input shape -> (FLOPs, tokens, samples), when FLOPs depend on it alone
 
     # -- optimizer and scheduler (HF's create_optimizer / create_scheduler) --
     def get_decay_parameter_names(self, model) -> list[str]:
@@ -204,6 +205,10 @@ class StepStage(Stage):
         self.label_shift = is_causal_lm(run.model)
         # The labels of the first micro-batch are checked against the model's own loss (loopkit/first_batch.py).
         self.labels_unchecked = run.compute_loss_func is None and not self.compute_loss_overridden()
+        # HF's FLOP estimate depends on the main input's shape only: computed once per shape, unless overridden.
+        overridden = "floating_point_ops" in vars(self) or \
+            type(self).floating_point_ops is not StepStage.floating_point_ops
+        self.work_by_shape = None if overridden else {}
         # Plain engines (one process, DDP) without a loss scaler: Accelerate's backward, clip and optimizer wrappers
         # then only forward to torch, but cost ~250 us a step on a CPU (an optional-package lookup in every
         # `AcceleratedOptimizer.step`, a per-parameter DTensor scan in every clip). Call torch directly there, with
@@ -359,15 +364,23 @@ class StepStage(Stage):
         return 0
 
     def count_work(self, inputs, result: StepResult) -> None:
-        """FLOPs (HF's estimate), and the input tokens and samples the run report divides by time. Sizes are
-        tensor metadata: no device sync."""
-        result.flos += float(self.floating_point_ops(inputs))
+        """FLOPs (HF's estimate), and the input tokens and samples the run report divides by time; the FLOP estimate
+        depends on the main input's shape only, so it is computed once per shape. Sizes are tensor metadata: no
+        device sync."""
         main = inputs.get(self.main_input) if isinstance(inputs, Mapping) else None
-        if isinstance(main, torch.Tensor):
-            result.tokens += main.numel()
-            result.samples += main.shape[0] if main.ndim else 1
         if self.run.args.include_num_input_tokens_seen != "no":
             result.input_tokens_seen = result.input_tokens_seen + self.input_tokens(inputs, main)
+        if not isinstance(main, torch.Tensor):
+            result.flos += float(self.floating_point_ops(inputs))
+            return
+        work = self.work_by_shape.get(main.shape) if self.work_by_shape is not None else None
+        if work is None:
+            work = (float(self.floating_point_ops(inputs)), main.numel(), main.shape[0] if main.ndim else 1)
+            if self.work_by_shape is not None:
+                self.work_by_shape[main.shape] = work
+        result.flos += work[0]
+        result.tokens += work[1]
+        result.samples += work[2]
 
     def input_tokens(self, inputs, main) -> torch.Tensor | int:
         """HF's `_track_num_input_tokens` for one micro-batch: every token of the main input ("all"), or the
