@@ -22,7 +22,7 @@ import warnings
 from .args import LoopArgs, check_args, check_inputs, config_error
 from .checkpoint import Checkpointer
 from .events import DefaultFlowCallback, EventHandler, PrinterCallback, ProgressCallback, reporting_callbacks
-from .guards import Preempted, PreemptionWatch, preemption_agreed
+from .guards import Preempted, PreemptionWatch, preemption_agreed, under_launcher
 from .hf_methods import HFMethods, bind_overrides
 from .trainer_api import TrainerAPI
 from .metrics import check_metrics
@@ -85,7 +85,7 @@ class Loop(HFMethods, TrainerAPI):
         # As in Trainer.__init__: an evaluate() before train() logs (and reports) on the main process only.
         run.state = LoopState(is_local_process_zero=run.accelerator.is_local_main_process,
                               is_world_process_zero=run.accelerator.is_main_process)
-        run.preemption = PreemptionWatch()
+        run.preemption = PreemptionWatch(run, self.guard_check_every)
         run.clock = run.events.clock = PhaseClock()  # the run report's time by phase
         run.checkpointer = Checkpointer(run, **self.evaluation.checkpoint_options())
         # The methods one stage offers another go through the Loop, so a subclass's overrides apply everywhere.
@@ -120,12 +120,19 @@ class Loop(HFMethods, TrainerAPI):
             run.checkpointer.wait_quietly()
             run.fire("on_train_failed", exception=exc)
             self.release()
-            self.teardown.write_run_report(f"failed: {type(exc).__name__}: {exc}", self.schedule.counters())
+            stopped = exc is run.preemption.stopped_without_saving  # a second signal: nothing saved for it
+            self.teardown.write_run_report(exc.status if stopped else f"failed: {type(exc).__name__}: {exc}",
+                                           self.schedule.counters())
+            if stopped and under_launcher(run.accelerator.num_processes):
+                raise Preempted(128 + exc.signum) from None
             raise
         finally:
             self.is_in_train = False
-        if run.preemption.requested:  # the checkpoint is written and the run torn down: leave as documented
-            raise Preempted(128 + run.preemption.signum)
+        interruption = run.preemption.interruption()
+        if interruption is not None:  # checkpoint written, run torn down: leave as guards.py documents
+            if under_launcher(run.accelerator.num_processes):
+                raise Preempted(128 + interruption.signum)
+            raise interruption
         return output
 
     def run_training(self, resume_from_checkpoint, trial, ignore_keys_for_eval):
@@ -215,6 +222,7 @@ class Loop(HFMethods, TrainerAPI):
         """Preemption and non-finite values (loopkit/guards.py): act on them at an optimizer-step boundary."""
         run = self.run
         step, several = run.state.global_step, run.accelerator.num_processes > 1
+        run.preemption.checked_step = step  # a signal from now on is acted on after the next step
         due = step % self.guard_check_every == 0
         if several and not due:
             return
@@ -233,7 +241,8 @@ class Loop(HFMethods, TrainerAPI):
         self.schedule.store_flos()
         output = self.teardown.finish_training(plan, start_time, train_loss, steps_run)
         self.release()
-        self.teardown.write_run_report("preempted" if run.preemption.requested else "completed",
+        interruption = run.preemption.interruption()
+        self.teardown.write_run_report(interruption.status if interruption else "completed",
                                        self.schedule.counters(), output.metrics)
         return output
 
