@@ -167,6 +167,23 @@ class PreemptionWatch:
         saved = self.run.checkpointer.last_saved_step == self.run.state.global_step
         return TrainingInterrupted(self.signum, self.newest_checkpoint(), saved=saved)
 
+    def status(self, failure: BaseException | None = None) -> str:
+        """The run report's status: how the run ended (`failure`: the exception `train()` is raising)."""
+        if failure is not None and failure is not self.stopped_without_saving:
+            return f"failed: {type(failure).__name__}: {failure}"
+        interruption = self.interruption()
+        return interruption.status if interruption is not None else "completed"
+
+    def leave(self, failure: BaseException | None = None) -> None:
+        """The end of an interrupted `train()`: under a launcher `Preempted` (exit 128 + signal), otherwise
+        `TrainingInterrupted`. Returns when the run was not interrupted (or failed for another reason)."""
+        interruption = self.interruption()
+        if interruption is None or (failure is not None and failure is not self.stopped_without_saving):
+            return
+        if under_launcher(self.run.accelerator.num_processes):
+            raise Preempted(128 + interruption.signum) from None
+        raise interruption
+
 
 def preemption_agreed(preemption: PreemptionWatch, accelerator) -> bool:
     """Several processes: one tiny all-reduce, so a signal on any rank stops every rank at this same step."""

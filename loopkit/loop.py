@@ -22,7 +22,7 @@ import warnings
 from .args import LoopArgs, check_args, check_inputs, config_error
 from .checkpoint import Checkpointer
 from .events import DefaultFlowCallback, EventHandler, PrinterCallback, ProgressCallback, reporting_callbacks
-from .guards import Preempted, PreemptionWatch, preemption_agreed, under_launcher
+from .guards import PreemptionWatch, preemption_agreed
 from .hf_methods import HFMethods, bind_overrides
 from .trainer_api import TrainerAPI
 from .metrics import check_metrics
@@ -120,19 +120,12 @@ class Loop(HFMethods, TrainerAPI):
             run.checkpointer.wait_quietly()
             run.fire("on_train_failed", exception=exc)
             self.release()
-            stopped = exc is run.preemption.stopped_without_saving  # a second signal: nothing saved for it
-            self.teardown.write_run_report(exc.status if stopped else f"failed: {type(exc).__name__}: {exc}",
-                                           self.schedule.counters())
-            if stopped and under_launcher(run.accelerator.num_processes):
-                raise Preempted(128 + exc.signum) from None
+            self.teardown.write_run_report(run.preemption.status(exc), self.schedule.counters())
+            run.preemption.leave(exc)  # a second signal under a launcher: exit 128 + signal
             raise
         finally:
             self.is_in_train = False
-        interruption = run.preemption.interruption()
-        if interruption is not None:  # checkpoint written, run torn down: leave as guards.py documents
-            if under_launcher(run.accelerator.num_processes):
-                raise Preempted(128 + interruption.signum)
-            raise interruption
+        run.preemption.leave()  # interrupted: checkpoint written, run torn down; leave as guards.py documents
         return output
 
     def run_training(self, resume_from_checkpoint, trial, ignore_keys_for_eval):
@@ -241,9 +234,7 @@ class Loop(HFMethods, TrainerAPI):
         self.schedule.store_flos()
         output = self.teardown.finish_training(plan, start_time, train_loss, steps_run)
         self.release()
-        interruption = run.preemption.interruption()
-        self.teardown.write_run_report(interruption.status if interruption else "completed",
-                                       self.schedule.counters(), output.metrics)
+        self.teardown.write_run_report(run.preemption.status(), self.schedule.counters(), output.metrics)
         return output
 
     def release(self) -> None:

@@ -50,6 +50,9 @@ class PhaseClock:
     """Seconds per phase, step durations, the steps much slower than the running median, and the stretches of
     training before this one (a resumed run's history, from its checkpoint's run record)."""
 
+    # The step clocks (wall and process CPU time), replaceable in a test of the slow-step detector.
+    wall, cpu = staticmethod(time.perf_counter), staticmethod(time.process_time)
+
     def __init__(self):
         self.reset()
 
@@ -57,8 +60,8 @@ class PhaseClock:
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.timed = 0.0  # the sum of `totals`, kept up to date (read at every span)
         self.started = time.perf_counter()
-        self.last_step_end = self.started
-        self.cpu_started = self.last_step_cpu = time.process_time()
+        self.last_step_end = self.wall_started = self.wall()
+        self.cpu_started = self.last_step_cpu = self.cpu()
         self.load_at_start = load_average()
         self.recent = deque(maxlen=100)  # recent steps' seconds, scheduled evaluation/checkpoint time left out
         self.recent_cpu_share = deque(maxlen=100)  # process CPU seconds per wall second of those steps
@@ -97,7 +100,7 @@ class PhaseClock:
         return Span(self, phase)
 
     def step_done(self, step: int) -> None:
-        now, cpu = time.perf_counter(), time.process_time()
+        now, cpu = self.wall(), self.cpu()
         seconds, self.last_step_end = now - self.last_step_end, now
         cpu_seconds, self.last_step_cpu = cpu - self.last_step_cpu, cpu
         phases = {p: self.totals[p] - self.totals_at_last_step[p] for p in PHASES}
@@ -132,14 +135,14 @@ class PhaseClock:
     def add_to_timeline(self, step: int, now: float) -> None:
         """The throughput chart's points; past TIMELINE_POINTS every other point goes and the stride doubles."""
         scheduled = sum(self.totals[p] for p in SCHEDULED_PHASES)
-        self.timeline.append([step, round(now - self.started, 6), round(scheduled, 6)])
+        self.timeline.append([step, round(now - self.wall_started, 6), round(scheduled, 6)])
         if len(self.timeline) > TIMELINE_POINTS:
             self.timeline, self.timeline_stride = self.timeline[1::2], self.timeline_stride * 2
 
     def machine(self) -> dict:
         """How busy the machine was over this stretch: load averages and the process's CPU seconds per second."""
-        wall = time.perf_counter() - self.started
-        cpu = time.process_time() - self.cpu_started
+        wall = self.wall() - self.wall_started
+        cpu = self.cpu() - self.cpu_started
         load_end, cores = load_average(), os.cpu_count() or 1
         loads = [x for x in (self.load_at_start, load_end) if x is not None]
         return {"cores": cores, "load_average_start": self.load_at_start, "load_average_end": load_end,
@@ -392,16 +395,16 @@ def eval_metric_charts(fig, report: dict) -> None:
     axes = fig.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
     for ax, key in zip(axes, keys):
         steps, values = series(history, key)
-        ax.plot(steps, values, marker="o", color="tab:blue")
+        # The axis zooms onto the values: the legend says how far they actually moved.
+        change = f" ({(values[-1] - values[0]) / abs(values[0]):+.2%})" if values[0] else ""
+        ax.plot(steps, values, marker="o", color="tab:blue",
+                label=f"first {values[0]:.4g}, last {values[-1]:.4g}{change}")
         if best is not None:
             ax.axvline(best, color="tab:green", linestyle="--", linewidth=1.2)
         mark_resumes(ax, report)
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
-        # The axis zooms onto the values: say how far they actually moved.
-        change = f" ({(values[-1] - values[0]) / abs(values[0]):+.2%})" if values[0] else ""
-        ax.text(0.01, 0.04, f"first {values[0]:.4g}, last {values[-1]:.4g}{change}", transform=ax.transAxes,
-                fontsize="small", bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
+        ax.legend(handles=ax.get_lines()[:1], fontsize="small")
     title = "Evaluation metrics"
     if best is not None:
         title += f" (dashed: best checkpoint, step {best})"
@@ -417,7 +420,12 @@ def throughput_chart(ax, report: dict) -> None:
     mark_resumes(ax, report)
     ax.set_ylim(bottom=0)
     ax.set_ylabel("optimizer steps / second")
-    ax.set_title("Throughput (evaluation and checkpoint time left out)")
+    title = "Throughput (evaluation and checkpoint time left out)"
+    machine = report.get("machine") or {}
+    if machine.get("busy"):  # the swings may be other processes', not the run's
+        title += (f"\nmachine busy: load average {machine['load_average_end']} on {machine['cores']} cores")
+        ax.figure.subplots_adjust(top=1 - 0.65 / ax.figure.get_figheight())  # room for the second line
+    ax.set_title(title)
 
 
 def chart_figure(name: str, report: dict):
@@ -425,8 +433,12 @@ def chart_figure(name: str, report: dict):
     from matplotlib.figure import Figure
 
     metrics = len(eval_metric_keys(report["log_history"])) if name == "eval_metrics.png" else 1
-    fig = Figure(figsize=(7.2, max(3.8, 2.0 * metrics + 0.6)), dpi=100, layout="constrained")
+    height = max(3.8, 2.0 * metrics + 0.6)
+    fig = Figure(figsize=(7.2, height), dpi=100)
     FigureCanvasAgg(fig)
+    # Fixed margins (in inches, whatever the height): a layout engine would double the drawing time, and the
+    # drawing shares the CPU with the next train() of a hyper-parameter search.
+    fig.subplots_adjust(left=0.95 / 7.2, right=0.98, top=1 - 0.4 / height, bottom=0.55 / height, hspace=0.15)
     if name == "eval_metrics.png":
         eval_metric_charts(fig, report)
         return fig
