@@ -44,8 +44,8 @@ NONFINITE_POLICIES = ("ignore", "skip", "stop", "raise")
 
 # Set by torchrun/torchelastic, `accelerate launch` (one process: ACCELERATE_DYNAMO_BACKEND; several: torchrun's),
 # SLURM and MPI launchers: their presence means a launcher or scheduler reads this process's exit status.
-LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "ACCELERATE_DYNAMO_BACKEND", "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK",
-                "PMI_RANK")
+LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "ACCELERATE_DYNAMO_BACKEND", "SLURM_JOB_ID",
+                "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
 class Preempted(SystemExit):

@@ -9,9 +9,14 @@ checkpoint, teardown (from the end of the last epoch) and the report itself; "ot
 (the loop's own bookkeeping).
 
 At the end of a run (and when it fails) the teardown stage writes `run_report.json` and `run_report.md` to the
-output folder and prints a one-screen summary. The PNG charts of the loss, learning rate and evaluation metrics are
-drawn after `train()` returns, by a background thread (one chart job at a time, in order; the interpreter waits for
+output folder and prints a one-screen summary. The PNG charts (loss with eval loss, the best checkpoint and resumes;
+the learning rate with its warmup; one axis per evaluation metric; throughput) are drawn after `train()` returns, by a background thread (one chart job at a time, in order; the interpreter waits for
 it before exiting; `wait_for_charts()` waits for it explicitly). Without matplotlib the report says how to get them.
+
+Slow steps: a step slower than 3x the rolling median and beyond the run's normal spread (median + 5 robust standard
+deviations, from the median absolute deviation), its scheduled evaluation and checkpoint left out. Each names its
+phases, the load average and the process's share of a CPU during it, so a step slowed by other processes on a busy
+machine reads as such; the report also says when the machine was busy over the run (load average above the cores).
 
 Each checkpoint carries a run record (`run_record()`, under "run_record" in `loopkit_state.json`): the elapsed time
 and phase totals of every stretch of training so far (one per resume), and the metric settings. A resumed run's
@@ -103,11 +108,12 @@ class PhaseClock:
         now, cpu = self.wall(), self.cpu()
         seconds, self.last_step_end = now - self.last_step_end, now
         cpu_seconds, self.last_step_cpu = cpu - self.last_step_cpu, cpu
-        phases = {p: self.totals[p] - self.totals_at_last_step[p] for p in PHASES}
-        work = max(seconds - sum(phases[p] for p in SCHEDULED_PHASES), 1e-9)
+        totals, before = self.totals, self.totals_at_last_step  # the SCHEDULED_PHASES, spelled out (every step)
+        scheduled = totals["evaluation"] - before["evaluation"] + totals["checkpoint"] - before["checkpoint"]
+        work = max(seconds - scheduled, 1e-9)
         self.steps += 1
         if self.median is not None and self.steps > SLOW_WARMUP and work > self.slow_threshold():
-            self.slow_steps.append(self.slow_step(step, seconds, work, cpu_seconds, phases))
+            self.slow_steps.append(self.slow_step(step, seconds, work, cpu_seconds))
         self.recent.append(work)
         self.recent_cpu_share.append(cpu_seconds / seconds if seconds > 0 else 1.0)
         if self.steps % 10 == 0 or self.median is None:
@@ -121,10 +127,11 @@ class PhaseClock:
     def slow_threshold(self) -> float:
         return max(SLOW_FACTOR * self.median, self.median + SLOW_SPREADS * self.spread)
 
-    def slow_step(self, step, seconds, work, cpu_seconds, phases) -> dict:
+    def slow_step(self, step, seconds, work, cpu_seconds) -> dict:
         """A slow step's record: its phases, and whether the machine was busy (load average above the cores) or
         the process waited (its CPU share far below the run's usual one): two syscalls, at slow steps only."""
         load, cores = load_average(), os.cpu_count() or 1
+        phases = {p: self.totals[p] - self.totals_at_last_step[p] for p in PHASES}
         return {"step": step, "seconds": round(seconds, 6), "without_scheduled": round(work, 6),
                 "median": round(self.median, 6), "spread": round(self.spread, 6),
                 "threshold": round(self.slow_threshold(), 6), "phases": {p: round(v, 6) for p, v in phases.items()},
@@ -260,6 +267,7 @@ def build_report(run, status: str, counters: dict, train_metrics: dict | None = 
             "slow_steps": clock.slow_steps, "machine": clock.machine(), "log_history": history,
             "best_step": state.best_global_step, "warmup_steps": args.get_warmup_steps(state.max_steps),
             "interruption": interruption_record(run),
+            "charts": planned_charts({"log_history": history, "segments": clock.segments(state.global_step)}),
         }
     clock.enter(None)  # closes the teardown phase: everything up to here is in the totals below
     segments = clock.segments(state.global_step)
@@ -268,7 +276,6 @@ def build_report(run, status: str, counters: dict, train_metrics: dict | None = 
                   time_by_phase=time_by_phase(segments),
                   samples_per_second=round(counters["samples"] / this_run, 3) if this_run else None,
                   tokens_per_second=round(counters["tokens"] / this_run, 3) if this_run else None)
-    report["charts"] = planned_charts(report)
     return report
 
 
@@ -368,7 +375,10 @@ def loss_chart(ax, report: dict) -> None:
                    else f"best checkpoint (step {best})")
     mark_resumes(ax, report)
     ax.set_ylabel("loss")
-    ax.set_title("Loss: training and evaluation")
+    trained, evaluated = (bool(series(history, key)[0]) for key in ("loss", "eval_loss"))
+    ax.set_title("Loss: training and evaluation" if trained and evaluated else
+                 "Loss: training (no evaluation logged)" if trained else
+                 "Loss: evaluation only (no training loss was logged; see logging_steps)")
 
 
 def learning_rate_chart(ax, report: dict) -> None:
@@ -431,6 +441,7 @@ def throughput_chart(ax, report: dict) -> None:
 def chart_figure(name: str, report: dict):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     metrics = len(eval_metric_keys(report["log_history"])) if name == "eval_metrics.png" else 1
     height = max(3.8, 2.0 * metrics + 0.6)
@@ -441,8 +452,10 @@ def chart_figure(name: str, report: dict):
     fig.subplots_adjust(left=0.95 / 7.2, right=0.98, top=1 - 0.4 / height, bottom=0.55 / height, hspace=0.15)
     if name == "eval_metrics.png":
         eval_metric_charts(fig, report)
+        fig.axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole (shared axis)
         return fig
     ax = fig.add_subplot()
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     {"loss.png": loss_chart, "learning_rate.png": learning_rate_chart, "throughput.png": throughput_chart}[name](
         ax, report)
     ax.set_xlabel("optimizer step")
