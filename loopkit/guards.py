@@ -102,13 +102,13 @@ class PreemptionWatch:
     """Installs SIGTERM/SIGINT handlers for the duration of a run (main thread only) and records the signal.
 
     With `run` (the `RunState`), the first signal prints what will happen and a second one raises
-    `TrainingInterrupted` at once. `checked_step` (set by the loop's guard check): the last step checked, so a signal
+    `TrainingInterrupted` at once. The loop's guard check tells it the step it checked (`checked`), so a signal
     at that step is acted on after the next one, and one at a later step after that step's log/evaluate/save."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, run=None, check_every: int = 1):
-        self.run, self.check_every = run, check_every
+    def __init__(self, run=None):
+        self.run, self.check_every = run, 1
         self.signum = None
         self.stopped_without_saving = None  # the TrainingInterrupted a second signal raised
         self.checked_step = None
@@ -135,6 +135,10 @@ class PreemptionWatch:
         if self.run is not None:
             os.write(2, (self.plan_text() + "\n").encode())  # os.write: print() may be mid-write in this thread
 
+    def checked(self, step: int, check_every: int) -> None:
+        """The loop checked for a signal after `step`; with several processes it checks every `check_every` steps."""
+        self.checked_step, self.check_every = step, check_every
+
     @property
     def requested(self) -> bool:
         return self.signum is not None
@@ -144,14 +148,19 @@ class PreemptionWatch:
         run = self.run
         step = run.state.global_step if run.state is not None else 0
         several = run.accelerator is not None and run.accelerator.num_processes > 1
-        if several:  # the ranks agree at the next step that is a multiple of check_every
-            step = (step // self.check_every + 1) * self.check_every
-            how = f"finishing up to step {step} (the ranks agree every {self.check_every} steps)"
+        if several and self.checked_step is None:  # before the first check: its interval is not known yet
+            return (f"\nloopkit: {signal_name(self.signum)} received: finishing the steps up to the ranks' next "
+                    f"agreed check, then saving its checkpoint in {run.args.output_dir}; press Ctrl-C again to stop "
+                    f"without saving.")
+        if several:  # the ranks agree at the next step that is a multiple of check_every (maybe this one)
+            if step % self.check_every or step == self.checked_step:
+                step = (step // self.check_every + 1) * self.check_every
+            how = f"finishing the steps up to step {step} (the ranks agree every {self.check_every} steps)"
         elif self.checked_step is None or step == self.checked_step:
             step += 1
             how = f"finishing step {step}"
         else:
-            how = f"step {step} is done (an evaluation in progress is abandoned and runs first on resume)"
+            how = f"step {step} is done (an evaluation now running is abandoned; it runs first on resume)"
         return (f"\nloopkit: {signal_name(self.signum)} received: {how}, then saving checkpoint-{step} in "
                 f"{run.args.output_dir}; press Ctrl-C again to stop without saving.")
 

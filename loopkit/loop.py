@@ -85,7 +85,7 @@ class Loop(HFMethods, TrainerAPI):
         # As in Trainer.__init__: an evaluate() before train() logs (and reports) on the main process only.
         run.state = LoopState(is_local_process_zero=run.accelerator.is_local_main_process,
                               is_world_process_zero=run.accelerator.is_main_process)
-        run.preemption = PreemptionWatch(run, self.guard_check_every)
+        run.preemption = PreemptionWatch(run)
         run.clock = run.events.clock = PhaseClock()  # the run report's time by phase
         run.checkpointer = Checkpointer(run, **self.evaluation.checkpoint_options())
         # The methods one stage offers another go through the Loop, so a subclass's overrides apply everywhere.
@@ -215,7 +215,7 @@ class Loop(HFMethods, TrainerAPI):
         """Preemption and non-finite values (loopkit/guards.py): act on them at an optimizer-step boundary."""
         run = self.run
         step, several = run.state.global_step, run.accelerator.num_processes > 1
-        run.preemption.checked_step = step  # a signal from now on is acted on after the next step
+        run.preemption.checked(step, self.guard_check_every)  # what the next signal's message says
         due = step % self.guard_check_every == 0
         if several and not due:
             return
