@@ -3,7 +3,7 @@
 `Schedule` is a run-level component the `Loop` owns (not a stage): after every optimizer step the loop hands it the
 step stage's `StepResult` (`record`) and then lets it act on what the callbacks asked for in `control` (`after_step`,
 HF's `_maybe_log_save_evaluate`): a train log (the one host sync of the training loop), an evaluation (then the best
-metric and, for `ReduceLROnPlateau`, the scheduler), a checkpoint (then `on_save`).
+metric and, for `ReduceLROnPlateau` and `GreedyLR`, the scheduler), a checkpoint (then `on_save`).
 
 It writes `state.log_history` through `run.log`, `state.best_metric`, `state.best_global_step`, `state.total_flos`
 and `state.num_input_tokens_seen` (`include_num_input_tokens_seen`: counted on the device or from shapes each step,
@@ -21,6 +21,7 @@ import torch
 
 from .checkpoint import restore_rng_state, rng_state
 from .guards import EvaluationInterrupted
+from .optimizers import steps_on_metrics
 
 
 # Micro-batch losses kept for the NaN/Inf filter are stacked into one tensor per this many (bounded memory when logs
@@ -261,7 +262,7 @@ class Schedule:
     def evaluate_during_training(self, ignore_keys=None, skip_scheduler=False) -> dict:
         metrics = self.evaluate(ignore_keys=ignore_keys)
         scheduler = self.run.lr_scheduler
-        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not skip_scheduler:
+        if steps_on_metrics(scheduler) and not skip_scheduler:
             scheduler.step(metrics[best_metric_key(self.run.args)])
         return metrics
 

@@ -50,7 +50,8 @@ from ..args import config_error
 from ..batches import require_named_batch
 from ..first_batch import check_labels
 from ..guards import NONFINITE_POLICIES, NonFiniteWatch
-from ..optimizers import backward_kwargs, build_optimizer, optimizer_cls_and_kwargs, updates_in_backward
+from ..optimizers import (backward_kwargs, build_optimizer, optimizer_cls_and_kwargs, steps_on_metrics,
+                          updates_in_backward)
 from .base import Stage, base_model
 
 NO_DECAY_PATTERNS = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)",
@@ -203,6 +204,7 @@ class StepStage(Stage):
                                          if hasattr(run.model, "num_parameters") else 0)
         self.main_input = getattr(run.model, "main_input_name", "input_ids")
         self.label_shift = is_causal_lm(run.model)
+        self.scheduler_steps_on_metrics = steps_on_metrics(run.lr_scheduler)
         # The labels of the first micro-batch are checked against the model's own loss (loopkit/first_batch.py).
         self.labels_unchecked = run.compute_loss_func is None and not self.compute_loss_overridden()
         # HF's FLOP estimate depends on the main input's shape only: computed once per shape, unless overridden.
@@ -426,11 +428,11 @@ class StepStage(Stage):
             run.optimizer.step()
         run.fire("on_optimizer_step")
         scheduler = run.lr_scheduler
-        result.learning_rate = scheduler.get_last_lr()[0] if hasattr(scheduler, "get_last_lr") else \
-            run.optimizer.param_groups[0]["lr"]
-        if not acc.optimizer_step_was_skipped and not isinstance(
-                scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            scheduler.step()
+        # HF's _get_learning_rate: a metric-driven scheduler's LR is the optimizer's.
+        result.learning_rate = scheduler.get_last_lr()[0] if not self.scheduler_steps_on_metrics and \
+            hasattr(scheduler, "get_last_lr") else run.optimizer.param_groups[0]["lr"]
+        if not acc.optimizer_step_was_skipped and not self.scheduler_steps_on_metrics:
+            scheduler.step()  # a metric-driven scheduler steps after each evaluation instead (loopkit/schedule.py)
         model.zero_grad()
 
     def check_nonfinite(self) -> bool:
