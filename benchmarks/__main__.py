@@ -1,8 +1,11 @@
 """`python -m benchmarks`: run the benchmarks and write results.json, results.md and charts to a results folder.
 
-    python -m benchmarks                      # everything, full size (under 20 minutes on 2 cores)
-    python -m benchmarks --quick              # everything, reduced (under 3 minutes)
+    python -m benchmarks                      # everything, full size
+    python -m benchmarks --quick              # everything, reduced sizes and rounds
     python -m benchmarks --only overhead,resume --out /tmp/bench
+    python -m benchmarks --out benchmarks/results   # publish: replace the committed results
+
+Results go to benchmarks/local-results/ (not tracked by git) unless --out says otherwise.
 """
 
 from __future__ import annotations
@@ -17,22 +20,23 @@ from pathlib import Path
 
 from . import BENCHMARKS
 from .environment import describe
-from .harness import REPO_ROOT, SIZES, Suite
-from .report import CHARTS_HINT, slow_rows, write_charts, write_json, write_markdown
+from .harness import LOCAL_RESULTS, SIZES, Suite
+from .report import CHARTS_HINT, noisy_rows, slow_rows, write_charts, write_json, write_markdown
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_const", const="quick", dest="size",
-                        help="reduced sizes and fewer rounds (under 3 minutes)")
+                        help="reduced sizes and fewer rounds")
     parser.add_argument("--size", choices=SIZES,
                         help="full (default), quick, or tiny (seconds; only keeps the harness working)")
     parser.set_defaults(size="full")
     parser.add_argument("--only", action="append", default=[], metavar="NAME",
                         help=f"run only these benchmarks (comma-separated or repeated): {', '.join(BENCHMARKS)}")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results",
-                        help="results folder (default: benchmarks/results/)")
+    parser.add_argument("--out", type=Path, default=LOCAL_RESULTS,
+                        help="results folder (default: benchmarks/local-results/, untracked; the committed "
+                             "benchmarks/results/ is the last published run)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads per worker process (default 1: steadier timings; the loop's "
                              "overhead does not depend on it). 0 keeps torch's default.")
@@ -77,6 +81,8 @@ def main(argv=None) -> int:
               + (f" and {len(charts)} charts" if charts else f". {CHARTS_HINT}"))
     for line in slow_rows(results):
         suite.say(line)
+    for line in noisy_rows(results):
+        suite.say(f"too noisy for a verdict: {line[2:]}")
     failed = [name for name, section in results["benchmarks"].items() if "error" in section]
     return 1 if failed else 0
 

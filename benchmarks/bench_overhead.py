@@ -105,7 +105,7 @@ def run(suite) -> dict:
                 extra["tokens_per_step"] = tokens_per_step
                 extra["tokens_per_second"] = {c: [tokens_per_step * workload["scale"] / v for v in samples[c]]
                                               for c in CONTENDERS}
-            rows.append(comparison_row(workload["name"], workload["unit"], samples, check, extra))
+            rows.append(comparison_row(workload["name"], workload["unit"], samples, check, extra, floor="raw"))
     return {"title": TITLE, "rows": rows}
 
 

@@ -27,6 +27,8 @@ from .spec import CONTENDERS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SIZES = ("full", "quick", "tiny")
+# A run's own results: ignored by git, so a run never overwrites the published benchmarks/results/ by accident.
+LOCAL_RESULTS = REPO_ROOT / "benchmarks" / "local-results"
 
 
 class WorkerError(RuntimeError):
@@ -80,7 +82,7 @@ class Suite:
     """Settings and services shared by the benchmarks of one `python -m benchmarks` run."""
 
     size: str = "full"
-    out_dir: Path = REPO_ROOT / "benchmarks" / "results"
+    out_dir: Path = LOCAL_RESULTS
     threads: int = 1
     started: float = field(default_factory=time.time)
     environment: dict = field(default_factory=dict)  # benchmarks.environment.describe(), filled in by __main__
@@ -204,14 +206,72 @@ def merge_checks(*checks: dict) -> dict:
             "values": [c["values"] for c in checks]}
 
 
+def fmt(value, digits: int = 3) -> str:
+    """A number for a table or a summary line: thousands separators for large values, 3 significant digits else."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    magnitude = abs(value)
+    if magnitude >= 1000:
+        return f"{value:,.0f}"
+    if magnitude >= 100:
+        return f"{value:.0f}"
+    if magnitude >= 10:
+        return f"{value:.1f}"
+    return f"{value:.{digits}g}"
+
+
+# A row is too noisy for a verdict when one contender's measured rounds spread over more than this fraction of their
+# median, or when a contender beats the physical limit (`floor`: the hand-written loop doing the same work with
+# nothing extra) by more than FLOOR_MARGIN: neither can be a real difference, so the row's ratios are not to be trusted.
+NOISE_SPREAD = 0.20
+FLOOR_MARGIN = 0.05
+
+
+def spread(values: list) -> float | None:
+    """(max - min) / median of the measured rounds; None with fewer than two."""
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if len(values) < 2 or not statistics.median(values):
+        return None
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def noise_reasons(unit: str, samples: dict, ratios: dict, floor: str | None) -> list[str]:
+    """Why this row's rounds cannot back a verdict ([] when they agree)."""
+    reasons = []
+    for contender, values in samples.items():
+        fraction = spread(values)
+        if fraction is not None and fraction > NOISE_SPREAD:
+            reasons.append(f"{contender}'s rounds spread {fraction:.0%} "
+                           f"({fmt(min(values))}-{fmt(max(values))} {unit})")
+    for contender in samples:
+        ratio = ratios.get(f"{contender}/{floor}")
+        if contender != floor and ratio and ratio["median"] < 1 - FLOOR_MARGIN:
+            reasons.append(f"{contender} faster than {floor}, the physical limit ({fmt(median(samples[contender]))} "
+                           f"vs {fmt(median(samples[floor]))} {unit}, {ratio['median']:.3f}x)")
+    return reasons
+
+
 def comparison_row(name: str, unit: str, samples: dict, check: dict | None = None, extra: dict | None = None,
-                   higher_is_better: bool = False) -> dict:
-    """A row comparing contenders on one measurement: raw samples (per measured round), medians, paired ratios."""
+                   higher_is_better: bool = False, floor: str | None = None) -> dict:
+    """A row comparing contenders on one measurement: raw samples (per measured round), medians, paired ratios, each
+    contender's spread, and `noisy` (the reasons the rounds disagree). `floor` names the contender no other can beat
+    doing the same work (the raw loop, for times of the same training); leave it None where a contender may do less.
+    """
+    ratios = {f"{a}/{b}": paired_ratio(samples[a], samples[b])
+              for a, b in RATIO_PAIRS if a in samples and b in samples}
+    if floor in samples:  # every contender against the floor, for the physical-limit check
+        ratios.update({f"{c}/{floor}": paired_ratio(samples[c], samples[floor])
+                       for c in samples if c != floor and f"{c}/{floor}" not in ratios})
     return {
         "name": name, "unit": unit, "higher_is_better": higher_is_better, "samples": samples,
         "median": {c: median(v) for c, v in samples.items()},
-        "ratios": {f"{a}/{b}": paired_ratio(samples[a], samples[b])
-                   for a, b in RATIO_PAIRS if a in samples and b in samples},
+        "spread": {c: spread(v) for c, v in samples.items()},
+        "ratios": ratios, "floor": floor,
+        "noisy": noise_reasons(unit, samples, ratios, floor),
         "check": check or {"ok": True, "detail": "", "mismatched": [], "values": None},
         "extra": extra or {},
     }
@@ -224,9 +284,9 @@ MEMORY_TOLERANCE = 0.01
 
 def loopkit_flags(row: dict) -> list[str]:
     """Where loopkit is worse than HF Trainer, or more than 2% worse than the raw loop, on this row (slower for
-    times, larger for memory and sizes). A flag says "within noise" when the round-by-round ratios fall on both
-    sides of 1."""
-    if "loopkit" in row["check"]["mismatched"] or row["higher_is_better"]:
+    times, larger for memory and sizes), each with both medians beside the ratio. A noisy row gets no verdict (see
+    `noise_reasons`); a flag says "within noise" when the round-by-round ratios fall on both sides of 1."""
+    if row.get("noisy") or "loopkit" in row["check"]["mismatched"] or row["higher_is_better"]:
         return []
     memory = row["unit"] in SIZE_UNITS
     worse = "larger" if memory else "slower"
@@ -235,11 +295,13 @@ def loopkit_flags(row: dict) -> list[str]:
         ratio = row["ratios"].get(f"loopkit/{other}")
         if not ratio or ratio["median"] <= max(threshold, 1 + MEMORY_TOLERANCE if memory else 0):
             continue
-        noise = f"within noise: rounds ranged {ratio['min']:.2f}-{ratio['max']:.2f}" \
-            if ratio["n"] > 1 and ratio["min"] < 1 < ratio["max"] else ""
+        details = f"medians {fmt(row['median']['loopkit'])} vs {fmt(row['median'][other])} {row['unit']}, " \
+                  f"{ratio['median']:.3f}x"
+        if ratio["n"] > 1:
+            within = ", within noise" if ratio["min"] < 1 < ratio["max"] else ""
+            details += f"; rounds ranged {ratio['min']:.2f}-{ratio['max']:.2f}x{within}"
         if other == "hf":
-            details = f"{ratio['median']:.3f}x" + (f", {noise}" if noise else "")
             flags.append(f"{worse} than {label} ({details})")
         else:
-            flags.append(f"{(ratio['median'] - 1) * 100:.1f}% {worse} than {label}" + (f" ({noise})" if noise else ""))
+            flags.append(f"{(ratio['median'] - 1) * 100:.1f}% {worse} than {label} ({details})")
     return flags

@@ -10,27 +10,10 @@ import importlib
 import json
 from pathlib import Path
 
-from .harness import loopkit_flags, median
+from .harness import FLOOR_MARGIN, NOISE_SPREAD, fmt, loopkit_flags, median
 from .spec import CONTENDERS, LABELS
 
 CHARTS_HINT = "Charts need matplotlib: pip install matplotlib (or pip install 'loopkit[charts]'), then re-run."
-
-
-def fmt(value, digits: int = 3) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, int):
-        return f"{value:,}"
-    magnitude = abs(value)
-    if magnitude >= 1000:
-        return f"{value:,.0f}"
-    if magnitude >= 100:
-        return f"{value:.0f}"
-    if magnitude >= 10:
-        return f"{value:.1f}"
-    return f"{value:.{digits}g}"
 
 
 def fmt_ratio(ratio: dict | None) -> str:
@@ -42,12 +25,13 @@ def fmt_ratio(ratio: dict | None) -> str:
 
 
 def comparison_table(rows: list, contenders=CONTENDERS) -> str:
-    """Medians per contender, paired ratios, and the same-work check. A contender whose run did not end where the
-    reference did shows MISMATCH instead of a number."""
+    """Medians per contender, paired ratios, the same-work check and whether the rounds agree. A contender whose run
+    did not end where the reference did shows MISMATCH instead of a number; a noisy row says why, and gets no
+    verdict."""
     present = [c for c in contenders if any(c in row["samples"] for row in rows)]
     pairs = [p for p in ("loopkit/raw", "loopkit/hf", "hf/raw") if any(p in row["ratios"] for row in rows)]
     header = ["benchmark", "unit"] + [LABELS[c] for c in present] + \
-        [p.replace("hf", "HF") for p in pairs] + ["same work?"]
+        [p.replace("hf", "HF") for p in pairs] + ["same work?", "rounds agree?"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         mismatched = row["check"]["mismatched"]
@@ -60,9 +44,15 @@ def comparison_table(rows: list, contenders=CONTENDERS) -> str:
         check = "yes" if row["check"]["ok"] else f"NO: {row['check']['detail']}"
         flags = loopkit_flags(row)
         cells.append(check + (f" (loopkit {'; '.join(flags)})" if flags else ""))
+        noisy = row.get("noisy")
+        spreads = [v for v in row.get("spread", {}).values() if v is not None]
+        agree = f"yes (spread up to {max(spreads):.0%})" if spreads else "one round: unknown"
+        cells.append(f"NO, no verdict: {'; '.join(noisy)}" if noisy else agree)
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("\nRatios are medians of round-by-round ratios (min-max in brackets); below 1 means the first "
-                 "contender takes less.")
+                 f"contender takes less. Spread: (max - min) / median of a contender's measured rounds. A row is "
+                 f"noisy when one contender's rounds spread over {NOISE_SPREAD:.0%} of their median, or a contender beats the hand-written loop doing the same work by over "
+                 f"{FLOOR_MARGIN:.0%}.")
     return "\n".join(lines)
 
 
@@ -93,12 +83,19 @@ def environment_markdown(env: dict) -> str:
 
 
 def slow_rows(results: dict) -> list[str]:
+    """Summary lines for the rows where loopkit is worse (noisy rows are never among them)."""
     found = []
     for name, section in results["benchmarks"].items():
         for row in section.get("rows", []):
             for flag in loopkit_flags(row):
                 found.append(f"- {section['title']} / {row['name']}: loopkit is {flag}")
     return found
+
+
+def noisy_rows(results: dict) -> list[str]:
+    """Summary lines for the rows whose rounds disagree: no win or loss is read from them."""
+    return [f"- {section['title']} / {row['name']}: {'; '.join(row['noisy'])}"
+            for section in results["benchmarks"].values() for row in section.get("rows", []) if row.get("noisy")]
 
 
 def write_markdown(results: dict, path: Path, charts: list[str]) -> str:
@@ -113,6 +110,10 @@ def write_markdown(results: dict, path: Path, charts: list[str]) -> str:
     slow = slow_rows(results)
     parts.append("## Where loopkit is slower than HF Trainer, or more than 2% slower than the raw loop\n")
     parts.append("\n".join(slow) if slow else "Nowhere in this run.")
+    noisy = noisy_rows(results)
+    if noisy:
+        parts.append("\n## Too noisy for a verdict (re-run on a quieter machine)\n")
+        parts.append("\n".join(noisy))
     if not charts:
         parts.append(f"\n{CHARTS_HINT}")
     text = "\n".join(parts) + "\n"

@@ -34,6 +34,7 @@ _EXPORTS = {
     "TokenAccuracy": "loopkit.metrics",
     "Perplexity": "loopkit.metrics",
     "PrecisionRecallF1": "loopkit.metrics",
+    "TrainingInterrupted": "loopkit.guards",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

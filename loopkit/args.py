@@ -297,11 +297,11 @@ SUPPORTED_FIELDS = frozenset(f.name for f in dataclasses.fields(LoopArgs))
 LoopArgs.__init__ = reject_unknown_keywords(LoopArgs.__init__)
 # `optim` is checked by loopkit/optimizers.py (every value this machine can run, refusals name the package or device).
 SUPPORTED_CHOICES = {
-    # transformers' schedulers except "greedy" (GreedyLR steps on eval metrics, which loopkit does only for
-    # reduce_lr_on_plateau); a scheduler type added later is refused until it is reviewed.
+    # transformers' schedulers (reduce_lr_on_plateau and greedy step on eval metrics); a scheduler type added later
+    # is refused until it is reviewed.
     "lr_scheduler_type": ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
-                          "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr",
-                          "cosine_warmup_with_min_lr", "warmup_stable_decay"),
+                          "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "greedy",
+                          "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"),
     "train_sampling_strategy": ("random", "sequential", "group_by_length"),
     "include_num_input_tokens_seen": ("no", "all", "non_padding"),
     "logging_strategy": ("no", "steps", "epoch"),

@@ -1,9 +1,20 @@
 """Run guards: preemption signals and non-finite losses or gradients, watched without a host sync per step.
 
-Preemption: while `train()` runs, SIGTERM and SIGINT only set a flag. The loop finishes the current optimizer step,
-writes an atomic checkpoint, fires `on_save`, ends the run through the normal teardown (`on_train_end`) and exits
-with status 128 + signal (143 for SIGTERM, 130 for SIGINT). A signal during evaluation abandons the evaluation; the
-checkpoint is the last optimizer step's, and a resumed run runs the pending evaluation first.
+Interruption (Ctrl-C, SIGTERM): while `train()` runs, the first SIGTERM or SIGINT prints at once what will happen
+("finishing step N, then saving checkpoint-N; press Ctrl-C again to stop without saving") and sets a flag. The loop
+finishes the current optimizer step, writes an atomic checkpoint, fires `on_save`, ends the run through the normal
+teardown (`on_train_end`; `save_total_limit=1` keeps that checkpoint too) and its report names the checkpoint and the
+call that resumes it. A second signal stops at once: a save in progress is abandoned (its temporary folder is
+removed) and the checkpoints already on disk stay as they are. A signal during evaluation abandons the evaluation;
+the checkpoint is the last optimizer step's, and a resumed run runs the pending evaluation first.
+
+How `train()` then ends depends on who runs the process:
+* under a launcher or scheduler (several processes, or any of the environment variables in `LAUNCHER_ENV`:
+  torchrun/torchelastic, `accelerate launch`, SLURM, MPI) and not interactive, the process exits with status
+  128 + signal (143 for SIGTERM, 130 for SIGINT), as the launcher expects (`Preempted`, a `SystemExit`);
+* otherwise (a script, a notebook, a REPL) `train()` raises `TrainingInterrupted`, a `KeyboardInterrupt` that carries
+  the checkpoint path and the resume call, so code after `train()` can catch it and go on. Uncaught in a script it
+  ends the process with a traceback and status 1 (Python's rule for an exception other than KeyboardInterrupt itself).
 
 With several processes the ranks agree through one small all-reduce every `check_every` optimizer steps (so the
 worst-case delay between the signal and the stop is `check_every - 1` steps); a single process checks every step,
@@ -22,7 +33,9 @@ Each check reports the first bad step and the micro-batches of the epoch that fo
 from __future__ import annotations
 
 import functools
+import os
 import signal
+import sys
 import threading
 
 import torch
@@ -30,26 +43,81 @@ import torch
 NONFINITE_POLICIES = ("ignore", "skip", "stop", "raise")
 
 
+# Set by torchrun/torchelastic, `accelerate launch` (one process: ACCELERATE_DYNAMO_BACKEND; several: torchrun's),
+# SLURM and MPI launchers: their presence means a launcher or scheduler reads this process's exit status.
+LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "ACCELERATE_DYNAMO_BACKEND", "SLURM_JOB_ID",
+                "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
 class Preempted(SystemExit):
-    """Raised to end the process after a preemption checkpoint; its code is 128 + the signal number."""
+    """Raised to end the process after an interruption under a launcher; its code is 128 + the signal number."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """`train()` was interrupted by a signal outside a launcher. `checkpoint`: the newest complete checkpoint (None
+    if there is none), `saved`: whether it was written for this interruption (False after a second signal: an
+    earlier one), `resume`: the call that resumes from it, `signum`: the signal."""
+
+    def __init__(self, signum: int, checkpoint: str | None, saved: bool):
+        self.signum, self.checkpoint, self.saved = signum, checkpoint, saved
+        self.resume = resume_call(checkpoint)
+        self.status = interruption_text(signum, checkpoint, saved)  # the run report's status line
+        super().__init__(self.status + (f"; resume: {self.resume}" if self.resume else ""))
 
 
 class EvaluationInterrupted(Exception):
     """A preemption signal arrived during evaluation: the evaluation is abandoned."""
 
 
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def under_launcher(num_processes: int) -> bool:
+    """Whether a launcher or scheduler reads this process's exit status (see the module docstring)."""
+    interactive = hasattr(sys, "ps1") or sys.flags.interactive or "ipykernel" in sys.modules
+    return not interactive and (num_processes > 1 or any(name in os.environ for name in LAUNCHER_ENV))
+
+
+def resume_call(checkpoint: str | None) -> str | None:
+    """The call that resumes from `checkpoint`, and for a script run with `--output_dir` (HF's example scripts) the
+    command line too."""
+    if checkpoint is None:
+        return None
+    call = f'trainer.train(resume_from_checkpoint="{os.path.abspath(checkpoint)}")'
+    argv = [a for a in sys.argv if not a.startswith("--resume_from_checkpoint")]
+    if "--output_dir" in argv or any(a.startswith("--output_dir=") for a in argv):
+        command = " ".join(["python", *argv, "--resume_from_checkpoint", os.path.abspath(checkpoint)])
+        call += f", or run: {command}"
+    return call
+
+
+def interruption_text(signum: int, checkpoint: str | None, saved: bool) -> str:
+    if saved:
+        return f"interrupted by {signal_name(signum)}: saved {checkpoint}"
+    kept = f"the newest checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written yet"
+    return f"stopped by a second {signal_name(signum)} without saving: {kept}"
+
+
 class PreemptionWatch:
-    """Installs SIGTERM/SIGINT handlers for the duration of a run (main thread only) and records the signal."""
+    """Installs SIGTERM/SIGINT handlers for the duration of a run (main thread only) and records the signal.
+
+    With `run` (the `RunState`), the first signal prints what will happen and a second one raises
+    `TrainingInterrupted` at once. The loop's guard check tells it the step it checked (`checked`), so a signal
+    at that step is acted on after the next one, and one at a later step after that step's log/evaluate/save."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self, run=None):
+        self.run, self.check_every = run, 1
         self.signum = None
+        self.stopped_without_saving = None  # the TrainingInterrupted a second signal raised
+        self.checked_step = None
         self.previous = {}
         self.active = False
 
     def __enter__(self):
-        self.signum, self.active = None, True
+        self.signum, self.stopped_without_saving, self.checked_step, self.active = None, None, None, True
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self.previous[sig] = signal.signal(sig, self.record)
@@ -61,11 +129,70 @@ class PreemptionWatch:
         self.previous, self.active = {}, False
 
     def record(self, signum, frame):
+        if self.signum is not None and self.run is not None:  # the second signal: stop now, save nothing
+            self.stopped_without_saving = TrainingInterrupted(signum, self.newest_checkpoint(), saved=False)
+            raise self.stopped_without_saving
         self.signum = signum
+        if self.run is not None:
+            os.write(2, (self.plan_text() + "\n").encode())  # os.write: print() may be mid-write in this thread
+
+    def checked(self, step: int, check_every: int) -> None:
+        """The loop checked for a signal after `step`; with several processes it checks every `check_every` steps."""
+        self.checked_step, self.check_every = step, check_every
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
+
+    def plan_text(self) -> str:
+        """What the first signal does, in the words printed at once."""
+        run = self.run
+        step = run.state.global_step if run.state is not None else 0
+        several = run.accelerator is not None and run.accelerator.num_processes > 1
+        if several and self.checked_step is None:  # before the first check: its interval is not known yet
+            return (f"\nloopkit: {signal_name(self.signum)} received: finishing the steps up to the ranks' next "
+                    f"agreed check, then saving its checkpoint in {run.args.output_dir}; press Ctrl-C again to stop "
+                    f"without saving.")
+        if several:  # the ranks agree at the next step that is a multiple of check_every (maybe this one)
+            if step % self.check_every or step == self.checked_step:
+                step = (step // self.check_every + 1) * self.check_every
+            how = f"finishing the steps up to step {step} (the ranks agree every {self.check_every} steps)"
+        elif self.checked_step is None or step == self.checked_step:
+            step += 1
+            how = f"finishing step {step}"
+        else:
+            how = f"step {step} is done (an evaluation now running is abandoned; it runs first on resume)"
+        return (f"\nloopkit: {signal_name(self.signum)} received: {how}, then saving checkpoint-{step} in "
+                f"{run.args.output_dir}; press Ctrl-C again to stop without saving.")
+
+    def newest_checkpoint(self) -> str | None:
+        from .checkpoint import last_checkpoint
+
+        return last_checkpoint(self.run.args.output_dir)
+
+    def interruption(self) -> TrainingInterrupted | None:
+        """The interruption of this run, once it is over (None: not interrupted)."""
+        if self.stopped_without_saving is not None or self.signum is None:
+            return self.stopped_without_saving
+        saved = self.run.checkpointer.last_saved_step == self.run.state.global_step
+        return TrainingInterrupted(self.signum, self.newest_checkpoint(), saved=saved)
+
+    def status(self, failure: BaseException | None = None) -> str:
+        """The run report's status: how the run ended (`failure`: the exception `train()` is raising)."""
+        if failure is not None and failure is not self.stopped_without_saving:
+            return f"failed: {type(failure).__name__}: {failure}"
+        interruption = self.interruption()
+        return interruption.status if interruption is not None else "completed"
+
+    def leave(self, failure: BaseException | None = None) -> None:
+        """The end of an interrupted `train()`: under a launcher `Preempted` (exit 128 + signal), otherwise
+        `TrainingInterrupted`. Returns when the run was not interrupted (or failed for another reason)."""
+        interruption = self.interruption()
+        if interruption is None or (failure is not None and failure is not self.stopped_without_saving):
+            return
+        if under_launcher(self.run.accelerator.num_processes):
+            raise Preempted(128 + interruption.signum) from None
+        raise interruption
 
 
 def preemption_agreed(preemption: PreemptionWatch, accelerator) -> bool:

@@ -21,8 +21,9 @@ import warnings
 
 from .args import LoopArgs, check_args, check_inputs, config_error
 from .checkpoint import Checkpointer
+from .distributed import release_earlier_run
 from .events import DefaultFlowCallback, EventHandler, reporting_callbacks
-from .guards import Preempted, PreemptionWatch, preemption_agreed, with_batch_size_search
+from .guards import PreemptionWatch, preemption_agreed, with_batch_size_search
 from .hf_methods import HFMethods, bind_overrides
 from .trainer_api import TrainerAPI
 from .metrics import check_metrics
@@ -92,7 +93,7 @@ class Loop(HFMethods, TrainerAPI):
         # As in Trainer.__init__: an evaluate() before train() logs (and reports) on the main process only.
         run.state = LoopState(is_local_process_zero=run.accelerator.is_local_main_process,
                               is_world_process_zero=run.accelerator.is_main_process)
-        run.preemption = PreemptionWatch()
+        run.preemption = PreemptionWatch(run)
         run.clock = run.events.clock = PhaseClock()  # the run report's time by phase
         run.checkpointer = Checkpointer(run, **self.evaluation.checkpoint_options())
         # The methods one stage offers another go through the Loop, so a subclass's overrides apply everywhere.
@@ -128,12 +129,12 @@ class Loop(HFMethods, TrainerAPI):
             run.checkpointer.wait_quietly()
             run.fire("on_train_failed", exception=exc)
             self.release()
-            self.teardown.write_run_report(f"failed: {type(exc).__name__}: {exc}", self.schedule.counters())
+            self.teardown.write_run_report(run.preemption.status(exc), self.schedule.counters())
+            run.preemption.leave(exc)  # a second signal under a launcher: exit 128 + signal
             raise
         finally:
             self.is_in_train = False
-        if run.preemption.requested:  # the checkpoint is written and the run torn down: leave as documented
-            raise Preempted(128 + run.preemption.signum)
+        run.preemption.leave()  # interrupted: checkpoint written, run torn down; leave as guards.py documents
         return output
 
     def run_training(self, batch_size, resume_from_checkpoint, trial, ignore_keys_for_eval):
@@ -144,7 +145,7 @@ class Loop(HFMethods, TrainerAPI):
         checkpoint = self.setup.begin_training(resume_from_checkpoint, trial)
 
         # 2. Data: the train loader and the step/epoch arithmetic; the run's state, fresh or the checkpoint's.
-        run.accelerator.free_memory()
+        release_earlier_run(run.accelerator)
         run.train_dataloader = self.get_train_dataloader()
         plan = self.data.plan(run.train_dataloader)
         self.start_state(checkpoint, plan, trial)
@@ -224,6 +225,7 @@ class Loop(HFMethods, TrainerAPI):
         """Preemption and non-finite values (loopkit/guards.py): act on them at an optimizer-step boundary."""
         run = self.run
         step, several = run.state.global_step, run.accelerator.num_processes > 1
+        run.preemption.checked(step, self.guard_check_every)  # what the next signal's message says
         due = step % self.guard_check_every == 0
         if several and not due:
             return
@@ -242,8 +244,7 @@ class Loop(HFMethods, TrainerAPI):
         self.schedule.store_work()
         output = self.teardown.finish_training(plan, start_time, train_loss, steps_run)
         self.release()
-        self.teardown.write_run_report("preempted" if run.preemption.requested else "completed",
-                                       self.schedule.counters(), output.metrics)
+        self.teardown.write_run_report(run.preemption.status(), self.schedule.counters(), output.metrics)
         return output
 
     def release(self) -> None:

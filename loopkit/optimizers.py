@@ -179,3 +179,16 @@ def backward_kwargs(args, lr_scheduler, optimizer) -> dict:
     if hasattr(lr_scheduler, "get_last_lr"):
         return {"learning_rate": lr_scheduler.get_last_lr()[0]}
     return {"learning_rate": optimizer.param_groups[0]["lr"]}
+
+
+def steps_on_metrics(scheduler) -> bool:
+    """`ReduceLROnPlateau` and transformers' `GreedyLR` step on an evaluation metric, not after every optimizer step
+    (HF Trainer steps them after each evaluation, with `metric_for_best_model`)."""
+    import torch
+
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return True
+    from transformers.optimization import GreedyLR
+
+    return isinstance(scheduler, GreedyLR)
+

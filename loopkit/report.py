@@ -9,9 +9,15 @@ checkpoint, teardown (from the end of the last epoch) and the report itself; "ot
 (the loop's own bookkeeping).
 
 At the end of a run (and when it fails) the teardown stage writes `run_report.json` and `run_report.md` to the
-output folder and prints a one-screen summary. The PNG charts of the loss, learning rate and evaluation metrics are
-drawn after `train()` returns, by a background thread (one chart job at a time, in order; the interpreter waits for
-it before exiting; `wait_for_charts()` waits for it explicitly). Without matplotlib the report says how to get them.
+output folder and prints a one-screen summary. The PNG charts (loss with eval loss, the best checkpoint and resumes;
+the learning rate with its warmup; one axis per evaluation metric; throughput) are drawn after `train()` returns, by
+a background thread (one chart job at a time, in order; the interpreter waits for it before exiting;
+`wait_for_charts()` waits for it explicitly). Without matplotlib the report says how to get them.
+
+Slow steps: a step slower than 3x the rolling median and beyond the run's normal spread (median + 5 robust standard
+deviations, from the median absolute deviation), its scheduled evaluation and checkpoint left out. Each names its
+phases, the load average and the process's share of a CPU during it, so a step slowed by other processes on a busy
+machine reads as such; the report also says when the machine was busy over the run (load average above the cores).
 
 Each checkpoint carries a run record (`run_record()`, under "run_record" in `loopkit_state.json`): the elapsed time
 and phase totals of every stretch of training so far (one per resume), and the metric settings. A resumed run's
@@ -36,13 +42,22 @@ PHASES = ("setup", "data", "forward", "backward", "optimizer", "logging", "callb
           "teardown", "report")
 REPORT_JSON, REPORT_MD = "run_report.json", "run_report.md"
 RUN_RECORD_KEY = "run_record"  # the run record's top-level key in loopkit_state.json
-SLOW_FACTOR, SLOW_WARMUP = 3.0, 20  # a step slower than 3x the running median, once 20 steps give a median
+# A slow step: slower than 3x the running median AND beyond the run's normal spread (median + 5 robust standard
+# deviations, from the median absolute deviation), once 20 steps give a median. A step's scheduled evaluation and
+# checkpoint time is left out: it is expected, not slowness.
+SLOW_FACTOR, SLOW_SPREADS, SLOW_WARMUP = 3.0, 5.0, 20
+MAD_TO_SIGMA = 1.4826  # the median absolute deviation of a normal distribution is 0.6745 sigma
+SCHEDULED_PHASES = ("evaluation", "checkpoint")
+TIMELINE_POINTS = 512  # the step timeline (throughput chart) keeps at most about this many points per segment
 CHARTS_HINT = "Charts need matplotlib: pip install 'loopkit[charts]', then python -m loopkit report RUN_DIR."
 
 
 class PhaseClock:
     """Seconds per phase, step durations, the steps much slower than the running median, and the stretches of
     training before this one (a resumed run's history, from its checkpoint's run record)."""
+
+    # The step clocks (wall and process CPU time), replaceable in a test of the slow-step detector.
+    wall, cpu = staticmethod(time.perf_counter), staticmethod(time.process_time)
 
     def __init__(self):
         self.reset()
@@ -51,9 +66,13 @@ class PhaseClock:
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.timed = 0.0  # the sum of `totals`, kept up to date (read at every span)
         self.started = time.perf_counter()
-        self.last_step_end = self.started
-        self.recent = deque(maxlen=100)
-        self.median = None
+        self.last_step_end = self.wall_started = self.wall()
+        self.cpu_started = self.last_step_cpu = self.cpu()
+        self.load_at_start = load_average()
+        self.recent = deque(maxlen=100)  # recent steps' seconds, scheduled evaluation/checkpoint time left out
+        self.recent_cpu_share = deque(maxlen=100)  # process CPU seconds per wall second of those steps
+        self.median = self.spread = self.usual_cpu_share = None
+        self.timeline, self.timeline_stride = [], 1  # [step, seconds since start, scheduled seconds so far]
         self.totals_at_last_step = dict(self.totals)
         self.slow_steps = []
         self.steps = 0
@@ -87,17 +106,56 @@ class PhaseClock:
         return Span(self, phase)
 
     def step_done(self, step: int) -> None:
-        now = time.perf_counter()
+        now, cpu = self.wall(), self.cpu()
         seconds, self.last_step_end = now - self.last_step_end, now
+        cpu_seconds, self.last_step_cpu = cpu - self.last_step_cpu, cpu
+        totals, before = self.totals, self.totals_at_last_step  # the SCHEDULED_PHASES, spelled out (every step)
+        scheduled = totals["evaluation"] - before["evaluation"] + totals["checkpoint"] - before["checkpoint"]
+        work = max(seconds - scheduled, 1e-9)
         self.steps += 1
-        if self.median is not None and self.steps > SLOW_WARMUP and seconds > SLOW_FACTOR * self.median:
-            phases = {p: round(self.totals[p] - self.totals_at_last_step[p], 6) for p in PHASES}
-            self.slow_steps.append({"step": step, "seconds": round(seconds, 6), "median": round(self.median, 6),
-                                    "phases": phases})
-        self.recent.append(seconds)
+        if self.median is not None and self.steps > SLOW_WARMUP and work > self.slow_threshold():
+            self.slow_steps.append(self.slow_step(step, seconds, work, cpu_seconds))
+        self.recent.append(work)
+        self.recent_cpu_share.append(cpu_seconds / seconds if seconds > 0 else 1.0)
         if self.steps % 10 == 0 or self.median is None:
             self.median = statistics.median(self.recent)
+            self.spread = MAD_TO_SIGMA * statistics.median(abs(s - self.median) for s in self.recent)
+            self.usual_cpu_share = statistics.median(self.recent_cpu_share)
         self.totals_at_last_step = dict(self.totals)
+        if self.steps % self.timeline_stride == 0:
+            self.add_to_timeline(step, now)
+
+    def slow_threshold(self) -> float:
+        return max(SLOW_FACTOR * self.median, self.median + SLOW_SPREADS * self.spread)
+
+    def slow_step(self, step, seconds, work, cpu_seconds) -> dict:
+        """A slow step's record: its phases, and whether the machine was busy (load average above the cores) or
+        the process waited (its CPU share far below the run's usual one): two syscalls, at slow steps only."""
+        load, cores = load_average(), os.cpu_count() or 1
+        phases = {p: self.totals[p] - self.totals_at_last_step[p] for p in PHASES}
+        return {"step": step, "seconds": round(seconds, 6), "without_scheduled": round(work, 6),
+                "median": round(self.median, 6), "spread": round(self.spread, 6),
+                "threshold": round(self.slow_threshold(), 6), "phases": {p: round(v, 6) for p, v in phases.items()},
+                "cpu_share": round(cpu_seconds / seconds, 3) if seconds > 0 else None,
+                "usual_cpu_share": round(self.usual_cpu_share, 3), "load_average": load, "cores": cores,
+                "machine_busy": load is not None and load > cores}
+
+    def add_to_timeline(self, step: int, now: float) -> None:
+        """The throughput chart's points; past TIMELINE_POINTS every other point goes and the stride doubles."""
+        scheduled = sum(self.totals[p] for p in SCHEDULED_PHASES)
+        self.timeline.append([step, round(now - self.wall_started, 6), round(scheduled, 6)])
+        if len(self.timeline) > TIMELINE_POINTS:
+            self.timeline, self.timeline_stride = self.timeline[1::2], self.timeline_stride * 2
+
+    def machine(self) -> dict:
+        """How busy the machine was over this stretch: load averages and the process's CPU seconds per second."""
+        wall = self.wall() - self.wall_started
+        cpu = self.cpu() - self.cpu_started
+        load_end, cores = load_average(), os.cpu_count() or 1
+        loads = [x for x in (self.load_at_start, load_end) if x is not None]
+        return {"cores": cores, "load_average_start": self.load_at_start, "load_average_end": load_end,
+                "cpu_seconds_per_second": round(cpu / wall, 3) if wall > 0 else None,
+                "busy": bool(loads) and max(loads) > cores}
 
     def segment(self, step: int) -> dict:
         """This stretch of training so far, as the run record stores it. The open background phase counts up to
@@ -107,7 +165,7 @@ class PhaseClock:
             phases[self.background.phase] += self.background.own_seconds()
         return {"from_step": self.first_step, "to_step": step,
                 "seconds": round(time.perf_counter() - self.started, 6),
-                "phase_seconds": {p: round(v, 6) for p, v in phases.items()}}
+                "phase_seconds": {p: round(v, 6) for p, v in phases.items()}, "timeline": list(self.timeline)}
 
     def segments(self, step: int) -> list[dict]:
         """Every stretch of the run: those before each resume, then this one."""
@@ -171,6 +229,14 @@ def time_by_phase(segments: list[dict]) -> dict | None:
             "covers_steps": [[s["from_step"], s["to_step"]] for s in known]}
 
 
+def load_average() -> float | None:
+    """The 1-minute load average (None where the system has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 def peak_host_memory_mb() -> float:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return round(peak / 1024 if sys.platform != "darwin" else peak / 2**20, 1)
@@ -199,7 +265,10 @@ def build_report(run, status: str, counters: dict, train_metrics: dict | None = 
             "greater_is_better": args.greater_is_better, "best_checkpoint": state.best_model_checkpoint,
             "train_metrics": train_metrics or {}, "input_tokens": counters["tokens"],
             "peak_host_memory_mb": peak_host_memory_mb(), "peak_device_memory_mb": peak_device_memory_mb(),
-            "slow_steps": clock.slow_steps, "log_history": history, "charts": planned_charts(history),
+            "slow_steps": clock.slow_steps, "machine": clock.machine(), "log_history": history,
+            "best_step": state.best_global_step, "warmup_steps": args.get_warmup_steps(state.max_steps),
+            "interruption": interruption_record(run),
+            "charts": planned_charts({"log_history": history, "segments": clock.segments(state.global_step)}),
         })
     clock.enter(None)  # closes the teardown phase: everything up to here is in the totals below
     segments = clock.segments(state.global_step)
@@ -235,33 +304,67 @@ def report_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def interruption_record(run) -> dict | None:
+    """The signal that ended the run, the checkpoint to resume from and the call that does it (loopkit/guards.py)."""
+    interruption = run.preemption.interruption() if run.preemption is not None else None
+    if interruption is None:
+        return None
+    from .guards import signal_name
+
+    return {"signal": signal_name(interruption.signum), "checkpoint": interruption.checkpoint,
+            "saved": interruption.saved, "resume": interruption.resume}
+
+
 # -- charts ------------------------------------------------------------------------------------------------------
+# Each chart answers one question: is the loss going down, and where is the best checkpoint (loss.png)? What did the
+# learning rate do, warmup included (learning_rate.png)? How did each evaluation metric move (eval_metrics.png, one
+# axis per metric)? Did the speed hold (throughput.png)? Resumes are marked on every chart over steps.
+EVAL_SKIP = ("_runtime", "_samples_per_second", "_steps_per_second", "_model_preparation_time")
+
+
 def series(log_history: list, key: str) -> tuple[list, list]:
     points = [(h["step"], h[key]) for h in log_history if isinstance(h.get(key), (int, float))]
     return [p[0] for p in points], [p[1] for p in points]
 
 
 def eval_metric_keys(log_history: list) -> list[str]:
-    skip = ("_runtime", "_samples_per_second", "_steps_per_second", "_model_preparation_time")
     keys = []
     for h in log_history:
         for k, v in h.items():
-            if k.startswith("eval_") and not k.endswith(skip) and isinstance(v, (int, float)) and k not in keys:
+            if k.startswith("eval_") and not k.endswith(EVAL_SKIP) and isinstance(v, (int, float)) and k not in keys:
                 keys.append(k)
     return keys
 
 
-def chart_panels(log_history: list) -> list[tuple[str, str, list]]:
-    """(file name, title, [(key, steps, values), ...]) of each chart that has something to draw."""
-    panels = [("loss.png", ["loss"], "training loss"), ("learning_rate.png", ["learning_rate"], "learning rate"),
-              ("eval_metrics.png", eval_metric_keys(log_history), "evaluation metrics")]
-    drawn = []
-    for name, keys, title in panels:
-        lines = [(key, *series(log_history, key)) for key in keys]
-        lines = [line for line in lines if line[1]]
-        if lines:
-            drawn.append((name, title, lines))
-    return drawn
+def throughput(segments: list[dict]) -> tuple[list, list]:
+    """Training steps per second between the points of each segment's timeline (evaluation and checkpoint time left
+    out), at the steps where each stretch ends; about 40 stretches per segment."""
+    steps, speeds = [], []
+    for segment in segments:
+        timeline = segment.get("timeline") or []
+        stride = max(1, len(timeline) // 40)
+        points = [[segment["from_step"], 0.0, 0.0]] + timeline[stride - 1::stride]
+        for (step0, wall0, sched0), (step1, wall1, sched1) in zip(points, points[1:]):
+            seconds = (wall1 - wall0) - (sched1 - sched0)
+            if step1 > step0 and seconds > 0:
+                steps.append(step1)
+                speeds.append((step1 - step0) / seconds)
+    return steps, speeds
+
+
+def chart_names(report: dict) -> list[str]:
+    """The charts `report` has something to draw for, in order."""
+    history = report.get("log_history", [])
+    names = []
+    if series(history, "loss")[0] or series(history, "eval_loss")[0]:
+        names.append("loss.png")
+    if series(history, "learning_rate")[0]:
+        names.append("learning_rate.png")
+    if eval_metric_keys(history):
+        names.append("eval_metrics.png")
+    if throughput(report.get("segments") or [])[0]:
+        names.append("throughput.png")
+    return names
 
 
 def matplotlib_missing() -> bool:
@@ -270,34 +373,131 @@ def matplotlib_missing() -> bool:
     return importlib.util.find_spec("matplotlib") is None
 
 
-def planned_charts(log_history: list) -> list[str] | str:
+def planned_charts(report: dict) -> list[str] | str:
     """The chart files a report will have, or, without matplotlib, the sentence saying how to get them."""
     if matplotlib_missing():
         return CHARTS_HINT
-    return [name for name, _, _ in chart_panels(log_history)]
+    return chart_names(report)
 
 
-def draw_charts(log_history: list, folder: str) -> list[str]:
-    """Draw the charts into `folder` now. Uses matplotlib's object API, never pyplot: no global backend switch in
-    the user's process, no shared figure registry, safe off the main thread. Each PNG appears complete or not at
-    all (written under a temporary name, then renamed)."""
+def mark_resumes(ax, report: dict) -> None:
+    for segment in (report.get("segments") or [])[1:]:
+        ax.axvline(segment["from_step"], color="tab:purple", linestyle=":", linewidth=1.5,
+                   label=f"resumed at step {segment['from_step']}")
+
+
+def loss_chart(ax, report: dict) -> None:
+    history = report["log_history"]
+    for key, label, style in (("loss", "training loss", {}), ("eval_loss", "eval loss", {"marker": "o"})):
+        steps, values = series(history, key)
+        if steps:
+            ax.plot(steps, values, label=label, **style)
+    best = report.get("best_step")
+    if best is not None:
+        ax.axvline(best, color="tab:green", linestyle="--", linewidth=1.5,
+                   label=f"best checkpoint (step {best}, {report.get('metric_for_best_model')}="
+                         f"{report['best_metric']:.4g})" if report.get("best_metric") is not None
+                   else f"best checkpoint (step {best})")
+    mark_resumes(ax, report)
+    ax.set_ylabel("loss")
+    trained, evaluated = (bool(series(history, key)[0]) for key in ("loss", "eval_loss"))
+    ax.set_title("Loss: training and evaluation" if trained and evaluated else
+                 "Loss: training (no evaluation logged)" if trained else
+                 "Loss: evaluation only (no training loss was logged; see logging_steps)")
+
+
+def learning_rate_chart(ax, report: dict) -> None:
+    steps, values = series(report["log_history"], "learning_rate")
+    ax.plot(steps, values, marker="o" if len(steps) <= 40 else None, markersize=3, label="learning rate (logged)")
+    warmup = report.get("warmup_steps") or 0
+    if warmup:
+        logged = sorted(set(steps))
+        every = logged[1] - logged[0] if len(logged) > 1 else None
+        note = f"; logged every {every} steps" if every and every > warmup / 4 else ""
+        ax.axvspan(0, warmup, color="tab:orange", alpha=0.2, label=f"warmup: steps 0-{warmup}{note}")
+    mark_resumes(ax, report)
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(left=0)
+    ax.set_ylabel("learning rate")
+    ax.set_title("Learning rate")
+
+
+def eval_metric_charts(fig, report: dict) -> None:
+    """One axis per metric, stacked, sharing the step axis; the best step marked on each."""
+    history, best = report["log_history"], report.get("best_step")
+    keys = eval_metric_keys(history)
+    axes = fig.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, key in zip(axes, keys):
+        steps, values = series(history, key)
+        # The axis zooms onto the values: the legend says how far they actually moved.
+        change = f" ({(values[-1] - values[0]) / abs(values[0]):+.2%})" if values[0] else ""
+        ax.plot(steps, values, marker="o", color="tab:blue",
+                label=f"first {values[0]:.4g}, last {values[-1]:.4g}{change}")
+        if best is not None:
+            ax.axvline(best, color="tab:green", linestyle="--", linewidth=1.2)
+        mark_resumes(ax, report)
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        ax.legend(handles=ax.get_lines()[:1], fontsize="small")
+    title = "Evaluation metrics"
+    if best is not None:
+        title += f" (dashed: best checkpoint, step {best})"
+    axes[0].set_title(title)
+    axes[-1].set_xlabel("optimizer step")
+
+
+def throughput_chart(ax, report: dict) -> None:
+    steps, speeds = throughput(report["segments"])
+    ax.plot(steps, speeds, drawstyle="steps-pre", label="training steps/s")
+    median = statistics.median(speeds)
+    ax.axhline(median, color="gray", linestyle="--", linewidth=1, label=f"median {median:.3g} steps/s")
+    mark_resumes(ax, report)
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("optimizer steps / second")
+    title = "Throughput (evaluation and checkpoint time left out)"
+    machine = report.get("machine") or {}
+    if machine.get("busy"):  # the swings may be other processes', not the run's
+        title += (f"\nmachine busy: load average {machine['load_average_end']} on {machine['cores']} cores")
+        ax.figure.subplots_adjust(top=1 - 0.65 / ax.figure.get_figheight())  # room for the second line
+    ax.set_title(title)
+
+
+def chart_figure(name: str, report: dict):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
+    metrics = len(eval_metric_keys(report["log_history"])) if name == "eval_metrics.png" else 1
+    height = max(3.8, 2.0 * metrics + 0.6)
+    fig = Figure(figsize=(7.2, height), dpi=100)
+    FigureCanvasAgg(fig)
+    # Fixed margins (in inches, whatever the height): a layout engine would double the drawing time, and the
+    # drawing shares the CPU with the next train() of a hyper-parameter search.
+    fig.subplots_adjust(left=0.95 / 7.2, right=0.98, top=1 - 0.4 / height, bottom=0.55 / height, hspace=0.15)
+    if name == "eval_metrics.png":
+        eval_metric_charts(fig, report)
+        fig.axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole (shared axis)
+        return fig
+    ax = fig.add_subplot()
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    {"loss.png": loss_chart, "learning_rate.png": learning_rate_chart, "throughput.png": throughput_chart}[name](
+        ax, report)
+    ax.set_xlabel("optimizer step")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+    return fig
+
+
+def draw_charts(report: dict, folder: str) -> list[str]:
+    """Draw the charts of `report` into `folder` now. Uses matplotlib's object API, never pyplot: no global backend
+    switch in the user's process, no shared figure registry, safe off the main thread. Each PNG appears complete or
+    not at all (written under a temporary name, then renamed)."""
     written = []
-    for name, title, lines in chart_panels(log_history):
-        fig = Figure(figsize=(6.4, 3.6), dpi=100, layout="constrained")
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        for key, steps, values in lines:
-            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, label=key)
-        ax.set_xlabel("optimizer step")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        if len(lines) > 1:
-            ax.legend()
+    for name in chart_names(report):
         path = os.path.join(folder, name)
-        fig.savefig(path + ".tmp", format="png")
+        chart_figure(name, report).savefig(path + ".tmp", format="png")
         os.replace(path + ".tmp", path)
         written.append(name)
     # matplotlib caches open font files for the life of the process; a training library should not hold them.
@@ -327,9 +527,9 @@ class ChartQueue:
         self.lock = threading.Lock()
         self.worker = None
 
-    def submit(self, log_history: list, folder: str) -> None:
+    def submit(self, report: dict, folder: str) -> None:
         with self.lock:
-            self.jobs.append((log_history, folder))
+            self.jobs.append((report, folder))
             if self.worker is None:
                 self.worker = threading.Thread(target=self.drain, name="loopkit-charts", daemon=False)
                 self.worker.start()
@@ -340,10 +540,12 @@ class ChartQueue:
                 if not self.jobs:
                     self.worker = None
                     return
-                log_history, folder = self.jobs.popleft()
+                report, folder = self.jobs.popleft()
             try:
-                draw_charts(log_history, folder)
+                draw_charts(report, folder)
             except Exception as exc:
+                if not os.path.isdir(folder):
+                    continue  # the run's folder was deleted meanwhile (a temporary run): nobody wants its charts
                 warnings.warn(f"Could not draw the run's charts in {folder}: {type(exc).__name__}: {exc}. "
                               f"`python -m loopkit report {folder}` draws them again.")
 
@@ -370,27 +572,79 @@ def seconds_text(seconds: float) -> str:
 
 
 def duration_text(report: dict) -> str:
+    if report.get("total_seconds") is not None:
+        return seconds_text(report["total_seconds"])
+    unknown = next((s for s in report.get("segments") or [] if s["seconds"] is None), None)
+    return "time unknown" + (f" (steps {unknown['from_step']}-{unknown['to_step']} ran without a run record)"
+                             if unknown else "")
+
+
+def segment_lines(report: dict) -> list[str]:
+    """A resumed run: each stretch of training, with its steps and time, marked where it was resumed."""
     segments = report.get("segments") or []
-    if report.get("total_seconds") is None:
-        unknown = next((s for s in segments if s["seconds"] is None), None)
-        where = f" (steps {unknown['from_step']}-{unknown['to_step']} ran without a run record)" if unknown else ""
-        text = f"time unknown{where}"
-    else:
-        text = seconds_text(report["total_seconds"])
-    if len(segments) > 1:
-        text += f", in {len(segments)} segments (resumed at step " + ", ".join(
-            str(s["from_step"]) for s in segments[1:]) + ")"
-    return text
+    if len(segments) < 2:
+        return []
+    lines = [f"  {len(segments)} segments:"]
+    for number, segment in enumerate(segments):
+        took = seconds_text(segment["seconds"]) if segment["seconds"] is not None else "time unknown"
+        how = "started" if number == 0 else "resumed"
+        lines.append(f"    {how} at step {segment['from_step']}: steps {segment['from_step']}-{segment['to_step']}"
+                     f" in {took}")
+    return lines
+
+
+def interruption_lines(report: dict) -> list[str]:
+    interruption = report.get("interruption")
+    if not interruption:
+        return []
+    if interruption.get("resume"):
+        return [f"  resume with: {interruption['resume']}"]
+    return ["  no checkpoint to resume from: train() starts afresh"]
+
+
+def slow_step_lines(report: dict) -> list[str]:
+    """Slow steps, consecutive ones grouped, with what the machine was doing; the machine's load over the run."""
+    slow, lines = report.get("slow_steps") or [], []
+    groups = []
+    for record in slow:
+        if groups and record["step"] == groups[-1][-1]["step"] + 1:
+            groups[-1].append(record)
+        else:
+            groups.append([record])
+    for group in groups[:5]:
+        first, last = group[0], group[-1]
+        where = f"step {first['step']}" if len(group) == 1 else f"steps {first['step']}-{last['step']}"
+        worst = max(first["phases"], key=first["phases"].get)
+        line = (f"  slow {where}: {max(r['seconds'] for r in group):.3f}s vs median {first['median']:.3f}s "
+                f"(normal spread {first.get('spread', 0):.3f}s; mostly {worst}: {first['phases'][worst]:.3f}s)")
+        if any(r.get("machine_busy") for r in group):
+            line += f"; machine busy: load {first['load_average']} on {first['cores']} cores"
+        elif first.get("cpu_share") is not None and first["cpu_share"] < 0.5 * first["usual_cpu_share"]:
+            line += (f"; the process was waiting (it used {first['cpu_share']:.0%} of a CPU, usually "
+                     f"{first['usual_cpu_share']:.0%})")
+        lines.append(line)
+    if len(groups) > 5:
+        lines.append(f"  ... {len(slow)} slow steps in all (run_report.json lists them)")
+    machine = report.get("machine")
+    if machine and machine.get("busy"):
+        busy = sum(1 for r in slow if r.get("machine_busy"))
+        lines.append(f"  the machine was busy: load average {machine['load_average_start']} at the start, "
+                     f"{machine['load_average_end']} at the end, on {machine['cores']} cores; the process used "
+                     f"{machine['cpu_seconds_per_second']} CPU-seconds per second"
+                     + (f"; {busy} of {len(slow)} slow steps came while it was busy" if slow else ""))
+    return lines
 
 
 def summary_text(report: dict) -> str:
     """The one-screen summary, also the body of run_report.md."""
-    lines = [f"loopkit run report: {report['status']}  ({report['output_dir']})",
+    lines = [f"loopkit run report: {report['status']}  ({report['output_dir']})", *interruption_lines(report),
              f"  steps {report['global_step']}/{report['max_steps']}, epoch {report['epoch']:.3g}, "
-             f"{duration_text(report)}"]
+             f"{duration_text(report)}" + (" in all" if len(report.get("segments") or []) > 1 else ""),
+             *segment_lines(report)]
     if report.get("samples_per_second") is not None:
         lines.append(f"  {report['samples_per_second']:.1f} samples/s, {report['tokens_per_second']:.0f} input "
-                     f"tokens/s, peak host memory {report['peak_host_memory_mb']:.0f} MB"
+                     f"tokens/s" + (" (this segment)" if len(report.get("segments") or []) > 1 else "")
+                     + f", peak host memory {report['peak_host_memory_mb']:.0f} MB"
                      + (f", peak device memory {report['peak_device_memory_mb']:.0f} MB"
                         if report.get("peak_device_memory_mb") else ""))
     final = {k: v for k, v in report.get("final_metrics", {}).items() if k not in ("step", "epoch")
@@ -407,10 +661,7 @@ def summary_text(report: dict) -> str:
             f"{a}-{b}" for a, b in phases.get("covers_steps", [])) + ")"
         lines.append(f"  time by phase{covered}: " + ", ".join(f"{p} {s:.2f}s ({phases['percent'][p]:.0f}%)"
                                                      for p, s in phases["seconds"].items() if s > 0))
-    for slow in report.get("slow_steps", [])[:5]:
-        worst = max(slow["phases"], key=slow["phases"].get)
-        lines.append(f"  slow step {slow['step']}: {slow['seconds']:.3f}s vs median {slow['median']:.3f}s "
-                     f"(mostly {worst}: {slow['phases'][worst]:.3f}s)")
+    lines += slow_step_lines(report)
     charts = report.get("charts")
     if isinstance(charts, list) and charts:
         lines.append("  charts: " + ", ".join(charts))
@@ -433,7 +684,7 @@ def write_report(report: dict, folder: str, echo: bool = True) -> dict:
     if echo:
         print(text)
     if isinstance(charts, list) and charts:
-        CHARTS.submit(report["log_history"], folder)  # last: from here on the drawing competes for the CPU
+        CHARTS.submit(report, folder)  # last: from here on the drawing competes for the CPU
     return report
 
 
@@ -448,7 +699,7 @@ def report_from_files(run_dir: str) -> dict:
     if os.path.isfile(path) and (newest is None or os.path.getmtime(path) >= os.path.getmtime(newest)):
         with open(path) as f:
             report = json.load(f)
-        report["charts"] = planned_charts(report.get("log_history", []))
+        report["charts"] = planned_charts(report)
         return report
     if newest is None:
         raise FileNotFoundError(f"{run_dir} holds neither {REPORT_JSON} nor a checkpoint: nothing to report.")
@@ -471,14 +722,16 @@ def report_from_checkpoint(run_dir: str, checkpoint: str) -> dict:
                                                   "phase_seconds": None}]
     history = state["log_history"]
     evals = [h for h in history if any(k.startswith("eval_") for k in h)]
-    return {"status": f"incomplete (rebuilt from {os.path.basename(checkpoint)})", "output_dir": run_dir,
+    report = {"status": f"incomplete (rebuilt from {os.path.basename(checkpoint)})", "output_dir": run_dir,
             "global_step": step, "max_steps": state["max_steps"], "epoch": state["epoch"] or 0,
             "final_metrics": evals[-1] if evals else {}, "best_metric": state.get("best_metric"),
             "metric_for_best_model": record.get("metric_for_best_model") if record else None,
             "greater_is_better": record.get("greater_is_better") if record else None,
             "best_checkpoint": state.get("best_model_checkpoint"), "total_seconds": whole_run_totals(segments)[0],
             "segments": segments, "time_by_phase": time_by_phase(segments), "log_history": history,
-            "slow_steps": [], "charts": planned_charts(history)}
+            "best_step": state.get("best_global_step"), "slow_steps": [], "interruption": None}
+    report["charts"] = planned_charts(report)
+    return report
 
 
 def main(argv=None) -> int:

@@ -3,7 +3,7 @@
 `Schedule` is a run-level component the `Loop` owns (not a stage): after every optimizer step the loop hands it the
 step stage's `StepResult` (`record`) and then lets it act on what the callbacks asked for in `control` (`after_step`,
 HF's `_maybe_log_save_evaluate`): a train log (the one host sync of the training loop), an evaluation (then the best
-metric and, for `ReduceLROnPlateau`, the scheduler), a checkpoint (then `on_save`).
+metric and, for `ReduceLROnPlateau` and `GreedyLR`, the scheduler), a checkpoint (then `on_save`).
 
 It writes `state.log_history` through `run.log`, `state.best_metric`, `state.best_global_step`, `state.total_flos`
 and `state.num_input_tokens_seen` (`include_num_input_tokens_seen`: counted on the device or from shapes each step,
@@ -14,12 +14,19 @@ and saves through `run.checkpointer`.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from .checkpoint import restore_rng_state, rng_state
 from .guards import EvaluationInterrupted
+from .optimizers import steps_on_metrics
+
+
+# Micro-batch losses kept for the NaN/Inf filter are stacked into one tensor per this many (bounded memory when logs
+# are far apart).
+UNSETTLED_RUN = 512
 
 
 class RunningLoss:
@@ -28,6 +35,12 @@ class RunningLoss:
     HF's `tr_loss` / `_total_loss_scalar` / `_globalstep_last_logged` in one object. The part since the last log
     and the step of that log survive a resume (`state_dict`), so the first log after a resume averages the same
     steps as in an uninterrupted run; `train_loss` then counts only the steps this `train()` call ran.
+
+    HF's `logging_nan_inf_filter` replaces a NaN/Inf micro-batch loss by the running mean since the last log. Doing
+    that on the device for every micro-batch costs three kernels each; instead each loss is just added, and the
+    filter runs where the sum is read anyway (`settle`: logs, the summary, checkpoints). A non-finite loss leaves
+    the sum non-finite, so a finite sum is exactly HF's; a non-finite one is recomputed, micro-batch by micro-batch
+    with HF's rule, from the losses kept since the last read.
     """
 
     def __init__(self):
@@ -36,6 +49,9 @@ class RunningLoss:
         self.restored = 0.0  # the part since the last log that a checkpoint brought in
         self.last_logged_step = 0
         self.nan_inf_filter = True
+        self.settled_sum = None  # device tensor: the sum at the last settle, where a recomputation starts
+        self.unsettled = []  # micro-batch losses added since then: 0-d tensors, older runs stacked
+        self.unsettled_steps = []  # the global step before each of them
 
     def start(self, device, global_step: int, saved: dict, nan_inf_filter: bool) -> None:
         """A new `train()`: `saved` is the checkpoint's `state_dict()` ({} for a fresh run)."""
@@ -44,31 +60,64 @@ class RunningLoss:
             else global_step
         self.since_log = torch.full((), self.restored, device=device)
         self.total, self.nan_inf_filter = 0.0, nan_inf_filter
+        self.forget_unsettled()
+
+    def forget_unsettled(self) -> None:
+        self.settled_sum, self.unsettled, self.unsettled_steps = self.since_log.clone(), [], []
 
     def add(self, step_loss: torch.Tensor, global_step: int) -> None:
         """One micro-batch's (scaled) loss of the optimizer step that follows `global_step`."""
-        if self.nan_inf_filter:
-            # HF replaces a NaN/Inf loss by the running mean; torch.where does it without a host sync.
-            since = 1 + global_step - self.last_logged_step
-            step_loss = torch.where(torch.isfinite(step_loss), step_loss, self.since_log / since)
         self.since_log += step_loss
+        if self.nan_inf_filter:
+            self.unsettled.append(step_loss)
+            self.unsettled_steps.append(global_step)
+            if len(self.unsettled) >= UNSETTLED_RUN and self.unsettled[-UNSETTLED_RUN].ndim == 0:
+                self.unsettled[-UNSETTLED_RUN:] = [self.stacked(self.unsettled[-UNSETTLED_RUN:])]
+
+    def stacked(self, losses: list) -> torch.Tensor:
+        """One 1-d tensor of `losses` (0-d tensors or stacked runs), in a dtype that holds each exactly."""
+        dtype = functools.reduce(torch.promote_types, (loss.dtype for loss in losses), self.since_log.dtype)
+        return torch.cat([loss.to(dtype).reshape(-1) for loss in losses])
+
+    def settle(self) -> float:
+        """This process's sum since the last log with HF's NaN/Inf filter applied, read on the host (the one sync
+        of a log)."""
+        value = self.since_log.item()
+        if self.unsettled and not math.isfinite(value):
+            since_log = self.settled_sum.clone()
+            losses = self.stacked(self.unsettled)
+            for index, global_step in enumerate(self.unsettled_steps):  # HF's rule, micro-batch by micro-batch
+                since = 1 + global_step - self.last_logged_step
+                since_log += torch.where(torch.isfinite(losses[index]), losses[index], since_log / since)
+            self.since_log.copy_(since_log)
+            value = self.since_log.item()
+        self.forget_unsettled()
+        return value
 
     def read_for_log(self, accelerator, global_step: int) -> float:
         """The mean loss per optimizer step since the last log (averaged over processes); restarts the sum."""
-        loss_sum = accelerator.gather(self.since_log.detach()).mean().item()
+        loss_sum = self.process_mean(accelerator)
         self.since_log.zero_()
+        self.forget_unsettled()
         mean = loss_sum / (global_step - self.last_logged_step)
         self.total += loss_sum
         self.last_logged_step = global_step
         return mean
 
+    def process_mean(self, accelerator) -> float:
+        """The settled sum since the last log, averaged over processes (one process: the settled value itself)."""
+        value = self.settle()
+        if accelerator.num_processes == 1:
+            return value
+        return accelerator.gather(self.since_log.detach()).mean().item()
+
     def train_loss(self, accelerator, steps_run: int) -> float:
         """HF's `train_loss`: the mean step loss over the steps this `train()` call ran."""
-        remaining = accelerator.gather(self.since_log.detach()).mean().item()
+        remaining = self.process_mean(accelerator)
         return (self.total + remaining - self.restored) / max(steps_run, 0.001)
 
     def state_dict(self) -> dict:
-        since = float(self.since_log) if self.since_log is not None else 0.0
+        since = self.settle() if self.since_log is not None else 0.0
         return {"tr_loss": since, "last_logged_step": self.last_logged_step}
 
 
@@ -213,7 +262,7 @@ class Schedule:
     def evaluate_during_training(self, ignore_keys=None, skip_scheduler=False) -> dict:
         metrics = self.evaluate(ignore_keys=ignore_keys)
         scheduler = self.run.lr_scheduler
-        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not skip_scheduler:
+        if steps_on_metrics(scheduler) and not skip_scheduler:
             scheduler.step(metrics[best_metric_key(self.run.args)])
         return metrics
 

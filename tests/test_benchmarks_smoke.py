@@ -102,3 +102,41 @@ def test_a_contender_that_did_other_work_shows_mismatch_instead_of_a_number():
     assert not check["ok"] and check["mismatched"] == ["loopkit"]
     assert "MISMATCH" in table and "1.23" not in table
     assert "final probe loss differs" in table
+
+
+def test_rows_whose_rounds_disagree_are_flagged_noisy_and_get_no_verdict():
+    from benchmarks.harness import comparison_row, loopkit_flags
+    from benchmarks.report import noisy_rows, slow_rows
+
+    steady = comparison_row("steady", "ms/step", {"raw": [10.0, 10.1, 9.9], "hf": [12.0, 12.2, 11.9],
+                                                  "loopkit": [11.0, 11.1, 10.9]}, floor="raw")
+    spread_out = comparison_row("spread out", "ms/step", {"raw": [10.0, 10.1, 9.9], "hf": [12.0, 12.2, 11.9],
+                                                          "loopkit": [11.0, 14.0, 10.9]}, floor="raw")
+    # the quick tiny-Llama row: loopkit "faster" than the hand-written loop doing the same work
+    below_floor = comparison_row("below the floor", "ms/step", {"raw": [45.0, 44.0, 46.0], "hf": [50.0, 49.0, 51.0],
+                                                                "loopkit": [32.0, 33.0, 31.0]}, floor="raw")
+    assert steady["noisy"] == [] and spread_out["noisy"] and below_floor["noisy"]
+    assert "loopkit's rounds spread 28%" in spread_out["noisy"][0] and "10.9-14.0 ms/step" in spread_out["noisy"][0]
+    assert "loopkit faster than raw, the physical limit (32.0 vs 45.0 ms/step" in below_floor["noisy"][0]
+    # a steady 10% loss is reported with both absolute numbers beside the ratio; the noisy rows get no verdict
+    assert loopkit_flags(steady) == ["10.0% slower than the raw loop (medians 11.0 vs 10.0 ms/step, 1.100x; "
+                                     "rounds ranged 1.10-1.10x)"]
+    assert loopkit_flags(spread_out) == [] and loopkit_flags(below_floor) == []
+    results = {"benchmarks": {"b": {"title": "B", "rows": [steady, spread_out, below_floor]}}}
+    assert [line.split(":")[0] for line in slow_rows(results)] == ["- B / steady"]
+    assert [line.split(":")[0] for line in noisy_rows(results)] == ["- B / spread out", "- B / below the floor"]
+    table = comparison_table([steady, spread_out, below_floor])
+    assert table.count("NO, no verdict") == 2
+    # without a floor (a contender may legitimately do less), being faster than raw is no noise
+    no_floor = comparison_row("no floor", "s", {"raw": [1.0, 1.0], "loopkit": [0.5, 0.5]})
+    assert no_floor["noisy"] == []
+
+
+def test_results_go_to_an_untracked_folder_unless_out_says_otherwise(tmp_path):
+    from benchmarks.__main__ import parse_args
+
+    default = parse_args([]).out
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(default / "results.json")], cwd=REPO_ROOT)
+    assert ignored.returncode == 0, f"{default} is not ignored by git"
+    assert default != REPO_ROOT / "benchmarks" / "results"
+    assert parse_args(["--out", str(tmp_path)]).out == tmp_path

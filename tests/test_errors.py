@@ -148,7 +148,7 @@ def test_load_best_model_save_steps_not_a_multiple_of_eval_steps(tmp_path):
 @pytest.mark.parametrize("field, value, hint, needs", [
     ("push_to_hub", True, "save_model", {}),
     ("optim", "adamw_anyprecision", "torchdistx", {}),
-    ("lr_scheduler_type", "greedy", "create_scheduler", {"eval_strategy": "epoch"}),
+    ("debug", "tpu_metrics_debug", "no TPU", {}),
 ])
 def test_unsupported_training_arguments_value(tmp_path, field, value, hint, needs):
     args = hf_args(tmp_path, **{field: value}, **needs)

@@ -19,8 +19,10 @@ MOMENTS = ["weights", "optimizer", "scheduler", "rng", "trainer_state", "loopkit
            "rotate", "substep", "evaluate"]
 
 
-def run_child(out, *moment):
+def run_child(out, *moment, launcher=False):
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")  # tiny matrices: threads only contend
+    if launcher:  # as under a scheduler: an interrupted run exits 128 + signal (loopkit/guards.py)
+        env["SLURM_JOB_ID"] = "1"
     return subprocess.run([sys.executable, CHILD, str(out), *map(str, moment)], env=env, capture_output=True,
                           text=True, timeout=300)
 
@@ -62,7 +64,7 @@ def test_sigkill_at_every_moment_then_resume(tmp_path, reference):
 
 def test_sigterm_during_training_checkpoints_and_exits_143(tmp_path, reference):
     out = tmp_path / "run"
-    result = run_child(out, "sigterm-step", 3)  # global step 3: not a save step (saves every 2)
+    result = run_child(out, "sigterm-step", 3, launcher=True)  # global step 3: not a save step (saves every 2)
     assert result.returncode == 143, result.stderr[-2000:]
     assert (out / "checkpoint-3").is_dir() and checkpoint_problem(str(out / "checkpoint-3")) is None
     result = run_child(out)
@@ -74,7 +76,7 @@ def test_sigterm_during_evaluation_runs_the_evaluation_on_resume(tmp_path, refer
     import json
 
     out = tmp_path / "run"
-    result = run_child(out, "sigterm-eval", 2)  # the second batch of the first evaluation (step 4)
+    result = run_child(out, "sigterm-eval", 2, launcher=True)  # the 2nd batch of the first evaluation (step 4)
     assert result.returncode == 143, result.stderr[-2000:]
     state = json.load(open(out / "checkpoint-4" / "trainer_state.json"))
     assert not any("eval_loss" in h for h in state["log_history"]), "the abandoned evaluation was logged"

@@ -32,7 +32,7 @@ ALL_OPTIMS = [o.value for o in OptimizerNames]
 def no_report_charts(monkeypatch):
     """The run report's matplotlib charts (drawn after train() returns) cost about 1 s of CPU a run, more than the
     3 steps: not what is tested here."""
-    monkeypatch.setattr("loopkit.report.draw_charts", lambda log_history, folder: [])
+    monkeypatch.setattr("loopkit.report.draw_charts", lambda report, folder: [])
 # What HF's failure names, for each reason a value cannot run: Loop's refusal must name the same thing.
 FAILURE_KEYWORDS = ("CUDA", "torch_xla", "torch_npu", "torchdistx", "bitsandbytes", "galore_torch", "apollo_torch",
                     "lomo_optim", "grokadamw", "torchao", "schedulefree", "optimi", "relative_step")

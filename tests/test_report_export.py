@@ -22,7 +22,7 @@ from loopkit.export import ExportError, export_model
 
 HERE = os.path.dirname(__file__)
 PNG = b"\x89PNG\r\n\x1a\n"
-CHARTS = ("loss.png", "learning_rate.png", "eval_metrics.png")
+CHARTS = ("loss.png", "learning_rate.png", "eval_metrics.png", "throughput.png")
 
 
 def tiny_classifier(layers=2):
@@ -205,7 +205,8 @@ def test_killed_run_rebuilt_from_its_run_record_and_resumed_report_covers_the_wh
     assert final["segments"][0] == rebuilt["segments"][0]
     assert final["total_seconds"] == pytest.approx(rebuilt["total_seconds"] + final["this_run_seconds"], abs=1e-5)
     assert final["time_by_phase"]["seconds"]["setup"] > rebuilt["time_by_phase"]["seconds"]["setup"]
-    assert "in 2 segments (resumed at step 6)" in report.summary_text(final)
+    summary = report.summary_text(final)
+    assert "2 segments:" in summary and "resumed at step 6: steps 6-20 in" in summary
     record = json.load(open(out / "checkpoint-18" / "loopkit_state.json"))["run_record"]
     earliest, latest = bracket(resumed.events, 18)
     assert [(s["from_step"], s["to_step"]) for s in record["segments"]] == [(0, 6), (6, 18)]

@@ -238,3 +238,15 @@ def test_loop_args_map_the_fields_as_training_arguments(tmp_path):
         assert LoopArgs(include_num_input_tokens_seen=value).include_num_input_tokens_seen == expected
         assert hf_args(tmp_path, include_num_input_tokens_seen=value).include_num_input_tokens_seen == expected
     assert LoopArgs(debug="underflow_overflow").debug == ["underflow_overflow"] and LoopArgs().debug == []
+
+
+def test_greedy_lr_scheduler_steps_on_the_evaluation_metric_as_trainer(tmp_path):
+    """`lr_scheduler_type="greedy"` (transformers' GreedyLR) steps after each evaluation with metric_for_best_model,
+    never after an optimizer step: the learning rates it logs, the eval losses and the weights equal Trainer's."""
+    runs = train_both(tmp_path, lm_data(12), lm_data(4, seed=1), lr_scheduler_type="greedy",
+                      lr_scheduler_kwargs={"patience": 1, "factor": 0.5}, eval_strategy="steps", eval_steps=1,
+                      metric_for_best_model="loss", num_train_epochs=2)
+    assert_same_history(runs)
+    rates = [h["learning_rate"] for h in runs["loopkit"].state.log_history if "learning_rate" in h]
+    assert len(set(rates)) > 1, "the scheduler never moved the learning rate: the test shows nothing"
+    assert_same_weights(runs["loopkit"].model, runs["hf"].model, RTOL)

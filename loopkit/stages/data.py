@@ -65,7 +65,10 @@ class RemoveColumnsCollator:
         if self.check_first is not None:
             check, self.check_first = self.check_first, None
             check(features)
-        return self.collator([without_columns(feature, self.keep) for feature in features])
+        keep = self.keep
+        # The usual row (a dict with nothing to drop) inline: this runs for every row of every batch.
+        return self.collator([dict(feature) if type(feature) is dict and feature.keys() <= keep
+                              else without_columns(feature, keep) for feature in features])
 
 
 def dataset_columns(dataset) -> list[str] | None:

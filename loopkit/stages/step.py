@@ -50,7 +50,8 @@ from ..args import config_error
 from ..batches import require_named_batch
 from ..first_batch import check_labels
 from ..guards import NONFINITE_POLICIES, NonFiniteWatch
-from ..optimizers import backward_kwargs, build_optimizer, optimizer_cls_and_kwargs, updates_in_backward
+from ..optimizers import (backward_kwargs, build_optimizer, optimizer_cls_and_kwargs, steps_on_metrics,
+                          updates_in_backward)
 from .base import Stage, base_model
 
 NO_DECAY_PATTERNS = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)",
@@ -131,6 +132,7 @@ class StepStage(Stage):
         self.label_shift, self.main_input, self.num_non_embedding_params = None, "input_ids", 0
         self.warned_no_main_input = False
         self.labels_unchecked = False
+        self.work_by_shape = None  # main input shape -> (FLOPs, tokens, samples), when FLOPs depend on it alone
 
     # -- optimizer and scheduler (HF's create_optimizer / create_scheduler) --
     def get_decay_parameter_names(self, model) -> list[str]:
@@ -202,8 +204,13 @@ class StepStage(Stage):
                                          if hasattr(run.model, "num_parameters") else 0)
         self.main_input = getattr(run.model, "main_input_name", "input_ids")
         self.label_shift = is_causal_lm(run.model)
+        self.scheduler_steps_on_metrics = steps_on_metrics(run.lr_scheduler)
         # The labels of the first micro-batch are checked against the model's own loss (loopkit/first_batch.py).
         self.labels_unchecked = run.compute_loss_func is None and not self.compute_loss_overridden()
+        # HF's FLOP estimate depends on the main input's shape only: computed once per shape, unless overridden.
+        overridden = "floating_point_ops" in vars(self) or \
+            type(self).floating_point_ops is not StepStage.floating_point_ops
+        self.work_by_shape = None if overridden else {}
         # Plain engines (one process, DDP) without a loss scaler: Accelerate's backward, clip and optimizer wrappers
         # then only forward to torch, but cost ~250 us a step on a CPU (an optional-package lookup in every
         # `AcceleratedOptimizer.step`, a per-parameter DTensor scan in every clip). Call torch directly there, with
@@ -359,15 +366,23 @@ class StepStage(Stage):
         return 0
 
     def count_work(self, inputs, result: StepResult) -> None:
-        """FLOPs (HF's estimate), and the input tokens and samples the run report divides by time. Sizes are
-        tensor metadata: no device sync."""
-        result.flos += float(self.floating_point_ops(inputs))
+        """FLOPs (HF's estimate), and the input tokens and samples the run report divides by time; the FLOP estimate
+        depends on the main input's shape only, so it is computed once per shape. Sizes are tensor metadata: no
+        device sync."""
         main = inputs.get(self.main_input) if isinstance(inputs, Mapping) else None
-        if isinstance(main, torch.Tensor):
-            result.tokens += main.numel()
-            result.samples += main.shape[0] if main.ndim else 1
         if self.run.args.include_num_input_tokens_seen != "no":
             result.input_tokens_seen = result.input_tokens_seen + self.input_tokens(inputs, main)
+        if not isinstance(main, torch.Tensor):
+            result.flos += float(self.floating_point_ops(inputs))
+            return
+        work = self.work_by_shape.get(main.shape) if self.work_by_shape is not None else None
+        if work is None:
+            work = (float(self.floating_point_ops(inputs)), main.numel(), main.shape[0] if main.ndim else 1)
+            if self.work_by_shape is not None:
+                self.work_by_shape[main.shape] = work
+        result.flos += work[0]
+        result.tokens += work[1]
+        result.samples += work[2]
 
     def input_tokens(self, inputs, main) -> torch.Tensor | int:
         """HF's `_track_num_input_tokens` for one micro-batch: every token of the main input ("all"), or the
@@ -413,11 +428,11 @@ class StepStage(Stage):
             run.optimizer.step()
         run.fire("on_optimizer_step")
         scheduler = run.lr_scheduler
-        result.learning_rate = scheduler.get_last_lr()[0] if hasattr(scheduler, "get_last_lr") else \
-            run.optimizer.param_groups[0]["lr"]
-        if not acc.optimizer_step_was_skipped and not isinstance(
-                scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            scheduler.step()
+        # HF's _get_learning_rate: a metric-driven scheduler's LR is the optimizer's.
+        result.learning_rate = scheduler.get_last_lr()[0] if not self.scheduler_steps_on_metrics and \
+            hasattr(scheduler, "get_last_lr") else run.optimizer.param_groups[0]["lr"]
+        if not acc.optimizer_step_was_skipped and not self.scheduler_steps_on_metrics:
+            scheduler.step()  # a metric-driven scheduler steps after each evaluation instead (loopkit/schedule.py)
         model.zero_grad()
 
     def check_nonfinite(self) -> bool:

@@ -16,7 +16,7 @@ The summary also carries the memory metrics of `skip_memory_metrics=False` (`run
 before it is logged, as in HF.
 
 Reads `run.args`, `run.accelerator`, `run.state`, `run.model_wrapped`, `run.optimizer`, `run.checkpointer`,
-`run.clock`, `run.processing_class`; writes no run-state field.
+`run.clock`, `run.processing_class`, `run.preemption`; writes no run-state field.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class TeardownStage(Stage):
         run.checkpointer.wait()  # an asynchronous save still in flight
         if run.args.load_best_model_at_end and state.best_model_checkpoint is not None:
             load_model_weights(run.accelerator.unwrap_model(run.model_wrapped), state.best_model_checkpoint)
-        run.checkpointer.keep_only_best()
+        if not run.preemption.requested:  # an interrupted run keeps the checkpoint it resumes from
+            run.checkpointer.keep_only_best()
         run.fire("on_train_end")
         return TrainOutput(state.global_step, train_loss, metrics)
 
