@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import BatchEncoding, TrainerCallback
 
-from loopkit import Loop, LoopArgs, LoopConfigError
+from loopkit import Loop, LoopArgs, LoopConfigError, TrainingInterrupted
 from loopkit.checkpoint import checkpoint_problem
 
 from helpers import (IGNORE_PIN_MEMORY_WARNING, TinyRegression, assert_same_weights, hf_args, regression_data,
@@ -239,12 +239,15 @@ class SigtermAt(TrainerCallback):
 
 
 def test_enable_jit_checkpoint_is_loopkits_preemption_save(tmp_path):
-    """Trainer's JIT checkpoint on SIGTERM is loopkit's preemption save: checkpoint of the step, then exit 143."""
+    """Trainer's JIT checkpoint on SIGTERM is loopkit's preemption save: checkpoint of the step, then (outside a
+    launcher, as here) `TrainingInterrupted` naming it; under a launcher the process exits 143
+    (tests/test_interrupt.py)."""
     args = hf_args(tmp_path, enable_jit_checkpoint=True, max_steps=8, save_strategy="no", learning_rate=0.05)
     loop = Loop(model=tiny_regression(), args=args, train_dataset=regression_data(32), callbacks=[SigtermAt(3)])
-    with pytest.raises(SystemExit) as stopped:
+    with pytest.raises(TrainingInterrupted) as stopped:
         loop.train()
-    assert stopped.value.code == 143 and loop.state.global_step == 3
+    assert stopped.value.saved and stopped.value.checkpoint.endswith("checkpoint-3")
+    assert loop.state.global_step == 3
     assert checkpoint_problem(str(tmp_path / "checkpoint-3")) is None
     saved = load_file(tmp_path / "checkpoint-3" / "model.safetensors")
     assert all(torch.equal(saved[k], v) for k, v in loop.model.state_dict().items())
