@@ -642,8 +642,10 @@ def summary_text(report: dict) -> str:
              f"{duration_text(report)}" + (" in all" if len(report.get("segments") or []) > 1 else ""),
              *segment_lines(report)]
     if report.get("samples_per_second") is not None:
-        lines.append(f"  {report['samples_per_second']:.1f} samples/s, {report['tokens_per_second']:.0f} input "
-                     f"tokens/s" + (" (this segment)" if len(report.get("segments") or []) > 1 else "")
+        tokens = f", {report['tokens_per_second']:.0f} input tokens/s" if report.get("input_tokens") else \
+            " (no token count: the batches have no model main input)"
+        lines.append(f"  {report['samples_per_second']:.1f} samples/s{tokens}"
+                     + (" (this segment)" if len(report.get("segments") or []) > 1 else "")
                      + f", peak host memory {report['peak_host_memory_mb']:.0f} MB"
                      + (f", peak device memory {report['peak_device_memory_mb']:.0f} MB"
                         if report.get("peak_device_memory_mb") else ""))

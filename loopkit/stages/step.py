@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from ..args import config_error
-from ..batches import require_named_batch
+from ..batches import find_batch_size, require_named_batch
 from ..first_batch import check_labels
 from ..guards import NONFINITE_POLICIES, NonFiniteWatch
 from ..optimizers import (backward_kwargs, build_optimizer, optimizer_cls_and_kwargs, steps_on_metrics,
@@ -372,8 +372,9 @@ class StepStage(Stage):
         main = inputs.get(self.main_input) if isinstance(inputs, Mapping) else None
         if self.run.args.include_num_input_tokens_seen != "no":
             result.input_tokens_seen = result.input_tokens_seen + self.input_tokens(inputs, main)
-        if not isinstance(main, torch.Tensor):
+        if not isinstance(main, torch.Tensor):  # no main input (a plain module taking `x`): samples only
             result.flos += float(self.floating_point_ops(inputs))
+            result.samples += find_batch_size(inputs) or 0
             return
         work = self.work_by_shape.get(main.shape) if self.work_by_shape is not None else None
         if work is None:
