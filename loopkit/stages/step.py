@@ -80,13 +80,13 @@ def is_causal_lm(model) -> bool:
         return False
     if getattr(base, "loss_type", None) == "ForCausalLM":
         return True
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return type(base).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return is_causal_lm_class(base)
 
 
 @functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
 def causal_lm_class_names() -> frozenset:
+    """transformers' causal-LM class names, built once (label smoothing asks at every micro-batch)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
@@ -131,7 +131,7 @@ class StepStage(Stage):
         # Decided once per train() by `prepare_hot_path`; these defaults serve an evaluation before any training.
         self.label_shift, self.main_input, self.num_non_embedding_params = None, "input_ids", 0
         self.warned_no_main_input = False
-        self.labels_unchecked = False
+        self.labels_unchecked = self.count_input_tokens = False
         self.work_by_shape = None  # main input shape -> (FLOPs, tokens, samples), when FLOPs depend on it alone
 
     # -- optimizer and scheduler (HF's create_optimizer / create_scheduler) --
@@ -205,6 +205,7 @@ class StepStage(Stage):
         self.main_input = getattr(run.model, "main_input_name", "input_ids")
         self.label_shift = is_causal_lm(run.model)
         self.scheduler_steps_on_metrics = steps_on_metrics(run.lr_scheduler)
+        self.count_input_tokens = run.args.include_num_input_tokens_seen != "no"
         # The labels of the first micro-batch are checked against the model's own loss (loopkit/first_batch.py).
         self.labels_unchecked = run.compute_loss_func is None and not self.compute_loss_overridden()
         # HF's FLOP estimate depends on the main input's shape only: computed once per shape, unless overridden.
@@ -370,7 +371,7 @@ class StepStage(Stage):
         depends on the main input's shape only, so it is computed once per shape. Sizes are tensor metadata: no
         device sync."""
         main = inputs.get(self.main_input) if isinstance(inputs, Mapping) else None
-        if self.run.args.include_num_input_tokens_seen != "no":
+        if self.count_input_tokens:
             result.input_tokens_seen = result.input_tokens_seen + self.input_tokens(inputs, main)
         if not isinstance(main, torch.Tensor):  # no main input (a plain module taking `x`): samples only
             result.flos += float(self.floating_point_ops(inputs))
