@@ -244,10 +244,11 @@ def test_a_loop_override_runs_with_the_loop_as_self_and_super_reaches_the_stage(
 # ---------------------------------------------------------------------------------------------------------------
 # Checkpoints written before the redesign resume exactly
 # ---------------------------------------------------------------------------------------------------------------
-def test_a_checkpoint_from_before_the_redesign_resumes_bit_exactly(tmp_path):
+def test_a_checkpoint_from_before_the_redesign_resumes_where_todays_run_ends(tmp_path):
     """`tests/fixtures/pre_redesign_checkpoint/checkpoint-6` was written by the code before the stage-contract
     redesign (running loss under "step", last logged step under "evaluation"); resuming it must end exactly where
-    an uninterrupted run of today's code ends, with the same log history (the first log after the resume included)."""
+    an uninterrupted run of today's code ends, with the same log history (the first log after the resume included).
+    Bit-exact resume on one machine is tests/test_resume_exact.py's."""
     import importlib.util
     import shutil
 
@@ -263,9 +264,15 @@ def test_a_checkpoint_from_before_the_redesign_resumes_bit_exactly(tmp_path):
     shutil.copytree(os.path.join(here, "fixtures", "pre_redesign_checkpoint"), tmp_path / "resumed")
     resumed = Loop(tiny_llama(), hf_args(tmp_path / "resumed", **fixture.RUN), train_dataset=lm_data(40))
     resumed.train(resume_from_checkpoint=True)
+    # The fixture's first 6 steps ran on another machine, whose CPU kernels round differently (its step-6 weights are
+    # 1.6e-6 from this code's on an AVX2-only CPU), so the runs agree to float precision, not bit for bit; a lost
+    # running loss or logging step would be off by far more (the step-8 log is checked to 1e-5).
     for name, tensor in full.model.state_dict().items():
-        assert torch.equal(tensor, resumed.model.state_dict()[name]), name
+        torch.testing.assert_close(resumed.model.state_dict()[name], tensor, rtol=1e-4, atol=1e-5)
     logs = [{k: v for k, v in entry.items() if not k.startswith("train_")} for entry in full.state.log_history]
-    assert [{k: v for k, v in entry.items() if not k.startswith("train_")} for entry in resumed.state.log_history] \
-        == logs
+    resumed_logs = [{k: v for k, v in entry.items() if not k.startswith("train_")}
+                    for entry in resumed.state.log_history]
+    assert [sorted(entry) for entry in resumed_logs] == [sorted(entry) for entry in logs]
+    for got, expected in zip(resumed_logs, logs):
+        assert got == pytest.approx(expected, rel=1e-5)
     assert any(entry.get("step") == 8 and "loss" in entry for entry in logs)  # the log right after the resume
