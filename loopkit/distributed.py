@@ -152,6 +152,29 @@ def requested_engines(plugins: dict) -> list[str]:
     return requested
 
 
+def shard_on_cpu_processes(accelerator, plugins: dict, requested: list[str]) -> None:
+    """FSDP2 on CPU processes (gloo), the way a GPU launch sets it up. Accelerate 1.15 turns an FSDP request into
+    `DistributedType.FSDP` only in the `AcceleratorState` branch for accelerator process groups (MULTI_GPU, MULTI_NPU,
+    ...; accelerate/state.py), so on `MULTI_CPU` the plugin is dropped and DDP runs. Everything downstream runs on
+    CPU unchanged: `prepare` -> `fsdp2_prepare_model` (torch's `fully_shard`, a CPU device mesh over gloo), the
+    DTensor-aware `clip_grad_norm_`, `save_fsdp_model` / `save_fsdp_optimizer` / `load_fsdp_*` (torch's distributed
+    checkpoint). So this sets, after the `Accelerator` exists, exactly what that branch sets: the distributed type
+    (in both shared states, as Accelerate does), the plugin (built from the launcher's FSDP_* variables when FSDP was
+    asked by `accelerate launch --use_fsdp`, as `Accelerator.__init__` builds it) and its mixed precision."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = accelerator.state
+    if "FSDP" not in requested or state.distributed_type != DistributedType.MULTI_CPU:
+        return
+    plugin = plugins.get("fsdp_plugin") or FullyShardedDataParallelPlugin()
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
 def active_engine(accelerator) -> str | None:
     """"FSDP", "DeepSpeed" or None (DDP or a single process), as Accelerate runs it."""
     kind = getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type))
@@ -180,17 +203,34 @@ def check_engines_active(accelerator, requested: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Checkpoints under FSDP and DeepSpeed: Accelerate's state-dict paths (HF Trainer's _save_checkpoint / _load_*)
 # ---------------------------------------------------------------------------------------------------------------
+FSDP_MODEL_FOLDER, FSDP_OPTIMIZER_FOLDER = "pytorch_model_fsdp_0", "optimizer_0"  # HF Trainer's names (one model)
+
+
 def full_state_dict_saved(accelerator) -> bool:
     """Whether this run's checkpoints hold the whole model as `model.safetensors` (DDP, one process, FSDP with
-    FULL_STATE_DICT, DeepSpeed) rather than FSDP's sharded state-dict folder."""
+    FULL_STATE_DICT, DeepSpeed) rather than FSDP's sharded state-dict folders."""
     if active_engine(accelerator) != "FSDP":
         return True
     return "FULL_STATE_DICT" in str(accelerator.state.fsdp_plugin.state_dict_type)
 
 
+def sharded_model_saved(checkpoint: str) -> bool:
+    """The checkpoint holds the model as FSDP's sharded state dict (`pytorch_model_fsdp_0/`, torch's distributed
+    checkpoint: one file per rank that wrote it)."""
+    return os.path.isdir(os.path.join(checkpoint, FSDP_MODEL_FOLDER))
+
+
+def model_loads_after_prepare(accelerator, checkpoint: str) -> bool:
+    """A sharded model folder resumed by a sharded run with SHARDED_STATE_DICT: each rank reads its own shards after
+    `prepare` (Accelerate's `load_fsdp_model`). Every other combination loads the whole model before `prepare`
+    (`load_model_weights`), which then shards it when FSDP is active."""
+    return sharded_model_saved(checkpoint) and not full_state_dict_saved(accelerator)
+
+
 def save_engine_state(run, folder: str, with_optimizer: bool) -> None:
     """FSDP / DeepSpeed: the model (when sharded) and the optimizer through Accelerate's functions, on every process.
-    (With DDP or one process the checkpointer writes `optimizer.pt` itself.)"""
+    (With DDP or one process the checkpointer writes `optimizer.pt` itself.) With SHARDED_STATE_DICT each rank writes
+    its own shards (`pytorch_model_fsdp_0/`, `optimizer_0/`); nothing is gathered."""
     acc, engine = run.accelerator, active_engine(run.accelerator)
     if engine == "DeepSpeed":
         # The engine writes its own sharded model + optimizer state (`global_step*/`), as HF Trainer does.
@@ -208,10 +248,10 @@ def save_engine_state(run, folder: str, with_optimizer: bool) -> None:
 
 
 def load_engine_model(run, checkpoint: str) -> bool:
-    """FSDP with SHARDED_STATE_DICT: load the model shards after `accelerator.prepare`. Returns whether it did
-    (otherwise the weights were loaded from `model.safetensors` before preparing, as without an engine)."""
-    acc, engine = run.accelerator, active_engine(run.accelerator)
-    if engine == "FSDP" and not full_state_dict_saved(acc):
+    """The model shards of a sharded checkpoint, after `accelerator.prepare` (`model_loads_after_prepare`). Returns
+    whether it did."""
+    acc = run.accelerator
+    if model_loads_after_prepare(acc, checkpoint):
         from accelerate.utils import load_fsdp_model
 
         load_fsdp_model(acc.state.fsdp_plugin, acc, run.model_wrapped, checkpoint)
@@ -219,19 +259,74 @@ def load_engine_model(run, checkpoint: str) -> bool:
     return False
 
 
-def load_engine_optimizer(run, checkpoint: str) -> bool:
-    """FSDP / DeepSpeed: the optimizer state (DeepSpeed: the whole engine state). Returns whether the engine path
-    applied."""
+def load_sharded_model(model, folder: str) -> None:
+    """A `pytorch_model_fsdp_0/` folder into `model`, sharded or not, at any number of processes (torch's distributed
+    checkpoint reshards on load; without a process group it reads every shard in this process)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(model, state["model"])
+
+
+def load_optimizer_state(run, checkpoint: str) -> bool:
+    """The optimizer state, after `prepare`, from whichever layout the checkpoint holds into this run's layout:
+    sharded (`optimizer_0/`) into a sharded run through Accelerate's `load_fsdp_optimizer` (or into an unsharded one:
+    torch's distributed checkpoint reshards), whole (`optimizer.pt`) into an unsharded run or, cut into this rank's
+    shards, into a sharded one. Returns whether it loaded one."""
+    from .checkpoint import OPTIMIZER_NAME, safe_torch_load
+
     acc, engine = run.accelerator, active_engine(run.accelerator)
     if engine == "DeepSpeed":
         run.model_wrapped.load_checkpoint(checkpoint, load_module_strict=False)
         return True
-    if engine == "FSDP":
+    model, optimizer = acc.unwrap_model(run.model_wrapped), getattr(run.optimizer, "optimizer", run.optimizer)
+    sharded, whole = os.path.join(checkpoint, FSDP_OPTIMIZER_FOLDER), os.path.join(checkpoint, OPTIMIZER_NAME)
+    if os.path.isdir(sharded):
+        if engine == "FSDP" and not full_state_dict_saved(acc):
+            from accelerate.utils import load_fsdp_optimizer
+
+            load_fsdp_optimizer(acc.state.fsdp_plugin, acc, run.optimizer, run.model_wrapped, checkpoint)
+        else:
+            load_sharded_optimizer(model, optimizer, sharded)
+    elif os.path.isfile(whole):
+        state = safe_torch_load(whole)
+        if engine == "FSDP":
+            load_whole_optimizer_into_shards(model, optimizer, state)
+        else:
+            run.optimizer.load_state_dict(state)
+    elif engine == "FSDP" and os.path.isfile(os.path.join(checkpoint, "optimizer.bin")):  # FULL_STATE_DICT layout
         from accelerate.utils import load_fsdp_optimizer
 
         load_fsdp_optimizer(acc.state.fsdp_plugin, acc, run.optimizer, run.model_wrapped, checkpoint)
-        return True
-    return False
+    else:
+        return False
+    return True
+
+
+def load_sharded_optimizer(model, optimizer, folder: str) -> None:
+    """An `optimizer_0/` folder (keyed by parameter names) into an optimizer over `model`, sharded or not."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # the layout to fill (initialises the state)
+    dcp.load(state, checkpoint_id=folder)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def load_whole_optimizer_into_shards(model, optimizer, state: dict) -> None:
+    """A whole `optimizer.pt` (torch's layout: parameters by position in the param groups) into a sharded optimizer:
+    the positions are named after the parameters they hold here (the optimizer was built over the same model, in the
+    same order, before `prepare`), and torch's `set_optimizer_state_dict` keeps this rank's part of each tensor."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    fqns = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    named = {"state": {fqns[i]: value for i, value in state["state"].items()},
+             "param_groups": [{**group, "params": [fqns[i] for i in group["params"]]}
+                              for group in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
 
 
 def engine_checkpoint_present(path: str) -> bool:
