@@ -9,17 +9,20 @@ Two ways a launch can silently train something other than what was asked, both r
   `accelerate launch --multi_gpu`) without `ACCELERATE_USE_CPU=1` starts two processes whose `torch.distributed` is
   initialised, but Accelerate reports a single process (`DistributedType.NO`): each trains its own copy on its own
   data and the copies drift apart, with no error. `check_launch` raises instead.
-* **An engine that was dropped.** Accelerate 1.15 uses FSDP only for several processes on accelerators: with an FSDP
-  plugin on CPU (or on one process) it runs DDP or nothing, silently; a second `Accelerator` in a process ignores
-  any plugin passed to it. `check_engines_active` raises when FSDP or DeepSpeed was asked for and is not active.
+* **An engine that was dropped.** Accelerate uses FSDP only under a distributed launch: with an FSDP plugin in a
+  plain `python train.py` it runs one unsharded process, silently; a second `Accelerator` in a process ignores any
+  plugin passed to it; DeepSpeed needs GPUs. `check_engines_active` raises when FSDP or DeepSpeed was asked for and
+  is not active.
 
 FSDP and DeepSpeed are configured as with HF Trainer (`TrainingArguments(fsdp=..., fsdp_config=...)`, which builds
 `fsdp_plugin_args`, or `deepspeed=...`, which builds `deepspeed_plugin`), by Accelerate plugin objects
 (`SetupStage(fsdp_plugin=..., deepspeed_plugin=...)`), or by the launcher (`accelerate launch --use_fsdp`, a config
-file with DeepSpeed). Checkpoints then hold the whole model gathered from the shards (`model.safetensors`, except
-with FSDP's SHARDED_STATE_DICT) and the optimizer through Accelerate's FSDP functions or the DeepSpeed engine
-(`save_engine_state`, `load_engine_model`, `load_engine_optimizer`, used by loopkit/checkpoint.py), as HF Trainer
-does. Those paths need GPUs and are not exercised by the CPU test suite.
+file with DeepSpeed). FSDP2 runs on GPUs and, through `shard_on_cpu_processes`, on CPU processes (gloo): the same
+Accelerate path, which is how the CPU test suite proves it (tests/test_fsdp.py). Checkpoints then hold the model and
+the optimizer through Accelerate's FSDP functions or the DeepSpeed engine (`save_engine_state`, `load_engine_model`,
+`load_optimizer_state`, used by loopkit/checkpoint.py), as HF Trainer does; with FSDP's SHARDED_STATE_DICT each rank
+writes its shards (`pytorch_model_fsdp_0/`, `optimizer_0/`), and such a checkpoint resumes at any number of
+processes, sharded or not, as does an ordinary one in a sharded run. DeepSpeed is not exercised by the tests.
 """
 
 from __future__ import annotations
@@ -164,14 +167,14 @@ def shard_on_cpu_processes(accelerator, plugins: dict, requested: list[str]) -> 
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    state = accelerator.state
-    if "FSDP" not in requested or state.distributed_type != DistributedType.MULTI_CPU:
+    shared = accelerator.state  # Accelerate's AcceleratorState (shared by every Accelerator of the process)
+    if "FSDP" not in requested or shared.distributed_type != DistributedType.MULTI_CPU:
         return
     plugin = plugins.get("fsdp_plugin") or FullyShardedDataParallelPlugin()
-    if state.mixed_precision != "no":
-        plugin.set_mixed_precision(state.mixed_precision)
-    state.fsdp_plugin = plugin
-    state.distributed_type = DistributedType.FSDP
+    if shared.mixed_precision != "no":
+        plugin.set_mixed_precision(shared.mixed_precision)
+    shared.fsdp_plugin = plugin
+    shared.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
@@ -194,10 +197,11 @@ def check_engines_active(accelerator, requested: list[str]) -> None:
         f"{engine} was asked for (a plugin, the training arguments or ACCELERATE_USE_{engine.upper()}), but "
         f"Accelerate runs distributed_type={accelerator.distributed_type.value} with {accelerator.num_processes} "
         f"process(es) on {accelerator.device}, so training would silently run without {engine}. Accelerate uses "
-        f"{engine} only for several processes on GPUs (or other accelerators), and only from the first Accelerator "
-        f"of a process. Fix: launch on a GPU machine, e.g. `accelerate launch --num_processes 2 "
-        f"{'--use_fsdp ' if engine == 'FSDP' else '--use_deepspeed '}train.py`, or drop the {engine} configuration "
-        f"to train with DDP (or on one process).")
+        f"{engine} only under a distributed launch{' (DeepSpeed: on GPUs)' if engine == 'DeepSpeed' else ''}, and "
+        f"only from the first Accelerator of a process. Fix: launch with `accelerate launch --num_processes 2 "
+        f"{'--use_fsdp ' if engine == 'FSDP' else '--use_deepspeed '}train.py`"
+        f"{' (on CPU: ' + CPU_LAUNCH.format(n=2) + ')' if engine == 'FSDP' else ''}, or drop the {engine} "
+        f"configuration to train with DDP (or on one process).")
 
 
 # ---------------------------------------------------------------------------------------------------------------
