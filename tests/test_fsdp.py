@@ -73,6 +73,7 @@ def runs(tmp_path_factory):
     two, one = tmp_path_factory.mktemp("sharded"), tmp_path_factory.mktemp("unsharded")
     start = time.time()
     child.run_training(str(one), "whole", 2, sharded=False, save_at=child.SAVE_AT)  # 1 x 2 = 2 x 1 per micro-batch
+    child.run_training(str(one), "best", 2, sharded=False, **child.BEST)
     whole_checkpoint = os.path.join(one, "whole", f"checkpoint-{child.SAVE_AT}")
     launches = {"scenarios": launch(two, "all", 2, whole_checkpoint), "kill": launch(two, "kill", 2)}
     memory = {n: tmp_path_factory.mktemp(f"memory{n}") for n in (1, 2, 4)}
@@ -162,6 +163,22 @@ def test_save_model_writes_one_safetensors_that_from_pretrained_loads(runs):
     assert all(torch.equal(model.state_dict()[k], expected[k]) for k in expected)
 
 
+def test_load_best_model_at_end_from_sharded_checkpoints(runs):
+    """Evaluation every 2 steps on 2 sharded processes, the best sharded checkpoint loaded back into the sharded
+    model at the end: the same best step and weights as one unsharded process."""
+    two, one, _, _ = runs
+    sharded, reference = result(two, "best"), result(one, "best")
+    best = os.path.basename(sharded["best_model_checkpoint"])
+    assert best == os.path.basename(reference["best_model_checkpoint"]) != f"checkpoint-{child.MAX_STEPS}"
+    assert "pytorch_model_fsdp_0" in os.listdir(os.path.join(two, "best", best))
+    assert worst_relative_difference(weights(two, "best"), weights(one, "best")) <= 1e-4
+    # (eval_loss weighs batch means by the per-device batch size, so 2 x 3 and 1 x 3 differ: perplexity is exact)
+    assert sharded["eval_after"]["eval_perplexity"] == pytest.approx(reference["eval_after"]["eval_perplexity"],
+                                                                     rel=1e-5)
+    last = [e["eval_loss"] for e in sharded["log_history"] if e.get("step") == child.MAX_STEPS and "eval_loss" in e]
+    assert last and sharded["eval_after"]["eval_loss"] < last[0]  # the model at the end is the best, not the last
+
+
 def test_cpu_ram_efficient_loading_takes_rank_zero_weights(runs):
     """Rank 1 starts from other weights; with cpu_ram_efficient_loading Accelerate shards rank 0's (broadcast), so
     the run equals the ordinary sharded one."""
@@ -181,7 +198,7 @@ def test_kill_during_a_sharded_save_leaves_the_previous_checkpoint_resumable(run
     assert [os.path.basename(d) for d in checkpoint_dirs(run_dir)] == ["checkpoint-2"]
     # The half-written `.tmp-checkpoint-4` is gone or left aside (rank 0 removes it when its collective fails, else
     # the next start does); either way no folder is named checkpoint-4.
-    loop = child.build_loop(run_dir, 2, sharded=False)
+    loop = child.build_loop(run_dir, 2, sharded=False, save_steps=2)
     loop.train(resume_from_checkpoint=True)
     assert loop.state.global_step == child.MAX_STEPS
     assert [os.path.basename(d) for d in checkpoint_dirs(run_dir)][-1] == f"checkpoint-{child.MAX_STEPS}"

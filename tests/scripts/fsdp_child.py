@@ -5,7 +5,8 @@ Accelerate on gloo processes. The same functions run unsharded in the pytest pro
 Usage (under a launcher): python fsdp_child.py OUT_DIR MODE [ARG]
 
 * all: `sharded` (gradient accumulation 2, clipping, a sharded checkpoint at SAVE_AT, `save_model`, evaluation),
-  `resume` (from that checkpoint) and `from_whole` (from ARG, an ordinary 1-process checkpoint); each writes
+  `resume` (from that checkpoint), `from_whole` (from ARG, an ordinary 1-process checkpoint) and `best`
+  (load_best_model_at_end from sharded checkpoints); each writes
   `<name>_rank<r>.json` and rank 0 the gathered weights `<name>.safetensors`.
 * memory: one optimizer step of a ~33 M-parameter Llama; writes `memory_rank<r>.json` (bytes of the local shards).
 * memory+ram_efficient: first `ram_efficient` (`sharded` with cpu_ram_efficient_loading, rank 1 starting from
@@ -31,6 +32,10 @@ from loopkit import Loop, LoopArgs  # noqa: E402
 from loopkit.stages.setup import SetupStage  # noqa: E402
 
 SAVE_AT, MAX_STEPS = dist_child.SAVE_AT, dist_child.MAX_STEPS
+# Evaluated and saved every 2 steps, the best of 4 checkpoints loaded at the end (a larger learning rate makes the
+# evaluation loss rise again, so the best is not the last).
+BEST = dict(eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+            metric_for_best_model="eval_loss", learning_rate=3e-2)
 MAX_GRAD_NORM = 0.5  # below the norms of this run (1.3-3.4): every step clips
 
 
@@ -43,14 +48,14 @@ def sharding_plugin(cpu_ram_efficient_loading: bool = False):
 
 
 def build_loop(output_dir: str, per_device_batch: int, *, sharded: bool, save_steps: int | None = None,
-               callbacks=(), model=None, plugin=None) -> Loop:
+               callbacks=(), model=None, plugin=None, **overrides) -> Loop:
     from loopkit.metrics import Perplexity, TokenAccuracy
 
-    args = LoopArgs(output_dir=output_dir, max_steps=MAX_STEPS, per_device_train_batch_size=per_device_batch,
-                    gradient_accumulation_steps=2, per_device_eval_batch_size=3, learning_rate=3e-3,
-                    warmup_steps=2, weight_decay=0.01, max_grad_norm=MAX_GRAD_NORM, logging_steps=1,
-                    save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-                    optim="adamw_torch", disable_tqdm=True, seed=7)
+    settings = dict(max_steps=MAX_STEPS, per_device_train_batch_size=per_device_batch, gradient_accumulation_steps=2,
+                    per_device_eval_batch_size=3, learning_rate=3e-3, warmup_steps=2, weight_decay=0.01,
+                    max_grad_norm=MAX_GRAD_NORM, logging_steps=1, optim="adamw_torch", disable_tqdm=True, seed=7,
+                    save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500)
+    args = LoopArgs(output_dir=output_dir, **{**settings, **overrides})
     setup = SetupStage(fsdp_plugin=plugin or sharding_plugin()) if sharded else SetupStage()
     return Loop(model=model or dist_child.tiny_llama(), args=args, train_dataset=dist_child.lm_samples(24, 1),
                 eval_dataset=dist_child.lm_samples(dist_child.EVAL_SAMPLES, 2), compute_metrics=dist_child.token_accuracy,
@@ -77,10 +82,10 @@ def engine_evidence(loop: Loop) -> dict:
 
 
 def run_training(out: str, name: str, per_device_batch: int, *, sharded: bool, save_at: int | None = None,
-                 resume_from=None, save_model: bool = False, model=None, plugin=None) -> Loop:
+                 resume_from=None, save_model: bool = False, model=None, plugin=None, **overrides) -> Loop:
     callbacks = [dist_child.SaveOnceAt(save_at)] if save_at else []
     loop = build_loop(os.path.join(out, name), per_device_batch, sharded=sharded, callbacks=callbacks, model=model,
-                      plugin=plugin)
+                      plugin=plugin, **overrides)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loop.train(resume_from_checkpoint=resume_from)
@@ -92,6 +97,7 @@ def run_training(out: str, name: str, per_device_batch: int, *, sharded: bool, s
     if rank == 0:
         save_file(weights, os.path.join(out, f"{name}.safetensors"))
     result = {"num_processes": loop.accelerator.num_processes, "global_step": loop.state.global_step,
+              "best_model_checkpoint": loop.state.best_model_checkpoint,
               "log_history": loop.state.log_history, "eval_after": after, **engine_evidence(loop),
               "warnings": [str(w.message) for w in caught]}
     with open(os.path.join(out, f"{name}_rank{rank}.json"), "w") as f:
@@ -181,6 +187,7 @@ def main() -> None:
         run_training(out, "sharded", 1, sharded=True, save_at=SAVE_AT, save_model=True)
         run_training(out, "resume", 1, sharded=True, resume_from=os.path.join(out, "sharded", f"checkpoint-{SAVE_AT}"))
         run_training(out, "from_whole", 1, sharded=True, resume_from=sys.argv[3])
+        run_training(out, "best", 1, sharded=True, **BEST)
     import torch.distributed as dist
 
     if dist.is_initialized():
