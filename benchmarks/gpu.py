@@ -164,7 +164,6 @@ def local_bytes(tensor) -> int:
 
 def run_fsdp(args) -> dict:
     """Launch the FSDP2 variant on `args.fsdp` processes and collect each rank's reply."""
-    import os
     import subprocess
     import tempfile
 
@@ -174,7 +173,7 @@ def run_fsdp(args) -> dict:
                                                                       os.environ.get("PYTHONPATH")])))
         if not args.device.startswith("cuda"):
             env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
-        forwarded = [a for a in (argv_of(args)) if a]
+        forwarded = [a for a in argv_of(args) if a]
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.fsdp),
                    "--master_port", str(free_port()), "--module", MODULE, "--fsdp-worker", out, *forwarded]
         started = time.time()
@@ -209,8 +208,8 @@ def fsdp_markdown(section: dict) -> str:
              f"- Device: {ranks[0]['device_name']}; {ranks[0]['distributed_type']}, FSDP2: {ranks[0]['is_fsdp2']}",
              f"- Work: batch {spec['batch_size']} per process x accumulation {spec['grad_accum']} x {spec['seq_len']} "
              f"tokens; run {section['started_at']}\n",
-             "| rank | ms/step | tokens/s (all ranks) | peak CUDA memory (GB) | local shards: params + grads + AdamW (MB) "
-             "| last loss |", "|---|---|---|---|---|---|"]
+             "| rank | ms/step | tokens/s (all ranks) | peak CUDA memory (GB) | local shards: params + grads + AdamW "
+             "(MB) | last loss |", "|---|---|---|---|---|---|"]
     for r in ranks:
         shards = sum(r["shard_bytes"].values()) / 2**20
         lines.append(f"| {r['rank']} | {fmt(r['seconds_per_step'] * 1e3)} | {fmt(r['tokens_per_second'])} | "
