@@ -59,7 +59,8 @@ def build_loop(output_dir: str, per_device_batch: int, *, sharded: bool, save_st
     setup = SetupStage(fsdp_plugin=plugin or sharding_plugin()) if sharded else SetupStage()
     return Loop(model=model or dist_child.tiny_llama(), args=args, train_dataset=dist_child.lm_samples(24, 1),
                 eval_dataset=dist_child.lm_samples(dist_child.EVAL_SAMPLES, 2),
-                compute_metrics=dist_child.token_accuracy, metrics=[TokenAccuracy(), Perplexity()], callbacks=list(callbacks), setup=setup)
+                compute_metrics=dist_child.token_accuracy, metrics=[TokenAccuracy(), Perplexity()],
+                callbacks=list(callbacks), setup=setup)
 
 
 def full_weights(loop: Loop) -> dict:
