@@ -161,7 +161,7 @@ class SetupStage(Stage):
                                                         mode=args.torch_compile_mode)
         accelerator = Accelerator(**kwargs, **plugins)
         shard_on_cpu_processes(accelerator, plugins, requested)  # FSDP2 on gloo processes (distributed.py)
-        check_engines_active(accelerator, requested)  # Accelerate drops FSDP on CPU silently: refuse instead
+        check_engines_active(accelerator, requested)  # an engine Accelerate dropped silently: refuse instead
         return accelerator
 
     def call_model_init(self, trial=None):
