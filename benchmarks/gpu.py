@@ -8,6 +8,14 @@ build of torch):
     python -m benchmarks.gpu                          # writes benchmarks/results/gpu-<device>.{json,md}
     python -m benchmarks.gpu --peak-tflops 989        # when the device is not in PEAK_BF16_TFLOPS below
     python -m benchmarks.gpu --device cpu --tiny      # a seconds-long dry run of the same code on a CPU
+    python -m benchmarks.gpu --fsdp 8                 # loopkit sharded (FSDP2) on 8 GPUs: gpu-fsdp-<device>.{json,md}
+    python -m benchmarks.gpu --device cpu --tiny --fsdp 2   # its dry run on 2 CPU processes (gloo)
+
+The FSDP2 variant launches `torchrun --nproc_per_node N -m benchmarks.gpu --fsdp-worker ...` (with
+`ACCELERATE_USE_CPU=1` on a CPU): loopkit with Accelerate's FSDP2 plugin (one unit per decoder layer, sharded
+state dict, bf16 mixed precision), the same model, data and steps; per rank it reports tokens/s, peak CUDA memory
+and the bytes of the local shards of parameters, gradients and AdamW state. One GPU (`--fsdp 1`) runs the same path
+without sharding anything: the per-rank memory falls only with N.
 
 MFU = achieved model FLOP/s / the device's dense bf16 peak, with model FLOPs per token = 6 N + 12 L H T (N: the
 parameters that take part in matmuls, the tied output projection included; L layers, H hidden size, T sequence
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -103,6 +112,111 @@ def gpu_train_steps(contender: str, spec: dict, warmup_steps: int, output_dir: s
     return reply
 
 
+def fsdp_train_steps(args) -> dict:
+    """One rank of the FSDP2 variant (run under torchrun): train the spec sharded; time the steps after warm-up."""
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from loopkit.stages.setup import SetupStage
+
+    from . import workloads
+    from .contenders import ClockCallback, StepClock, build_trainer
+
+    spec, warmup = spec_from(args), warmup_steps_of(args)
+    cuda = spec.device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    clock = StepClock(sync_at=(warmup, spec.max_steps), synchronize=torch.cuda.synchronize if cuda else None)
+    memory = {}
+
+    class CountShards:  # before the step zeroes the gradients; the optimizer state once it exists
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            memory["parameters"] = sum(local_bytes(p) for p in model.parameters())
+            memory["gradients"] = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+
+        def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+            memory["optimizer"] = sum(local_bytes(v) for s in optimizer.state.values() for v in s.values()
+                                      if isinstance(v, torch.Tensor))
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                            state_dict_type="SHARDED_STATE_DICT")
+    loop = build_trainer("loopkit", spec, workloads.build_model(spec), args.fsdp_worker + ".run",
+                         workloads.train_dataset(spec), callbacks=[ClockCallback(clock), CountShards()],
+                         setup=SetupStage(fsdp_plugin=plugin))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    loop.train()
+    seconds_per_step = (clock.ends[-1] - clock.ends[warmup - 1]) / (spec.max_steps - warmup)
+    acc = loop.accelerator
+    return {"rank": acc.process_index, "num_processes": acc.num_processes, "is_fsdp2": acc.is_fsdp2,
+            "distributed_type": str(acc.distributed_type), "seconds_per_step": seconds_per_step,
+            "tokens_per_second": spec.samples_per_step * acc.num_processes * spec.seq_len / seconds_per_step,
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "shard_bytes": memory, "losses": [e["loss"] for e in loop.state.log_history if "loss" in e],
+            "device_name": torch.cuda.get_device_name() if cuda else "cpu"}
+
+
+def local_bytes(tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def run_fsdp(args) -> dict:
+    """Launch the FSDP2 variant on `args.fsdp` processes and collect each rank's reply."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gpu-fsdp-") as scratch:
+        out = os.path.join(scratch, "rank")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                                      os.environ.get("PYTHONPATH")])))
+        if not args.device.startswith("cuda"):
+            env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
+        forwarded = [a for a in argv_of(args) if a]
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.fsdp),
+                   "--master_port", str(free_port()), "--module", MODULE, "--fsdp-worker", out, *forwarded]
+        started = time.time()
+        subprocess.run(command, env=env, cwd=REPO_ROOT, check=True)
+        ranks = [json.loads(Path(f"{out}{r}.json").read_text()) for r in range(args.fsdp)]
+    spec = spec_from(args)
+    return {"title": f"GPU: loopkit FSDP2 on {args.fsdp} process(es), bf16", "ranks": ranks, "spec": spec.to_dict(),
+            "launch_seconds": time.time() - started, "environment": describe(0),
+            "started_at": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(started))}
+
+
+def argv_of(args) -> list[str]:
+    """The options that decide the work, for the workers' command line."""
+    return ["--device", args.device, "--batch-size", str(args.batch_size), "--grad-accum", str(args.grad_accum),
+            "--seq-len", str(args.seq_len), "--warmup-steps", str(args.warmup_steps), "--timed-steps",
+            str(args.timed_steps), "--tiny" if args.tiny else ""]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fsdp_markdown(section: dict) -> str:
+    from .report import fmt
+
+    spec, ranks = section["spec"], section["ranks"]
+    lines = [f"# {section['title']}\n",
+             f"- Device: {ranks[0]['device_name']}; {ranks[0]['distributed_type']}, FSDP2: {ranks[0]['is_fsdp2']}",
+             f"- Work: batch {spec['batch_size']} per process x accumulation {spec['grad_accum']} x {spec['seq_len']} "
+             f"tokens; run {section['started_at']}\n",
+             "| rank | ms/step | tokens/s (all ranks) | peak CUDA memory (GB) | local shards: params + grads + AdamW "
+             "(MB) | last loss |", "|---|---|---|---|---|---|"]
+    for r in ranks:
+        shards = sum(r["shard_bytes"].values()) / 2**20
+        lines.append(f"| {r['rank']} | {fmt(r['seconds_per_step'] * 1e3)} | {fmt(r['tokens_per_second'])} | "
+                     f"{fmt(r['peak_memory_gb'])} | {fmt(shards)} | {fmt(r['losses'][-1] if r['losses'] else None)} |")
+    return "\n".join(lines)
+
+
 def device_versions() -> dict:
     import torch
 
@@ -127,7 +241,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds (one warm-up round first)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak, TFLOP/s")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument("--fsdp", type=int, default=None, metavar="N",
+                        help="the FSDP2 variant: loopkit sharded over N processes (one per GPU)")
+    parser.add_argument("--fsdp-worker", default=None, help=argparse.SUPPRESS)  # set by the FSDP2 launch
     return parser.parse_args(argv)
+
+
+def warmup_steps_of(args) -> int:
+    return args.warmup_steps if not args.tiny else 2
 
 
 def spec_from(args) -> TrainSpec:
@@ -138,16 +259,15 @@ def spec_from(args) -> TrainSpec:
     if args.tiny:
         spec = spec.replace(seq_len=32, batch_size=2, grad_accum=2, logging_steps=2,
                             model_overrides=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                 num_attention_heads=2, num_key_value_heads=2, vocab_size=256))
+                                                 num_attention_heads=2, num_key_value_heads=2, vocab_size=256),
+                            max_steps=warmup_steps_of(args) + 4)
     return spec.replace(num_train=spec.samples_per_step * spec.max_steps)
 
 
 def run(args) -> dict:
     suite = Suite(size="full", out_dir=args.out, threads=0 if args.device.startswith("cuda") else 1)
     spec = spec_from(args)
-    warmup = args.warmup_steps if not args.tiny else 2
-    if args.tiny:
-        spec = spec.replace(max_steps=warmup + 4, num_train=spec.samples_per_step * (warmup + 4))
+    warmup = warmup_steps_of(args)
     rounds = (1, args.rounds) if not args.tiny else (0, 1)
     replies = {c: [] for c in CONTENDERS}
     try:
@@ -208,6 +328,18 @@ def markdown(section: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.fsdp_worker is not None:  # one rank of the FSDP2 launch
+        reply = fsdp_train_steps(args)
+        Path(f"{args.fsdp_worker}{reply['rank']}.json").write_text(json.dumps(reply, indent=1))
+        return 0
+    if args.fsdp is not None:
+        section = run_fsdp(args)
+        name = "gpu-fsdp-" + "".join(ch if ch.isalnum() else "-" for ch in section["ranks"][0]["device_name"])
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}.json").write_text(json.dumps(section, indent=1, default=str))
+        (args.out / f"{name}.md").write_text(fsdp_markdown(section) + "\n")
+        print(fsdp_markdown(section))
+        return 0
     section = run(args)
     name = "gpu-" + "".join(ch if ch.isalnum() else "-" for ch in section["device"]["device_name"]).strip("-")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -40,8 +40,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .distributed import (active_engine, engine_checkpoint_present, full_state_dict_saved, load_engine_model,
-                          load_engine_optimizer, save_engine_state)
+from .distributed import (FSDP_MODEL_FOLDER, active_engine, engine_checkpoint_present, full_state_dict_saved,
+                          load_engine_model, load_optimizer_state, load_sharded_model, save_engine_state,
+                          sharded_model_saved)
 
 CHECKPOINT_PREFIX = "checkpoint"
 CHECKPOINT_RE = re.compile(r"^" + CHECKPOINT_PREFIX + r"-(\d+)$")
@@ -262,7 +263,8 @@ def save_model_files(model, accelerator, output_dir: str, processing_class=None,
 
 
 def load_model_weights(model, checkpoint: str) -> None:
-    """Load `model.safetensors` (or sharded safetensors / PEFT adapters) into `model`, non-strictly as HF does."""
+    """Load `model.safetensors` (or sharded safetensors / PEFT adapters) into `model`, non-strictly as HF does; from
+    a sharded FSDP checkpoint (no `model.safetensors`), its `pytorch_model_fsdp_0/` folder."""
     from safetensors.torch import load_file
 
     adapter = os.path.join(checkpoint, "adapter_model.safetensors")
@@ -276,6 +278,8 @@ def load_model_weights(model, checkpoint: str) -> None:
     elif os.path.isfile(index):
         with open(index) as f:
             files = sorted({os.path.join(checkpoint, v) for v in json.load(f)["weight_map"].values()})
+    elif sharded_model_saved(checkpoint):
+        return load_sharded_model(model, os.path.join(checkpoint, FSDP_MODEL_FOLDER))
     else:
         raise FileNotFoundError(f"No {WEIGHTS_NAME} in {checkpoint}: it is not a complete checkpoint.")
     state = {}
@@ -744,15 +748,12 @@ class Checkpointer:
             return json.load(f)
 
     def load_optimizer_and_scheduler(self, checkpoint: str) -> None:
+        """After `prepare`, on every process: a sharded model's shards, then (as HF: when the checkpoint has a
+        scheduler, i.e. not `save_only_model`) the optimizer in whichever layout it was saved, and the scheduler."""
         run = self.run
-        opt_path, sched_path = os.path.join(checkpoint, OPTIMIZER_NAME), os.path.join(checkpoint, SCHEDULER_NAME)
-        if active_engine(run.accelerator) is not None:  # FSDP / DeepSpeed: after `prepare`, every process
-            load_engine_model(run, checkpoint)
-            if not run.args.save_only_model and load_engine_optimizer(run, checkpoint) \
-                    and os.path.isfile(sched_path):
-                run.lr_scheduler.load_state_dict(safe_torch_load(sched_path))
-        elif os.path.isfile(opt_path) and os.path.isfile(sched_path):
-            run.optimizer.load_state_dict(safe_torch_load(opt_path))
+        sched_path = os.path.join(checkpoint, SCHEDULER_NAME)
+        load_engine_model(run, checkpoint)
+        if os.path.isfile(sched_path) and load_optimizer_state(run, checkpoint):
             run.lr_scheduler.load_state_dict(safe_torch_load(sched_path))
         scaler_path = os.path.join(checkpoint, SCALER_NAME)
         if os.path.isfile(scaler_path) and run.accelerator.scaler is not None:

@@ -9,17 +9,20 @@ Two ways a launch can silently train something other than what was asked, both r
   `accelerate launch --multi_gpu`) without `ACCELERATE_USE_CPU=1` starts two processes whose `torch.distributed` is
   initialised, but Accelerate reports a single process (`DistributedType.NO`): each trains its own copy on its own
   data and the copies drift apart, with no error. `check_launch` raises instead.
-* **An engine that was dropped.** Accelerate 1.15 uses FSDP only for several processes on accelerators: with an FSDP
-  plugin on CPU (or on one process) it runs DDP or nothing, silently; a second `Accelerator` in a process ignores
-  any plugin passed to it. `check_engines_active` raises when FSDP or DeepSpeed was asked for and is not active.
+* **An engine that was dropped.** Accelerate uses FSDP only under a distributed launch: with an FSDP plugin in a
+  plain `python train.py` it runs one unsharded process, silently; a second `Accelerator` in a process ignores any
+  plugin passed to it; DeepSpeed needs GPUs. `check_engines_active` raises when FSDP or DeepSpeed was asked for and
+  is not active.
 
 FSDP and DeepSpeed are configured as with HF Trainer (`TrainingArguments(fsdp=..., fsdp_config=...)`, which builds
 `fsdp_plugin_args`, or `deepspeed=...`, which builds `deepspeed_plugin`), by Accelerate plugin objects
 (`SetupStage(fsdp_plugin=..., deepspeed_plugin=...)`), or by the launcher (`accelerate launch --use_fsdp`, a config
-file with DeepSpeed). Checkpoints then hold the whole model gathered from the shards (`model.safetensors`, except
-with FSDP's SHARDED_STATE_DICT) and the optimizer through Accelerate's FSDP functions or the DeepSpeed engine
-(`save_engine_state`, `load_engine_model`, `load_engine_optimizer`, used by loopkit/checkpoint.py), as HF Trainer
-does. Those paths need GPUs and are not exercised by the CPU test suite.
+file with DeepSpeed). FSDP2 runs on GPUs and, through `shard_on_cpu_processes`, on CPU processes (gloo): the same
+Accelerate path, which is how the CPU test suite proves it (tests/test_fsdp.py). Checkpoints then hold the model and
+the optimizer through Accelerate's FSDP functions or the DeepSpeed engine (`save_engine_state`, `load_engine_model`,
+`load_optimizer_state`, used by loopkit/checkpoint.py), as HF Trainer does; with FSDP's SHARDED_STATE_DICT each rank
+writes its shards (`pytorch_model_fsdp_0/`, `optimizer_0/`), and such a checkpoint resumes at any number of
+processes, sharded or not, as does an ordinary one in a sharded run. DeepSpeed is not exercised by the tests.
 """
 
 from __future__ import annotations
@@ -152,6 +155,29 @@ def requested_engines(plugins: dict) -> list[str]:
     return requested
 
 
+def shard_on_cpu_processes(accelerator, plugins: dict, requested: list[str]) -> None:
+    """FSDP2 on CPU processes (gloo), the way a GPU launch sets it up. Accelerate 1.15 turns an FSDP request into
+    `DistributedType.FSDP` only in the `AcceleratorState` branch for accelerator process groups (MULTI_GPU, MULTI_NPU,
+    ...; accelerate/state.py), so on `MULTI_CPU` the plugin is dropped and DDP runs. Everything downstream runs on
+    CPU unchanged: `prepare` -> `fsdp2_prepare_model` (torch's `fully_shard`, a CPU device mesh over gloo), the
+    DTensor-aware `clip_grad_norm_`, `save_fsdp_model` / `save_fsdp_optimizer` / `load_fsdp_*` (torch's distributed
+    checkpoint). So this sets, after the `Accelerator` exists, exactly what that branch sets: the distributed type
+    (in both shared states, as Accelerate does), the plugin (built from the launcher's FSDP_* variables when FSDP was
+    asked by `accelerate launch --use_fsdp`, as `Accelerator.__init__` builds it) and its mixed precision."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    shared = accelerator.state  # Accelerate's AcceleratorState (shared by every Accelerator of the process)
+    if "FSDP" not in requested or shared.distributed_type != DistributedType.MULTI_CPU:
+        return
+    plugin = plugins.get("fsdp_plugin") or FullyShardedDataParallelPlugin()
+    if shared.mixed_precision != "no":
+        plugin.set_mixed_precision(shared.mixed_precision)
+    shared.fsdp_plugin = plugin
+    shared.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
 def active_engine(accelerator) -> str | None:
     """"FSDP", "DeepSpeed" or None (DDP or a single process), as Accelerate runs it."""
     kind = getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type))
@@ -171,26 +197,44 @@ def check_engines_active(accelerator, requested: list[str]) -> None:
         f"{engine} was asked for (a plugin, the training arguments or ACCELERATE_USE_{engine.upper()}), but "
         f"Accelerate runs distributed_type={accelerator.distributed_type.value} with {accelerator.num_processes} "
         f"process(es) on {accelerator.device}, so training would silently run without {engine}. Accelerate uses "
-        f"{engine} only for several processes on GPUs (or other accelerators), and only from the first Accelerator "
-        f"of a process. Fix: launch on a GPU machine, e.g. `accelerate launch --num_processes 2 "
-        f"{'--use_fsdp ' if engine == 'FSDP' else '--use_deepspeed '}train.py`, or drop the {engine} configuration "
-        f"to train with DDP (or on one process).")
+        f"{engine} only under a distributed launch{' (DeepSpeed: on GPUs)' if engine == 'DeepSpeed' else ''}, and "
+        f"only from the first Accelerator of a process. Fix: launch with `accelerate launch --num_processes 2 "
+        f"{'--use_fsdp ' if engine == 'FSDP' else '--use_deepspeed '}train.py`"
+        f"{' (on CPU: ' + CPU_LAUNCH.format(n=2) + ')' if engine == 'FSDP' else ''}, or drop the {engine} "
+        f"configuration to train with DDP (or on one process).")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Checkpoints under FSDP and DeepSpeed: Accelerate's state-dict paths (HF Trainer's _save_checkpoint / _load_*)
 # ---------------------------------------------------------------------------------------------------------------
+FSDP_MODEL_FOLDER, FSDP_OPTIMIZER_FOLDER = "pytorch_model_fsdp_0", "optimizer_0"  # HF Trainer's names (one model)
+
+
 def full_state_dict_saved(accelerator) -> bool:
     """Whether this run's checkpoints hold the whole model as `model.safetensors` (DDP, one process, FSDP with
-    FULL_STATE_DICT, DeepSpeed) rather than FSDP's sharded state-dict folder."""
+    FULL_STATE_DICT, DeepSpeed) rather than FSDP's sharded state-dict folders."""
     if active_engine(accelerator) != "FSDP":
         return True
     return "FULL_STATE_DICT" in str(accelerator.state.fsdp_plugin.state_dict_type)
 
 
+def sharded_model_saved(checkpoint: str) -> bool:
+    """The checkpoint holds the model as FSDP's sharded state dict (`pytorch_model_fsdp_0/`, torch's distributed
+    checkpoint: one file per rank that wrote it)."""
+    return os.path.isdir(os.path.join(checkpoint, FSDP_MODEL_FOLDER))
+
+
+def model_loads_after_prepare(accelerator, checkpoint: str) -> bool:
+    """A sharded model folder resumed by a sharded run with SHARDED_STATE_DICT: each rank reads its own shards after
+    `prepare` (Accelerate's `load_fsdp_model`). Every other combination loads the whole model before `prepare`
+    (`load_model_weights`), which then shards it when FSDP is active."""
+    return sharded_model_saved(checkpoint) and not full_state_dict_saved(accelerator)
+
+
 def save_engine_state(run, folder: str, with_optimizer: bool) -> None:
     """FSDP / DeepSpeed: the model (when sharded) and the optimizer through Accelerate's functions, on every process.
-    (With DDP or one process the checkpointer writes `optimizer.pt` itself.)"""
+    (With DDP or one process the checkpointer writes `optimizer.pt` itself.) With SHARDED_STATE_DICT each rank writes
+    its own shards (`pytorch_model_fsdp_0/`, `optimizer_0/`); nothing is gathered."""
     acc, engine = run.accelerator, active_engine(run.accelerator)
     if engine == "DeepSpeed":
         # The engine writes its own sharded model + optimizer state (`global_step*/`), as HF Trainer does.
@@ -208,10 +252,10 @@ def save_engine_state(run, folder: str, with_optimizer: bool) -> None:
 
 
 def load_engine_model(run, checkpoint: str) -> bool:
-    """FSDP with SHARDED_STATE_DICT: load the model shards after `accelerator.prepare`. Returns whether it did
-    (otherwise the weights were loaded from `model.safetensors` before preparing, as without an engine)."""
-    acc, engine = run.accelerator, active_engine(run.accelerator)
-    if engine == "FSDP" and not full_state_dict_saved(acc):
+    """The model shards of a sharded checkpoint, after `accelerator.prepare` (`model_loads_after_prepare`). Returns
+    whether it did."""
+    acc = run.accelerator
+    if model_loads_after_prepare(acc, checkpoint):
         from accelerate.utils import load_fsdp_model
 
         load_fsdp_model(acc.state.fsdp_plugin, acc, run.model_wrapped, checkpoint)
@@ -219,19 +263,74 @@ def load_engine_model(run, checkpoint: str) -> bool:
     return False
 
 
-def load_engine_optimizer(run, checkpoint: str) -> bool:
-    """FSDP / DeepSpeed: the optimizer state (DeepSpeed: the whole engine state). Returns whether the engine path
-    applied."""
+def load_sharded_model(model, folder: str) -> None:
+    """A `pytorch_model_fsdp_0/` folder into `model`, sharded or not, at any number of processes (torch's distributed
+    checkpoint reshards on load; without a process group it reads every shard in this process)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(model, state["model"])
+
+
+def load_optimizer_state(run, checkpoint: str) -> bool:
+    """The optimizer state, after `prepare`, from whichever layout the checkpoint holds into this run's layout:
+    sharded (`optimizer_0/`) into a sharded run through Accelerate's `load_fsdp_optimizer` (or into an unsharded one:
+    torch's distributed checkpoint reshards), whole (`optimizer.pt`) into an unsharded run or, cut into this rank's
+    shards, into a sharded one. Returns whether it loaded one."""
+    from .checkpoint import OPTIMIZER_NAME, safe_torch_load
+
     acc, engine = run.accelerator, active_engine(run.accelerator)
     if engine == "DeepSpeed":
         run.model_wrapped.load_checkpoint(checkpoint, load_module_strict=False)
         return True
-    if engine == "FSDP":
+    model, optimizer = acc.unwrap_model(run.model_wrapped), getattr(run.optimizer, "optimizer", run.optimizer)
+    sharded, whole = os.path.join(checkpoint, FSDP_OPTIMIZER_FOLDER), os.path.join(checkpoint, OPTIMIZER_NAME)
+    if os.path.isdir(sharded):
+        if engine == "FSDP" and not full_state_dict_saved(acc):
+            from accelerate.utils import load_fsdp_optimizer
+
+            load_fsdp_optimizer(acc.state.fsdp_plugin, acc, run.optimizer, run.model_wrapped, checkpoint)
+        else:
+            load_sharded_optimizer(model, optimizer, sharded)
+    elif os.path.isfile(whole):
+        state = safe_torch_load(whole)
+        if engine == "FSDP":
+            load_whole_optimizer_into_shards(model, optimizer, state)
+        else:
+            run.optimizer.load_state_dict(state)
+    elif engine == "FSDP" and os.path.isfile(os.path.join(checkpoint, "optimizer.bin")):  # FULL_STATE_DICT layout
         from accelerate.utils import load_fsdp_optimizer
 
         load_fsdp_optimizer(acc.state.fsdp_plugin, acc, run.optimizer, run.model_wrapped, checkpoint)
-        return True
-    return False
+    else:
+        return False
+    return True
+
+
+def load_sharded_optimizer(model, optimizer, folder: str) -> None:
+    """An `optimizer_0/` folder (keyed by parameter names) into an optimizer over `model`, sharded or not."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # the layout to fill (initialises the state)
+    dcp.load(state, checkpoint_id=folder)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def load_whole_optimizer_into_shards(model, optimizer, state: dict) -> None:
+    """A whole `optimizer.pt` (torch's layout: parameters by position in the param groups) into a sharded optimizer:
+    the positions are named after the parameters they hold here (the optimizer was built over the same model, in the
+    same order, before `prepare`), and torch's `set_optimizer_state_dict` keeps this rank's part of each tensor."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    fqns = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    named = {"state": {fqns[i]: value for i, value in state["state"].items()},
+             "param_groups": [{**group, "params": [fqns[i] for i in group["params"]]}
+                              for group in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
 
 
 def engine_checkpoint_present(path: str) -> bool:

@@ -140,3 +140,21 @@ def test_results_go_to_an_untracked_folder_unless_out_says_otherwise(tmp_path):
     assert ignored.returncode == 0, f"{default} is not ignored by git"
     assert default != REPO_ROOT / "benchmarks" / "results"
     assert parse_args(["--out", str(tmp_path)]).out == tmp_path
+
+
+def test_the_gpu_benchmark_fsdp2_variant_dry_runs_on_two_cpu_processes(tmp_path):
+    """`python -m benchmarks.gpu --device cpu --tiny --fsdp 2`: the sharded variant's code path (torchrun, loopkit
+    with Accelerate's FSDP2 plugin, the per-rank shard count) on gloo; on a GPU machine the same command without
+    `--device cpu --tiny` measures it. Both ranks train the same model: the same logged losses."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    finished = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--device", "cpu", "--tiny", "--fsdp", "2",
+                               "--out", str(tmp_path)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+    assert finished.returncode == 0, (finished.stdout + finished.stderr)[-4000:]
+    section = json.loads((tmp_path / "gpu-fsdp-cpu.json").read_text())
+    ranks = section["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["is_fsdp2"] and r["distributed_type"] == "DistributedType.FSDP" for r in ranks)
+    assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == 3
+    assert all(r["shard_bytes"]["optimizer"] > 0 and r["tokens_per_second"] > 0 for r in ranks)
+    assert "| rank | ms/step |" in (tmp_path / "gpu-fsdp-cpu.md").read_text()

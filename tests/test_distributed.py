@@ -1,6 +1,6 @@
 """Distributed training through Accelerate, proven on CPU: 2 gloo processes started by a real launcher against the
 same script run in one process with the same global batch (tests/scripts/dist_child.py), the launch trap, and the
-FSDP / DeepSpeed configuration handed to Accelerate.
+FSDP / DeepSpeed configuration handed to Accelerate (sharded FSDP2 runs: tests/test_fsdp.py).
 
 One launch of 2 processes runs four scenarios (AdamW with one checkpoint, SGD with gradient accumulation, a resume
 from that checkpoint, a SIGTERM to one rank) while the one-process references run here; a second launch, without
@@ -234,8 +234,8 @@ def test_two_processes_without_cpu_mode_are_refused(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# FSDP and DeepSpeed: the configuration handed to Accelerate, and the refusal when it is not active (one process,
-# CPU: Accelerate drops FSDP silently here). Real FSDP / DeepSpeed runs need GPUs.
+# FSDP and DeepSpeed: the configuration handed to Accelerate, and the refusal when it is not active (one process
+# without a launcher: Accelerate drops FSDP silently here). Sharded runs on CPU processes: tests/test_fsdp.py.
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def accelerator_kwargs(monkeypatch):

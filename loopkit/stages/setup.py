@@ -28,8 +28,8 @@ import torch
 
 from ..args import config_error
 from ..checkpoint import load_model_weights
-from ..distributed import (active_engine, check_engines_active, check_launch, engine_plugins, full_state_dict_saved,
-                           requested_engines)
+from ..distributed import (active_engine, check_engines_active, check_launch, engine_plugins,
+                           model_loads_after_prepare, requested_engines, shard_on_cpu_processes)
 from ..memory import MemoryTracker
 from .base import Stage, base_model
 
@@ -160,7 +160,8 @@ class SetupStage(Stage):
             kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend=args.torch_compile_backend or "inductor",
                                                         mode=args.torch_compile_mode)
         accelerator = Accelerator(**kwargs, **plugins)
-        check_engines_active(accelerator, requested)  # Accelerate drops FSDP on CPU silently: refuse instead
+        shard_on_cpu_processes(accelerator, plugins, requested)  # FSDP2 on gloo processes (distributed.py)
+        check_engines_active(accelerator, requested)  # an engine Accelerate dropped silently: refuse instead
         return accelerator
 
     def call_model_init(self, trial=None):
@@ -208,8 +209,8 @@ class SetupStage(Stage):
                 activation_checkpointing_kwargs=kwargs)
         self.add_training_hooks()
         checkpoint = run.checkpointer.start(resume_from_checkpoint)  # also: which run the coming saves belong to
-        if checkpoint is not None and full_state_dict_saved(run.accelerator):  # else: after `prepare` (FSDP)
-            load_model_weights(run.model, checkpoint)
+        if checkpoint is not None and not model_loads_after_prepare(run.accelerator, checkpoint):
+            load_model_weights(run.model, checkpoint)  # whole: sharded (if FSDP runs) by `prepare`
         return checkpoint
 
     def add_training_hooks(self) -> None:
