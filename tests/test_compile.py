@@ -97,8 +97,10 @@ def test_bucketed_padding_keeps_the_loss_and_bounds_the_shapes(tmp_path):
     assert bucketed[1] == {torch.Size([4, 64]), torch.Size([2, 64])}
     assert len(unbucketed[1]) > 10
     assert len(bucketed[0]) == 31 and bucketed[0] == pytest.approx(unbucketed[0], rel=1e-5, abs=1e-6)
-    assert 1 <= bucketed[2]["compilations"] <= 2  # one shape, then the short last batch
-    assert 1 <= unbucketed[2]["compilations"] <= 3  # dynamo turns the length dynamic after its second length
+    # Bucketed: the one shape, then the short last batch (2 measured). Unbucketed: the first length, the second one
+    # (dynamo then makes the length dynamic), the short last batch (3 measured): bounded too, by dynamo.
+    assert 1 <= bucketed[2]["compilations"] <= 2
+    assert bucketed[2]["compilations"] < unbucketed[2]["compilations"] <= 3
 
 
 def test_a_user_collator_pad_multiple_is_kept_and_a_bad_multiple_is_refused(tmp_path):
