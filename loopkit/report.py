@@ -4,9 +4,9 @@
 `perf_counter()` calls per phase and step, no device synchronisation. On a GPU the host does not wait for kernels, so
 device time shows up in the phase that next waits for the device (a logging point, the optimizer step); on a CPU the
 split is exact. Every second of `train()` belongs to a phase: setup (until `on_train_begin`), compile (torch.compile's
-compilations, counted too: loopkit/compilation.py), data, forward, backward, optimizer, logging (the training logs, where a GPU run waits for its device), callbacks, evaluation,
-checkpoint, teardown (from the end of the last epoch) and the report itself; "other" is what falls between them
-(the loop's own bookkeeping).
+compilations, wherever they fall; counted too, loopkit/compilation.py), data, forward, backward, optimizer, logging
+(the training logs, where a GPU run waits for its device), callbacks, evaluation, checkpoint, teardown (from the
+end of the last epoch) and the report itself; "other" is what falls between them (the loop's own bookkeeping).
 
 At the end of a run (and when it fails) the teardown stage writes `run_report.json` and `run_report.md` to the
 output folder and prints a one-screen summary. The PNG charts (loss with eval loss, the best checkpoint and resumes;
@@ -60,6 +60,7 @@ class PhaseClock:
     wall, cpu = staticmethod(time.perf_counter), staticmethod(time.process_time)
 
     def __init__(self):
+        self.compile_watch = None
         self.reset()
 
     def reset(self) -> None:
@@ -91,7 +92,7 @@ class PhaseClock:
         self.compile_watch = CompileWatch(self)
 
     def stop_watching_compilations(self) -> None:
-        if getattr(self, "compile_watch", None) is not None:
+        if self.compile_watch is not None:
             self.compile_watch.stop()
         self.compile_watch = None
 
