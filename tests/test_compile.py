@@ -76,8 +76,8 @@ def test_a_100_step_packed_run_compiles_a_bounded_number_of_graphs(tmp_path):
 
 
 def test_bucketed_padding_keeps_the_loss_and_bounds_the_shapes(tmp_path):
-    """Padding to a multiple of 64 tokens: every batch of samples of 4-60 tokens has 64 tokens (one shape but for the
-    short last batch), the loss per step is the one of the collator's own padding, and the graph count is bounded;
+    """`DataStage(compile_pad_to_multiple_of=64)`: every batch of samples of 4-60 tokens has 64 tokens (one shape but
+    for the short last batch), the loss per step is the one of the collator's own padding, and the graph count is bounded;
     without bucketing the run meets dozens of lengths."""
     from transformers import DataCollatorForLanguageModeling
 
@@ -111,8 +111,11 @@ def test_a_user_collator_pad_multiple_is_kept_and_a_bad_multiple_is_refused(tmp_
 
     collator = DataCollatorForLanguageModeling(word_tokenizer(), mlm=False, pad_to_multiple_of=8)
     loop = Loop(tiny_llama(), compile_args(tmp_path, "own", max_steps=1), train_dataset=ragged_samples(8, 4, 20),
-                data_collator=collator)
+                data_collator=collator, data=DataStage(compile_pad_to_multiple_of=64))
     assert {batch["input_ids"].shape[1] % 8 for batch in loop.get_train_dataloader()} == {0}
     assert any(batch["input_ids"].shape[1] < 64 for batch in loop.get_train_dataloader())
+    plain = Loop(tiny_llama(), compile_args(tmp_path, "default", max_steps=1), train_dataset=ragged_samples(8, 4, 20),
+                 data_collator=DataCollatorForLanguageModeling(word_tokenizer(), mlm=False))
+    assert any(batch["input_ids"].shape[1] % 8 for batch in plain.get_train_dataloader())  # no buckets by default
     with pytest.raises(LoopConfigError, match="compile_pad_to_multiple_of=0"):
         DataStage(compile_pad_to_multiple_of=0)

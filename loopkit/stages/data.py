@@ -137,15 +137,16 @@ class DataStage(Stage):
 
     `compile_pad_to_multiple_of`: with `torch_compile`, HF's padding collators (those with a `pad_to_multiple_of`
     the user left unset) pad each batch to a multiple of this many tokens, so a run meets few distinct sequence
-    lengths (docs/performance.md, "Compile"); None pads as the collator would without compiling.
+    lengths. None (the default: on a CPU it measured slower, docs/performance.md, "Compile") pads as the collator
+    does.
     """
 
-    def __init__(self, compile_pad_to_multiple_of: int | None = 64):
+    def __init__(self, compile_pad_to_multiple_of: int | None = None):
         if compile_pad_to_multiple_of is not None and (not isinstance(compile_pad_to_multiple_of, int) or
                                                        compile_pad_to_multiple_of < 1):
             raise config_error("compile_pad_to_multiple_of", compile_pad_to_multiple_of, "batches are padded to a "
                                "whole, positive number of tokens", "pass e.g. 64, or None to pad as the collator "
-                               "does without torch_compile")
+                               "does")
         self.compile_pad_to_multiple_of = compile_pad_to_multiple_of
         self.collator = None
         self.train_source = None  # the dataset the train loader reads (after column removal)
