@@ -76,9 +76,9 @@ def test_a_100_step_packed_run_compiles_a_bounded_number_of_graphs(tmp_path):
 
 
 def test_bucketed_padding_keeps_the_loss_and_bounds_the_shapes(tmp_path):
-    """`DataStage(compile_pad_to_multiple_of=64)`: every batch of samples of 4-60 tokens has 64 tokens (one shape but
-    for the short last batch), the loss per step is the one of the collator's own padding, and the graph count is bounded;
-    without bucketing the run meets dozens of lengths."""
+    """`DataStage(compile_pad_to_multiple_of=64)`: every batch of samples of 4-60 tokens has 64 tokens (one shape
+    but for the short last batch), the loss per step is the one of the collator's own padding, and the graph count
+    is bounded; without bucketing the run meets many lengths."""
     from transformers import DataCollatorForLanguageModeling
 
     tokenizer = word_tokenizer()
