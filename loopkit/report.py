@@ -3,10 +3,10 @@
 `PhaseClock` adds up wall time per phase from timestamps the loop takes at boundaries it crosses anyway: two
 `perf_counter()` calls per phase and step, no device synchronisation. On a GPU the host does not wait for kernels, so
 device time shows up in the phase that next waits for the device (a logging point, the optimizer step); on a CPU the
-split is exact. Every second of `train()` belongs to a phase: setup (until `on_train_begin`), data, forward,
-backward, optimizer, logging (the training logs, where a GPU run waits for its device), callbacks, evaluation,
-checkpoint, teardown (from the end of the last epoch) and the report itself; "other" is what falls between them
-(the loop's own bookkeeping).
+split is exact. Every second of `train()` belongs to a phase: setup (until `on_train_begin`), compile (torch.compile's
+compilations, wherever they fall; counted too, loopkit/compilation.py), data, forward, backward, optimizer, logging
+(the training logs, where a GPU run waits for its device), callbacks, evaluation, checkpoint, teardown (from the
+end of the last epoch) and the report itself; "other" is what falls between them (the loop's own bookkeeping).
 
 At the end of a run (and when it fails) the teardown stage writes `run_report.json` and `run_report.md` to the
 output folder and prints a one-screen summary. The PNG charts (loss with eval loss, the best checkpoint and resumes;
@@ -38,8 +38,8 @@ import time
 import warnings
 from collections import deque
 
-PHASES = ("setup", "data", "forward", "backward", "optimizer", "logging", "callbacks", "evaluation", "checkpoint",
-          "teardown", "report")
+PHASES = ("setup", "compile", "data", "forward", "backward", "optimizer", "logging", "callbacks", "evaluation",
+          "checkpoint", "teardown", "report")
 REPORT_JSON, REPORT_MD = "run_report.json", "run_report.md"
 RUN_RECORD_KEY = "run_record"  # the run record's top-level key in loopkit_state.json
 # A slow step: slower than 3x the running median AND beyond the run's normal spread (median + 5 robust standard
@@ -60,9 +60,12 @@ class PhaseClock:
     wall, cpu = staticmethod(time.perf_counter), staticmethod(time.process_time)
 
     def __init__(self):
+        self.compile_watch = None
         self.reset()
 
     def reset(self) -> None:
+        self.stop_watching_compilations()
+        self.compilations = 0  # torch.compile's, while `watch_compilations()` is on
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.timed = 0.0  # the sum of `totals`, kept up to date (read at every span)
         self.started = time.perf_counter()
@@ -79,6 +82,19 @@ class PhaseClock:
         self.earlier_segments, self.first_step = [], 0
         self.background = None
         self.enter("setup")  # a run starts with its setup
+
+    def watch_compilations(self) -> None:
+        """From now on count torch.compile's compilations, and their time as the "compile" phase (until
+        `stop_watching_compilations()` or the next `reset()`; loopkit/compilation.py)."""
+        from .compilation import CompileWatch
+
+        self.stop_watching_compilations()
+        self.compile_watch = CompileWatch(self)
+
+    def stop_watching_compilations(self) -> None:
+        if self.compile_watch is not None:
+            self.compile_watch.stop()
+        self.compile_watch = None
 
     def enter(self, phase: str | None) -> None:
         """From now on, the time no other phase claims counts as `phase` (setup and teardown: stretches of many
@@ -165,7 +181,8 @@ class PhaseClock:
             phases[self.background.phase] += self.background.own_seconds()
         return {"from_step": self.first_step, "to_step": step,
                 "seconds": round(time.perf_counter() - self.started, 6),
-                "phase_seconds": {p: round(v, 6) for p, v in phases.items()}, "timeline": list(self.timeline)}
+                "phase_seconds": {p: round(v, 6) for p, v in phases.items()}, "timeline": list(self.timeline),
+                "compilations": self.compilations}
 
     def segments(self, step: int) -> list[dict]:
         """Every stretch of the run: those before each resume, then this one."""
@@ -229,6 +246,15 @@ def time_by_phase(segments: list[dict]) -> dict | None:
             "covers_steps": [[s["from_step"], s["to_step"]] for s in known]}
 
 
+def compile_record(segments: list[dict]) -> dict | None:
+    """torch.compile over the run: compilations and their seconds (None when no segment compiled anything)."""
+    count = sum(s.get("compilations") or 0 for s in segments)
+    if not count:
+        return None
+    seconds = sum((s.get("phase_seconds") or {}).get("compile", 0.0) for s in segments)
+    return {"compilations": count, "seconds": round(seconds, 6)}
+
+
 def load_average() -> float | None:
     """The 1-minute load average (None where the system has none)."""
     try:
@@ -275,6 +301,7 @@ def build_report(run, status: str, counters: dict, train_metrics: dict | None = 
     this_run = segments[-1]["seconds"]
     report.update(total_seconds=whole_run_totals(segments)[0], this_run_seconds=this_run, segments=segments,
                   time_by_phase=time_by_phase(segments),
+                  compile=compile_record(segments),
                   samples_per_second=round(counters["samples"] / this_run, 3) if this_run else None,
                   tokens_per_second=round(counters["tokens"] / this_run, 3) if this_run else None)
     return report
@@ -657,6 +684,9 @@ def summary_text(report: dict) -> str:
     if report.get("best_metric") is not None:
         lines.append(f"  best {report.get('metric_for_best_model') or '(metric name unknown)'}="
                      f"{report['best_metric']:.4g} at {report.get('best_checkpoint')}")
+    if report.get("compile"):
+        lines.append(f"  torch.compile: {report['compile']['compilations']} compilations, compile time "
+                     f"{report['compile']['seconds']:.2f}s (not in the step phases)")
     phases = report.get("time_by_phase")
     if phases:
         covered = "" if report.get("total_seconds") is not None else " (steps " + ", ".join(
@@ -731,7 +761,8 @@ def report_from_checkpoint(run_dir: str, checkpoint: str) -> dict:
             "greater_is_better": record.get("greater_is_better") if record else None,
             "best_checkpoint": state.get("best_model_checkpoint"), "total_seconds": whole_run_totals(segments)[0],
             "segments": segments, "time_by_phase": time_by_phase(segments), "log_history": history,
-            "best_step": state.get("best_global_step"), "slow_steps": [], "interruption": None}
+            "best_step": state.get("best_global_step"), "slow_steps": [], "interruption": None,
+            "compile": compile_record(segments)}
     report["charts"] = planned_charts(report)
     return report
 

@@ -23,6 +23,7 @@ run-state field. Owns HF's overridable `get_train_dataloader`, `get_eval_dataloa
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import sys
@@ -132,9 +133,21 @@ class ResumePoint:
 
 
 class DataStage(Stage):
-    """Dataloaders and the order micro-batches reach the step stage."""
+    """Dataloaders and the order micro-batches reach the step stage.
 
-    def __init__(self):
+    `compile_pad_to_multiple_of`: with `torch_compile`, HF's padding collators (those with a `pad_to_multiple_of`
+    the user left unset) pad each batch to a multiple of this many tokens, so a run meets few distinct sequence
+    lengths. None (the default: on a CPU it measured slower, docs/performance.md, "Compile") pads as the collator
+    does.
+    """
+
+    def __init__(self, compile_pad_to_multiple_of: int | None = None):
+        if compile_pad_to_multiple_of is not None and (not isinstance(compile_pad_to_multiple_of, int) or
+                                                       compile_pad_to_multiple_of < 1):
+            raise config_error("compile_pad_to_multiple_of", compile_pad_to_multiple_of, "batches are padded to a "
+                               "whole, positive number of tokens", "pass e.g. 64, or None to pad as the collator "
+                               "does")
+        self.compile_pad_to_multiple_of = compile_pad_to_multiple_of
         self.collator = None
         self.train_source = None  # the dataset the train loader reads (after column removal)
         self.worker_seeding = None
@@ -159,6 +172,18 @@ class DataStage(Stage):
         from transformers.data.data_collator import default_data_collator
 
         return default_data_collator
+
+    def for_compiling(self, collator):
+        """With `torch_compile`, a copy of HF's padding collator that pads to `compile_pad_to_multiple_of` tokens:
+        each new sequence length would cost a compilation (or turn the graph dynamic). Its padding is masked
+        (attention mask 0, labels -100), so the loss is the unbucketed one. The user's collator is left as it is."""
+        multiple = self.compile_pad_to_multiple_of
+        if not self.run.args.torch_compile or multiple is None or \
+                getattr(collator, "pad_to_multiple_of", 0) is not None:  # no such option, or the user's own value
+            return collator
+        bucketed = copy.copy(collator)
+        bucketed.pad_to_multiple_of = multiple
+        return bucketed
 
     def check_padding(self, collator) -> None:
         """`DataCollatorWithPadding` calls `tokenizer.pad` on every batch, which fails without a pad token: say so
@@ -280,7 +305,7 @@ class DataStage(Stage):
         run, args = self.run, self.run.args
         if collator is None:
             if self.collator is None:
-                self.collator = self.resolve_collator()
+                self.collator = self.for_compiling(self.resolve_collator())
                 self.check_padding(self.collator)
             collator = self.collator
         dataset, collator = self.with_model_columns(dataset, collator, description)

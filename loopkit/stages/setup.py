@@ -11,8 +11,10 @@ Contract:
   `debug="underflow_overflow"` HF's `DebugUnderflowOverflow` hooks, as `Trainer.train` does.
 * Memory metrics (`skip_memory_metrics=False`, loopkit/memory.py): the "init" stage runs from the `Accelerator` to
   `on_init_end`, the "train" stage starts in `begin_training`.
+* With `torch_compile` (or a model compiled before), `begin_training` has `run.clock` count the compilations and
+  their time (loopkit/compilation.py); the teardown stage stops it.
 
-Reads `run.args`, `run.model_init`, `run.checkpointer`; writes `run.accelerator`, `run.model`,
+Reads `run.args`, `run.model_init`, `run.checkpointer`, `run.clock`; writes `run.accelerator`, `run.model`,
 `run.model_accepts_loss_kwargs`, `run.label_smoother`, `run.gather_function`, `run.memory`. Owns HF's overridable
 `call_model_init(trial)` and `create_accelerator_and_postprocess()`.
 """
@@ -28,6 +30,7 @@ import torch
 
 from ..args import config_error
 from ..checkpoint import load_model_weights
+from ..compilation import should_watch
 from ..distributed import (active_engine, check_engines_active, check_launch, engine_plugins,
                            model_loads_after_prepare, requested_engines, shard_on_cpu_processes)
 from ..memory import MemoryTracker
@@ -195,6 +198,8 @@ class SetupStage(Stage):
     def begin_training(self, resume_from_checkpoint, trial=None):
         run, args = self.run, self.run.args
         run.memory.start("train")
+        if should_watch(args):  # compilations and their time, for the run report (the teardown stops it)
+            run.clock.watch_compilations()
         if run.model_init is not None:  # a new model: the step stage then builds a new optimizer for it
             self.seed()
             self.set_model(self.call_model_init(trial))

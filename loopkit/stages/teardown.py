@@ -61,6 +61,7 @@ class TeardownStage(Stage):
         to write it is a warning: it must never hide the run's own outcome. `counters`: the input tokens and
         samples the run trained on."""
         run = self.run
+        run.clock.stop_watching_compilations()
         if not run.accelerator.is_main_process:
             return
         try:
