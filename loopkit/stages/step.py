@@ -419,7 +419,8 @@ class StepStage(Stage):
         if self.count_input_tokens:
             result.input_tokens_seen = result.input_tokens_seen + self.input_tokens(inputs, main)
         if not isinstance(main, torch.Tensor):  # no main input (a plain module taking `x`): samples only
-            result.flos += float(self.floating_point_ops(inputs))
+            if self.work_by_shape is None:  # HF's estimate is 0 without the main input; an override may differ
+                result.flos += float(self.floating_point_ops(inputs))
             result.samples += find_batch_size(inputs) or 0
             return
         work = self.work_by_shape.get(main.shape) if self.work_by_shape is not None else None
