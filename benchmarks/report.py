@@ -24,6 +24,14 @@ def fmt_ratio(ratio: dict | None) -> str:
     return f"{ratio['median']:.3f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
 
 
+def with_range(value, samples) -> str:
+    """A median with the min-max of its measured rounds (when there are several)."""
+    values = [v for v in samples or [] if v is not None]
+    if len(values) < 2:
+        return fmt(value)
+    return f"{fmt(value)} ({fmt(min(values))}-{fmt(max(values))})"
+
+
 def comparison_table(rows: list, contenders=CONTENDERS) -> str:
     """Medians per contender, paired ratios, the same-work check and whether the rounds agree. A contender whose run
     did not end where the reference did shows MISMATCH instead of a number; a noisy row says why, and gets no
@@ -37,7 +45,7 @@ def comparison_table(rows: list, contenders=CONTENDERS) -> str:
         mismatched = row["check"]["mismatched"]
         cells = [row["name"], row["unit"]]
         for c in present:
-            cells.append("MISMATCH" if c in mismatched else fmt(row["median"].get(c)))
+            cells.append("MISMATCH" if c in mismatched else with_range(row["median"].get(c), row["samples"].get(c)))
         for pair in pairs:
             a, b = pair.split("/")
             cells.append("n/a" if a in mismatched or b in mismatched else fmt_ratio(row["ratios"].get(pair)))
@@ -49,7 +57,8 @@ def comparison_table(rows: list, contenders=CONTENDERS) -> str:
         agree = f"yes (spread up to {max(spreads):.0%})" if spreads else "one round: unknown"
         cells.append(f"NO, no verdict: {'; '.join(noisy)}" if noisy else agree)
         lines.append("| " + " | ".join(cells) + " |")
-    lines.append("\nRatios are medians of round-by-round ratios (min-max in brackets); below 1 means the first "
+    lines.append("\nEach value is the median of the measured rounds (their min-max in brackets). Ratios are medians of "
+                 "round-by-round ratios (min-max in brackets); below 1 means the first "
                  f"contender takes less. Spread: (max - min) / median of a contender's measured rounds. A row is "
                  f"noisy when one contender's rounds spread over {NOISE_SPREAD:.0%} of their median, or a contender beats the hand-written loop doing the same work by over "
                  f"{FLOOR_MARGIN:.0%}.")
@@ -171,7 +180,8 @@ def comparison_chart(section: dict, plt):
         axis.set_xticks(range(len(names)), [LABELS[c] for c in names], fontsize=8)
         axis.set_title(row["name"], fontsize=9)
         axis.set_ylabel(row["unit"])
-        axis.set_ylim(bottom=0)
+        lowest = min([0.0] + [v for c in names for v in row["samples"][c] if v is not None])
+        axis.set_ylim(bottom=lowest)  # a slowdown can be negative (within noise)
     figure.suptitle(section["title"])
     figure.tight_layout()
     return figure

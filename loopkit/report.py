@@ -207,7 +207,7 @@ class Span:
 
     def __exit__(self, *exc):
         clock = self.clock
-        own = self.own_seconds()
+        own = time.perf_counter() - self.start - (clock.timed - self.timed_before)  # own_seconds(), inlined
         clock.totals[self.phase] += own
         clock.timed += own
         return False

@@ -36,7 +36,9 @@ def test_the_command_runs_the_per_step_benchmark_and_writes_the_reports(tmp_path
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["environment"]["versions"]["torch"]
     rows = results["benchmarks"]["overhead"]["rows"]
-    assert [row["name"] for row in rows] == ["near-null model (16x16 linear)", "tiny LlamaForCausalLM"]
+    assert [row["name"] for row in rows] == ["near-null model (16x16 linear)", "tiny LlamaForCausalLM",
+                                             "setup, imports done: trainer built to end of step 1 (tiny "
+                                             "LlamaForCausalLM)"]
     for row in rows:
         assert row["check"]["ok"], row["check"]["detail"]  # same seed, data and steps: the same final model
         assert set(row["samples"]) == set(CONTENDERS)

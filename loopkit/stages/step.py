@@ -84,7 +84,6 @@ def is_causal_lm(model) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-@functools.lru_cache(maxsize=1)
 def causal_lm_class_names() -> frozenset:
     """transformers' causal-LM class names, built once (label smoothing asks at every micro-batch)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -95,6 +94,41 @@ def causal_lm_class_names() -> frozenset:
 def is_causal_lm_class(model) -> bool:
     """HF's test for shifting labels in the label smoother: the (PEFT-unwrapped) class is a causal-LM class."""
     return type(base_model(model)).__name__ in causal_lm_class_names()
+
+
+NO_CONTEXT = contextlib.nullcontext()  # reusable: the context of a micro-batch that needs none
+
+
+def has_train_mode(optimizer) -> bool:
+    """Whether `optimizer` (or a DeepSpeed-style optimizer inside it) has `train()` (schedule-free optimizers),
+    which Accelerate's `AcceleratedOptimizer.train` forwards to."""
+    return callable(getattr(optimizer, "train", None)) or \
+        callable(getattr(getattr(optimizer, "optimizer", None), "train", None))
+
+
+# `train()` methods that only set the `training` flags when a module is already in training mode: with these,
+# calling `model.train()` on a model whose modules all train changes nothing.
+PLAIN_TRAIN_METHODS = {"torch.nn.modules.module.Module.train", "transformers.modeling_utils.PreTrainedModel.train"}
+
+
+class TrainMode:
+    """HF's `model.train()` before every micro-batch, skipped when it would change nothing: every module already
+    trains and none has a `train()` of its own (Module.train walks the whole module tree: ~40 us a call on a small
+    Llama). An evaluation, or a callback that puts a module in eval mode, makes the next call a real one."""
+
+    def __init__(self, model):
+        self.model, self.modules = model, list(model.modules())
+        self.skippable = all(has_plain_train(module) for module in self.modules)
+
+    def enter(self, model) -> None:
+        if model is not self.model or not self.skippable or not all(m.training for m in self.modules):
+            model.train()
+
+
+def has_plain_train(module) -> bool:
+    method = getattr(type(module), "train", None)
+    return "train" not in vars(module) and \
+        f"{getattr(method, '__module__', '')}.{getattr(method, '__qualname__', '')}" in PLAIN_TRAIN_METHODS
 
 
 @dataclass(eq=False)
@@ -133,6 +167,7 @@ class StepStage(Stage):
         self.warned_no_main_input = False
         self.labels_unchecked = self.count_input_tokens = False
         self.work_by_shape = None  # main input shape -> (FLOPs, tokens, samples), when FLOPs depend on it alone
+        self.train_mode = self.optimizer_train = self.no_sync = None
 
     # -- optimizer and scheduler (HF's create_optimizer / create_scheduler) --
     def get_decay_parameter_names(self, model) -> list[str]:
@@ -223,6 +258,13 @@ class StepStage(Stage):
             DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
         self.clip_params = list(run.model_wrapped.parameters())
         self.inner_optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
+        # Accelerate's no_sync asks the process state whether it is distributed at every call (a PartialState
+        # built and environment variables read); it is a plain nullcontext on one process.
+        self.no_sync = acc.no_sync if acc.use_distributed else None
+        # optimizer.train() reaches only schedule-free style optimizers (Accelerate forwards it when the wrapped
+        # optimizer has one); decided once instead of a getattr chain per micro-batch.
+        self.optimizer_train = run.optimizer.train if has_train_mode(self.inner_optimizer) else None
+        self.train_mode = TrainMode(run.model_wrapped)
         if self.nonfinite is not None:
             self.nonfinite.start(acc.device)
             if self.nonfinite.policy in ("skip", "stop") and acc.scaler is None and \
@@ -307,9 +349,12 @@ class StepStage(Stage):
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Forward and backward of one micro-batch; returns the detached loss scaled for accumulation."""
         run = self.run
-        model.train()
-        if callable(getattr(run.optimizer, "train", None)):
-            run.optimizer.train()
+        if self.train_mode is not None:
+            self.train_mode.enter(model)
+        else:
+            model.train()
+        if self.optimizer_train is not None:
+            self.optimizer_train()
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         every = run.args.torch_empty_cache_steps
@@ -343,7 +388,7 @@ class StepStage(Stage):
         last = len(batches) - 1
         for i, inputs in enumerate(batches):
             acc.gradient_state._set_sync_gradients(i == last)
-            context = contextlib.nullcontext() if i == last else acc.no_sync(model)
+            context = NO_CONTEXT if i == last or self.no_sync is None else self.no_sync(model)
             with context, run.clock.span("forward"):
                 result.losses.append(self.training_step(model, inputs, num_items))
             self.count_work(inputs, result)
@@ -374,7 +419,8 @@ class StepStage(Stage):
         if self.count_input_tokens:
             result.input_tokens_seen = result.input_tokens_seen + self.input_tokens(inputs, main)
         if not isinstance(main, torch.Tensor):  # no main input (a plain module taking `x`): samples only
-            result.flos += float(self.floating_point_ops(inputs))
+            if self.work_by_shape is None:  # HF's estimate is 0 without the main input; an override may differ
+                result.flos += float(self.floating_point_ops(inputs))
             result.samples += find_batch_size(inputs) or 0
             return
         work = self.work_by_shape.get(main.shape) if self.work_by_shape is not None else None
@@ -435,7 +481,11 @@ class StepStage(Stage):
             hasattr(scheduler, "get_last_lr") else run.optimizer.param_groups[0]["lr"]
         if not acc.optimizer_step_was_skipped and not self.scheduler_steps_on_metrics:
             scheduler.step()  # a metric-driven scheduler steps after each evaluation instead (loopkit/schedule.py)
-        model.zero_grad()
+        if self.direct:
+            for param in self.clip_params:  # = model.zero_grad(), without walking the module tree every step
+                param.grad = None
+        else:
+            model.zero_grad()
 
     def check_nonfinite(self) -> bool:
         """One host sync: act on the non-finite steps since the last check by the `nonfinite` policy (raise, or
