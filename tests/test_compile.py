@@ -119,3 +119,22 @@ def test_a_user_collator_pad_multiple_is_kept_and_a_bad_multiple_is_refused(tmp_
     assert any(batch["input_ids"].shape[1] % 8 for batch in plain.get_train_dataloader())  # no buckets by default
     with pytest.raises(LoopConfigError, match="compile_pad_to_multiple_of=0"):
         DataStage(compile_pad_to_multiple_of=0)
+
+
+def test_a_run_after_a_compiled_one_in_the_same_process_is_not_compiled(tmp_path):
+    """Accelerate keeps one state per process, with the first Accelerator's compile settings: a later Loop without
+    torch_compile (a notebook, a test suite) must still train its model uncompiled."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    data = ragged_samples(8, 4, 12)
+    compiled = Loop(tiny_llama(), compile_args(tmp_path, "compiled", max_steps=1), train_dataset=data,
+                    data=PackingDataStage(row_tokens=32))
+    compiled.train()
+    assert isinstance(compiled.model_wrapped, OptimizedModule)
+    plain_args = LoopArgs(output_dir=str(tmp_path / "plain"), per_device_train_batch_size=4, max_steps=2,
+                          save_strategy="no", disable_tqdm=True, report_to="none")
+    plain = Loop(tiny_llama(), plain_args, train_dataset=data, data=PackingDataStage(row_tokens=32))
+    plain.train()
+    assert not isinstance(plain.model_wrapped, OptimizedModule)
+    with open(tmp_path / "plain" / "run_report.json") as f:
+        assert json.load(f)["compile"] is None

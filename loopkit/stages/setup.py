@@ -102,6 +102,16 @@ def accelerator_options(args):
     return dataloader_config, accumulation_kwargs
 
 
+def dynamo_plugin(args):
+    """This run's torch.compile settings for Accelerate: `torch_compile*` when set, else what the launcher exported
+    (`accelerate launch --dynamo_backend ...`; none by default), as `Accelerator()` reads it."""
+    from accelerate.utils import TorchDynamoPlugin
+
+    if args.torch_compile:
+        return TorchDynamoPlugin(backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
+    return TorchDynamoPlugin()
+
+
 class SetupStage(Stage):
     """Seeding, the `Accelerator`, the model and the resume point.
 
@@ -157,12 +167,11 @@ class SetupStage(Stage):
             gradient_accumulation_plugin=GradientAccumulationPlugin(**accumulation_kwargs, num_steps=1),
             kwargs_handlers=[DistributedDataParallelKwargs(**ddp_options(args, self.model_given))],
         )
-        if args.torch_compile:
-            from accelerate.utils import TorchDynamoPlugin
-
-            kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend=args.torch_compile_backend or "inductor",
-                                                        mode=args.torch_compile_mode)
+        kwargs["dynamo_plugin"] = dynamo_plugin(args)
         accelerator = Accelerator(**kwargs, **plugins)
+        # Accelerate's state is one per process and keeps the first Accelerator's plugin: without this, a Loop after
+        # one with torch_compile=True (a notebook, a test suite) would compile its model too.
+        accelerator.state.dynamo_plugin = kwargs["dynamo_plugin"]
         shard_on_cpu_processes(accelerator, plugins, requested)  # FSDP2 on gloo processes (distributed.py)
         check_engines_active(accelerator, requested)  # an engine Accelerate dropped silently: refuse instead
         return accelerator
