@@ -87,6 +87,13 @@ def test_every_other_benchmark_runs_tiny_with_equal_results_and_reports(tmp_path
         suite.cleanup()
     finetune = results["benchmarks"]["finetune"]["rows"][0]["extra"]["accuracy"]
     assert len(set(finetune.values())) == 1 and 0 <= finetune["loopkit"] <= 1
+    ladder = {name: runs[0] for name, runs in results["benchmarks"]["ladder"]["runs"].items()}
+    # every rung trained the same real tokens; the hand-written loop and loopkit's compiled packing trained the same
+    # rows in the same order, so they end at the same loss
+    assert len({run["real_tokens"] for run in ladder.values()}) == 1
+    assert abs(ladder["raw"]["training_loss"] - ladder["loopkit-compile"]["training_loss"]) < 1e-4
+    # HF's flattening recipe: samples attend across the boundary unless use_cache=False
+    assert ladder["hf-best"]["flattened_logits_error"] < 1e-5 < 1e-2 < ladder["hf-best-cache"]["flattened_logits_error"]
     write_json(results, tmp_path / "results.json")
     charts = write_charts(results, tmp_path)
     markdown = write_markdown(results, tmp_path / "results.md", charts)
@@ -160,3 +167,17 @@ def test_the_gpu_benchmark_fsdp2_variant_dry_runs_on_two_cpu_processes(tmp_path)
     assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == 3
     assert all(r["shard_bytes"]["optimizer"] > 0 and r["tokens_per_second"] > 0 for r in ranks)
     assert "| rank | ms/step |" in (tmp_path / "gpu-fsdp-cpu.md").read_text()
+
+
+def test_the_ladder_flags_a_rung_whose_held_out_loss_leaves_the_order_noise():
+    from benchmarks.bench_ladder import loss_check
+
+    def runs(*losses):
+        return [{"heldout_loss": loss} for loss in losses]
+
+    # the padded HF run moved 0.05 between two data orders: that is the noise a rung may differ by (floor 1%)
+    check = loss_check({"hf-default": runs(6.00, 6.05), "loopkit-pack": runs(6.03, 6.01),
+                        "hf-best-cache": runs(6.20, 6.25)})
+    assert abs(check["tolerance"] - 0.06025) < 1e-12 and abs(check["noise"] - 0.05) < 1e-12
+    assert check["mismatched"] == ["hf-best-cache"] and "hf-best-cache (+0.2)" in check["detail"]
+    assert check["per_rung"]["loopkit-pack"]["agrees"]
