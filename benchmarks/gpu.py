@@ -117,6 +117,7 @@ def fsdp_train_steps(args) -> dict:
     import torch
     from accelerate.utils import FullyShardedDataParallelPlugin
 
+    from loopkit.memory import ShardBytes
     from loopkit.stages.setup import SetupStage
 
     from . import workloads
@@ -127,22 +128,13 @@ def fsdp_train_steps(args) -> dict:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     clock = StepClock(sync_at=(warmup, spec.max_steps), synchronize=torch.cuda.synchronize if cuda else None)
-    memory = {}
-
-    class CountShards:  # before the step zeroes the gradients; the optimizer state once it exists
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            memory["parameters"] = sum(local_bytes(p) for p in model.parameters())
-            memory["gradients"] = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-
-        def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-            memory["optimizer"] = sum(local_bytes(v) for s in optimizer.state.values() for v in s.values()
-                                      if isinstance(v, torch.Tensor))
+    shards = ShardBytes()  # this rank's bytes of parameters, gradients and optimizer state
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                             transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
                                             state_dict_type="SHARDED_STATE_DICT")
     loop = build_trainer("loopkit", spec, workloads.build_model(spec), args.fsdp_worker + ".run",
-                         workloads.train_dataset(spec), callbacks=[ClockCallback(clock), CountShards()],
+                         workloads.train_dataset(spec), callbacks=[ClockCallback(clock), shards],
                          setup=SetupStage(fsdp_plugin=plugin))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -153,13 +145,8 @@ def fsdp_train_steps(args) -> dict:
             "distributed_type": str(acc.distributed_type), "seconds_per_step": seconds_per_step,
             "tokens_per_second": spec.samples_per_step * acc.num_processes * spec.seq_len / seconds_per_step,
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "shard_bytes": memory, "losses": [e["loss"] for e in loop.state.log_history if "loss" in e],
+            "shard_bytes": shards.bytes, "losses": [e["loss"] for e in loop.state.log_history if "loss" in e],
             "device_name": torch.cuda.get_device_name() if cuda else "cpu"}
-
-
-def local_bytes(tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
 
 
 def run_fsdp(args) -> dict:

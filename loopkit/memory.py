@@ -115,3 +115,25 @@ class MemoryTracker:
         self.sampling = False
         self.sampler.join()
         return self.peak
+
+
+def local_bytes(tensor) -> int:
+    """Bytes this process holds of `tensor`: its local shard for a DTensor (FSDP2), else all of it."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+class ShardBytes:
+    """A callback that records the bytes this process holds in parameters, gradients (before the optimizer step
+    clears them) and optimizer state (once it exists), in `self.bytes`: under sharding, this rank's shards."""
+
+    def __init__(self):
+        self.bytes = {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.bytes["parameters"] = sum(local_bytes(p) for p in model.parameters())
+        self.bytes["gradients"] = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.bytes["optimizer"] = sum(local_bytes(v) for s in optimizer.state.values() for v in s.values()
+                                      if hasattr(v, "element_size"))

@@ -65,13 +65,13 @@ def start_torchrun(out, mode: str) -> subprocess.Popen:
                             text=True)
 
 
-def finish(process: subprocess.Popen) -> str:
+def finish(process: subprocess.Popen, what: str = "the 2-process launch") -> str:
     try:
         output, _ = process.communicate(timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired:
         process.kill()
         output, _ = process.communicate()
-        pytest.fail(f"the 2-process launch did not finish in {LAUNCH_TIMEOUT} s:\n{output[-4000:]}")
+        pytest.fail(f"{what} did not finish in {LAUNCH_TIMEOUT} s:\n{output[-4000:]}")
     return output
 
 

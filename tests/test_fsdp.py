@@ -19,8 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from loopkit.checkpoint import checkpoint_dirs
-from test_distributed import BIN, LAUNCH_TIMEOUT, assert_same_losses, child_env, free_port, losses, \
+from test_distributed import BIN, assert_same_losses, child_env, free_port, losses, \
     worst_relative_difference
+from test_distributed import finish as finish_launch
 
 CHILD_PATH = os.path.join(os.path.dirname(__file__), "scripts", "fsdp_child.py")
 
@@ -47,12 +48,7 @@ def launch(out, mode: str, processes: int = 2, *extra) -> subprocess.Popen:
 
 
 def finish(process: subprocess.Popen, what: str, expect_success: bool = True) -> str:
-    try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        output, _ = process.communicate()
-        pytest.fail(f"{what} did not finish in {LAUNCH_TIMEOUT} s:\n{output[-4000:]}")
+    output = finish_launch(process, what)
     if expect_success:
         assert process.returncode == 0, f"{what} failed (rc {process.returncode}):\n{output[-6000:]}"
     return output

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import dist_child  # noqa: E402  (the scenarios and data shared with the DDP tests)
 
 from loopkit import Loop, LoopArgs  # noqa: E402
+from loopkit.memory import ShardBytes  # noqa: E402
 from loopkit.stages.setup import SetupStage  # noqa: E402
 
 SAVE_AT, MAX_STEPS = dist_child.SAVE_AT, dist_child.MAX_STEPS
@@ -106,11 +107,6 @@ def run_training(out: str, name: str, per_device_batch: int, *, sharded: bool, s
     return loop
 
 
-def local_bytes(tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
-
-
 def memory_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -122,26 +118,15 @@ def memory_llama():
 def measure_memory(out: str) -> None:
     """One optimizer step of a ~33 M-parameter model; the bytes this rank holds in parameters, gradients and AdamW
     state (local shards of the DTensors, not process RSS). Gradients are counted before the step zeroes them."""
-    from transformers import TrainerCallback
-
-    counts = {}
-
-    class Count(TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            counts["parameters"] = sum(local_bytes(p) for p in model.parameters())
-            counts["gradients"] = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-
-        def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-            counts["optimizer"] = sum(local_bytes(v) for s in optimizer.state.values() for v in s.values()
-                                      if isinstance(v, torch.Tensor))
-
+    shards = ShardBytes()
     model = memory_llama()
     args = LoopArgs(output_dir=os.path.join(out, "memory"), max_steps=1, per_device_train_batch_size=1,
                     save_strategy="no", optim="adamw_torch", disable_tqdm=True, report_to="none")
     samples = [{"input_ids": torch.arange(16) % 97, "labels": torch.arange(16) % 97}] * 8
-    loop = Loop(model=model, args=args, train_dataset=samples, callbacks=[Count()],
+    loop = Loop(model=model, args=args, train_dataset=samples, callbacks=[shards],
                 setup=SetupStage(fsdp_plugin=sharding_plugin(cpu_ram_efficient_loading=True)))
     loop.train()
+    counts = dict(shards.bytes)
     counts.update(total=sum(counts.values()), num_processes=loop.accelerator.num_processes,
                   model_parameters=sum(p.numel() for p in memory_llama().parameters()), **engine_evidence(loop))
     with open(os.path.join(out, f"memory_rank{loop.accelerator.process_index}.json"), "w") as f:
