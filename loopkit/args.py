@@ -148,6 +148,14 @@ class LoopArgs:
     eval_use_gather_object: bool = False
     skip_memory_metrics: bool = True
     debug: str | list = ""  # "underflow_overflow" (space-separated options), a list after __post_init__
+    # pushing to the Hugging Face Hub at saves (loopkit/hub.py)
+    push_to_hub: bool = False
+    hub_token: str | None = field(default=None, repr=False)  # a secret: never printed (to_dict masks it too)
+    hub_private_repo: bool | None = None
+    hub_model_id: str | None = None
+    hub_strategy: str = "every_save"
+    hub_always_push: bool = False
+    hub_revision: str | None = None
 
     def __post_init__(self):
         """The derivations of `TrainingArguments.__post_init__` (5.24), in its order, for the fields we have."""
@@ -167,7 +175,8 @@ class LoopArgs:
             # TrainingArguments' rule: no bars when transformers' logger is quieter than WARNING. The stdlib logger
             # is read directly, so building a LoopArgs never imports transformers.
             self.disable_tqdm = logging.getLogger("transformers").getEffectiveLevel() > logging.WARNING
-        for name in ("logging_strategy", "eval_strategy", "save_strategy", "lr_scheduler_type", "optim"):
+        for name in ("logging_strategy", "eval_strategy", "save_strategy", "lr_scheduler_type", "optim",
+                     "hub_strategy"):
             setattr(self, name, plain(getattr(self, name)))
         if self.eval_strategy == "steps" and not self.eval_steps:
             if self.logging_steps <= 0:
@@ -230,7 +239,9 @@ class LoopArgs:
         return math.ceil(num_training_steps * self.warmup_steps)
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The fields, secrets masked as `TrainingArguments.to_dict` masks them (`hub_token` -> "<HUB_TOKEN>")."""
+        return {f.name: f"<{f.name.upper()}>" if f.name.endswith("_token") else getattr(self, f.name)
+                for f in dataclasses.fields(self)}
 
     def to_sanitized_dict(self) -> dict:
         return {k: (v if isinstance(v, (bool, int, float, str)) else str(v)) for k, v in self.to_dict().items()}
@@ -278,8 +289,6 @@ INERT_FIELDS = frozenset({
     "log_level", "log_level_replica", "log_on_each_node",
     # read by HF's own integration callbacks (trackio), which loopkit builds from the same args
     "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
-    # only used when pushing to the Hub, and push_to_hub itself is refused
-    "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push", "hub_revision",
     # applied by TrainingArguments.__post_init__ (the process group through its `device`, and TF32 backends)
     "local_rank", "ddp_timeout", "ddp_backend", "tf32",
 })
@@ -307,6 +316,7 @@ SUPPORTED_CHOICES = {
     "logging_strategy": ("no", "steps", "epoch"),
     "eval_strategy": ("no", "steps", "epoch"),
     "save_strategy": ("no", "steps", "epoch", "best"),
+    "hub_strategy": ("end", "every_save", "checkpoint", "all_checkpoints"),
 }
 # The way out, for the refused values users ask for most; otherwise the fix is "leave it at its default".
 FIXES = {
@@ -314,9 +324,6 @@ FIXES = {
                          "scheduler) to Loop or override create_scheduler",
     "train_sampling_strategy": "use one of those, or return your sampler from a DataStage subclass's "
                                "train_sampler(dataset) and pass Loop(..., data=YourDataStage())",
-    "push_to_hub": "leave it False, and after training call loop.push_to_hub() (it fails at once, naming the reason, "
-                   "when the Hub is unreachable) or push the folder of loop.save_model(dir) with "
-                   "huggingface_hub.upload_folder",
     "parallelism_config": "leave it None (plain data parallelism, DDP, runs under any launcher)",
     "use_liger_kernel": "leave it False; for the memory saving on large vocabularies use "
                         "Loop(..., step=loopkit.ChunkedLossStep())",
@@ -324,8 +331,6 @@ FIXES = {
 }
 # Why each remaining refusal cannot run here: about this machine or a missing package, never about loopkit.
 REFUSAL_REASONS = {
-    "push_to_hub": "pushing to the Hugging Face Hub at every save needs the Hub, which this machine cannot reach, so "
-                   "loopkit can neither run nor test it",
     "parallelism_config": "beyond plain data parallelism it is FSDP2 sharding, tensor or context parallelism, which "
                           "need GPUs this machine lacks, so loopkit neither runs nor tests them",
     "use_liger_kernel": "Liger's fused kernels are Triton GPU kernels (package liger-kernel): this machine has no GPU, "

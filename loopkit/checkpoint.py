@@ -434,6 +434,10 @@ class Checkpointer:
         # train() starts a run of its own.
         self.run_id: str | None = None
         self.next_save_index = 1
+        from .hub import HubPush  # it imports this module
+
+        self.hub = HubPush(run)  # push_to_hub: the uploads of complete checkpoints (loopkit/hub.py)
+        self.rotation_deferred = False  # a folder rotation left because it was uploading
 
     # -- the run --
     def start(self, resume_from_checkpoint) -> str | None:
@@ -526,12 +530,13 @@ class Checkpointer:
             if best == final or (os.path.isdir(best) and self.is_own(best)):  # never another run's folder
                 state.best_model_checkpoint = best
         snapshot = self.snapshot(stage_states)
+        push = self.hub.begin_push()  # on the training thread: on_push_begin, and the commit message (or None)
         self.last_saved_step, self.rng_for_next_save = state.global_step, None
         if self.async_save:
-            self.writer = threading.Thread(target=self.write_in_background, args=(snapshot,), daemon=False)
+            self.writer = threading.Thread(target=self.write_in_background, args=(snapshot, push), daemon=False)
             self.writer.start()
         else:
-            self.write_handling_errors(snapshot)
+            self.write_handling_errors(snapshot, push)
         return final
 
     def snapshot(self, stage_states: dict) -> Snapshot:
@@ -553,15 +558,15 @@ class Checkpointer:
             stage_states_json=json.dumps({**stage_states, RECORD_KEY: self.record()}, indent=2, sort_keys=True),
         )
 
-    def write_handling_errors(self, snapshot: Snapshot) -> None:
+    def write_handling_errors(self, snapshot: Snapshot, push: str | None = None) -> None:
         try:
-            self.write(snapshot)
+            self.write(snapshot, push)
         except Exception as exc:
             self.report_failure(snapshot, exc)
 
-    def write_in_background(self, snapshot: Snapshot) -> None:
+    def write_in_background(self, snapshot: Snapshot, push: str | None = None) -> None:
         try:
-            self.write(snapshot)
+            self.write(snapshot, push)
         except Exception as exc:  # handed to the training thread at the next save or at the end
             self.writer_error = (snapshot, exc)
 
@@ -592,8 +597,9 @@ class Checkpointer:
         if self.on_save_error == "stop":
             self.run.control.should_training_stop = True
 
-    def write(self, snapshot: Snapshot) -> None:
-        """The atomic protocol: write into `.tmp-checkpoint-N`, fsync, rename to `checkpoint-N`, then rotate."""
+    def write(self, snapshot: Snapshot, push: str | None = None) -> None:
+        """The atomic protocol: write into `.tmp-checkpoint-N`, fsync, rename to `checkpoint-N`, then rotate; then
+        `push` (a commit message from `HubPush.begin_push`) queues the uploads of the complete folder."""
         run, acc = self.run, self.run.accelerator
         run_dir = run.args.output_dir
         name = f"{CHECKPOINT_PREFIX}-{snapshot.step}"
@@ -639,6 +645,7 @@ class Checkpointer:
             raise
         if self.writes_files:
             self.rotate()
+            self.hub.push_checkpoint(final, push)  # after rotation: no upload lists a folder being deleted
         acc.wait_for_everyone()
 
     def remove_leftovers(self) -> None:
@@ -733,8 +740,20 @@ class Checkpointer:
             room = max(limit, len(protected)) - len(protected)  # for the newest unprotected checkpoints
             keep = protected | set(others[len(others) - room:] if room else [])
         for path in dirs:
-            if path not in keep:
+            if path in keep:
+                continue
+            if self.hub.uploading(path):  # deleted by a later rotation, once uploaded (finish_uploads at the latest)
+                self.rotation_deferred = True
+            else:
                 self.delete(path)
+
+    def finish_uploads(self) -> None:
+        """The end of `train()`: wait for the push in progress (Trainer's `_finish_current_push`), then delete what
+        rotation left because it was uploading."""
+        self.hub.wait()
+        if self.rotation_deferred and self.writes_files:
+            self.rotation_deferred = False
+            self.rotate()
 
     def keep_only_best(self) -> None:
         """End of training with `save_total_limit == 1`: only the best checkpoint survives (HF). Nothing is deleted
@@ -749,6 +768,7 @@ class Checkpointer:
         dirs = self.own_checkpoints()
         if os.path.realpath(best) not in {os.path.realpath(d) for d in dirs}:
             return  # e.g. a run resumed into a new output_dir: its best lies elsewhere (HF deletes the whole run here)
+        self.hub.wait()  # no folder is deleted while it uploads
         for path in dirs:
             if os.path.realpath(path) != os.path.realpath(best):
                 self.delete(path)

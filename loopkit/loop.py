@@ -25,6 +25,7 @@ from .distributed import release_earlier_run
 from .events import DefaultFlowCallback, EventHandler, reporting_callbacks
 from .guards import PreemptionWatch, preemption_agreed, with_batch_size_search
 from .hf_methods import HFMethods, bind_overrides
+from .hub import quiet_hub_progress
 from .trainer_api import TrainerAPI
 from .metrics import check_metrics
 from .notebook import default_progress_callback
@@ -102,6 +103,8 @@ class Loop(HFMethods, TrainerAPI):
         run.get_eval_dataloader, run.get_test_dataloader = self.get_eval_dataloader, self.get_test_dataloader
         self.schedule = Schedule(run, evaluate=self.evaluate, save=self.save_checkpoint)
         self.initial_global_step = 0
+        if getattr(args, "push_to_hub", False):  # as Trainer.__init__: the repo exists before training
+            self.init_hf_repo()
         run.fire("on_init_end")
 
     @property
@@ -119,10 +122,10 @@ class Loop(HFMethods, TrainerAPI):
         """Train; returns `TrainOutput(global_step, training_loss, metrics)`."""
         if kwargs:
             raise TypeError(f"train() got unexpected keyword arguments: {', '.join(kwargs)}")
-        run = self.run
+        run, args = self.run, self.run.args
         self.is_in_train = True
         try:
-            with run.preemption:
+            with run.preemption, quiet_hub_progress(args):
                 output = with_batch_size_search(self.run_training, run)(resume_from_checkpoint, trial,
                                                                         ignore_keys_for_eval)
         except BaseException as exc:
@@ -243,6 +246,7 @@ class Loop(HFMethods, TrainerAPI):
         train_loss = self.schedule.running_loss.train_loss(run.accelerator, steps_run)
         self.schedule.store_work()
         output = self.teardown.finish_training(plan, start_time, train_loss, steps_run)
+        run.checkpointer.finish_uploads()  # push_to_hub: the last push, awaited after on_train_end as in Trainer
         self.release()
         self.teardown.write_run_report(run.preemption.status(), self.schedule.counters(), output.metrics)
         return output
@@ -285,6 +289,8 @@ class Loop(HFMethods, TrainerAPI):
 
         save_model_files(self.model_wrapped, self.run.accelerator, output_dir or self.run.args.output_dir,
                          self.run.processing_class, writer=self.run.checkpointer.writes_files)
+        if getattr(self.args, "push_to_hub", False) and not _internal_call:  # as Trainer: a user's save pushes
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def export(self, output_dir: str, example_inputs: dict, formats=("pretrained",)) -> dict:
         """loopkit addition: export the model as "pretrained", "torch_export" and/or "onnx", each checked against

@@ -36,9 +36,6 @@ HOOKS_TO_OVERRIDE_ELSEWHERE = {
                                    "data=YourDataStage())",
 }
 
-HUB_TIMEOUT_S = 5.0  # a Hub that does not answer in this time counts as unreachable: push_to_hub never hangs
-
-
 class BestRun(NamedTuple):
     """What `hyperparameter_search` returns (copied from `transformers.trainer_utils.BestRun`)."""
 
@@ -89,28 +86,6 @@ def metrics_format(metrics: dict[str, float]) -> dict[str, float]:
     return formatted
 
 
-def hub_unreachable_reason(endpoint: str, timeout: float = HUB_TIMEOUT_S) -> str | None:
-    """Why the Hub cannot be reached right now (offline mode, or no TCP connection within `timeout`), or None."""
-    import socket
-    import urllib.request
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return "HF_HUB_OFFLINE is set"
-    url = urlparse(endpoint)
-    proxy = urllib.request.getproxies().get(url.scheme)
-    if proxy and not urllib.request.proxy_bypass(url.hostname):
-        url = urlparse(proxy if "://" in proxy else f"http://{proxy}")  # the connection goes to the proxy
-    port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((url.hostname, port), timeout=timeout).close()
-    except OSError as exc:
-        return f"no connection to {url.hostname}:{port} within {timeout:g} s ({exc})"
-    return None
-
-
 class HyperparameterObjective:
     """During a search: the objective of each evaluation in training, reported to the trial (HF's
     `_report_to_hp_search`); a trial the sampler prunes stops with `optuna.TrialPruned`."""
@@ -134,7 +109,6 @@ class TrainerAPI:
     """HF Trainer's public methods and attributes that are not part of a run's stages."""
 
     # Instance attributes of a constructed Trainer that loopkit sets only when they change.
-    hub_model_id = None  # set by init_hf_repo
     hp_name = None  # set by hyperparameter_search
     hp_search_backend = None  # "optuna" during hyperparameter_search
     hp_space = compute_objective = objective = None  # set by hyperparameter_search
@@ -364,33 +338,20 @@ class TrainerAPI:
         """Finish the trackers and destroy the process group: once, at the very end of a script."""
         self.accelerator.end_training()
 
-    # -- the Hub and the model card -----------------------------------------------------------------------------
-    def hub_endpoint(self) -> str:
-        from huggingface_hub import constants
+    # -- the Hub and the model card (the pushes at saves: loopkit/hub.py) -----------------------------------------
+    @property
+    def hub_model_id(self) -> str | None:
+        """The Hub repo pushes go to, once `init_hf_repo` has created it (at construction with push_to_hub)."""
+        return self.run.checkpointer.hub.repo_id
 
-        return constants.ENDPOINT
-
-    def require_hub(self, what: str) -> None:
-        reason = hub_unreachable_reason(self.hub_endpoint())
-        if reason is not None:
-            raise ConnectionError(f"{what}: the Hugging Face Hub at {self.hub_endpoint()} is not reachable: {reason}. "
-                                  f"Fix: connect to the network (or unset HF_HUB_OFFLINE), or save with "
-                                  f"loop.save_model(dir) now and upload that folder later with "
-                                  f"huggingface_hub.upload_folder.")
+    @hub_model_id.setter
+    def hub_model_id(self, repo_id: str | None) -> None:
+        self.run.checkpointer.hub.repo_id = repo_id
 
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
-        """Create (or reuse) the Hub repo `args.hub_model_id` (default: the output folder's name)."""
-        if not self.is_world_process_zero():
-            return
-        self.require_hub("init_hf_repo")
-        from pathlib import Path
-
-        from huggingface_hub import HfApi
-
-        repo_name = getattr(self.args, "hub_model_id", None) or Path(self.args.output_dir).absolute().name
-        token = token if token is not None else getattr(self.args, "hub_token", None)
-        private = private if private is not None else getattr(self.args, "hub_private_repo", None)
-        self.hub_model_id = HfApi().create_repo(repo_name, token=token, private=private, exist_ok=True).repo_id
+        """Create (or reuse) the Hub repo `args.hub_model_id` (default: the output folder's name). An unreachable
+        Hub raises `ConnectionError` at once."""
+        self.run.checkpointer.hub.create_repo(token=token, private=private)
 
     def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
                           tasks=None, dataset_tags=None, dataset=None, dataset_args=None) -> None:
@@ -423,14 +384,16 @@ class TrainerAPI:
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs):
-        """Save the model and processing class to `output_dir` and upload it (HF's `push_to_hub`). An unreachable
-        Hub raises `ConnectionError` at once, after `on_push_begin` (which fires first, as in HF)."""
-        self.fire("on_push_begin")
-        self.require_hub("push_to_hub")
+        """Save the model and processing class to `output_dir` and upload it (HF's `push_to_hub`), after the push in
+        progress has finished. An unreachable Hub raises `ConnectionError` at once, after `on_push_begin` (which
+        fires first, as in HF)."""
         from pathlib import Path
 
-        from huggingface_hub import HfApi
+        from .hub import OUTPUT_DIR_IGNORE, hf_api, require_hub
+        from .report import wait_for_charts
 
+        self.fire("on_push_begin")
+        require_hub("push_to_hub")
         model_name = kwargs.pop("model_name", None)
         if model_name is None and self.is_world_process_zero():
             hub_model_id = getattr(self.args, "hub_model_id", None)
@@ -438,7 +401,8 @@ class TrainerAPI:
         token = token if token is not None else getattr(self.args, "hub_token", None)
         if self.hub_model_id is None:
             self.init_hf_repo(token=token, private=private)
-        self.save_model()
+        self.run.checkpointer.hub.wait()  # before saving into output_dir, which an upload in flight may be reading
+        self.save_model(_internal_call=True)
         if not self.is_world_process_zero():
             return None
         model_tags = getattr(self.model, "model_tags", None)
@@ -447,11 +411,12 @@ class TrainerAPI:
             tags = [tags] if isinstance(tags, str) else tags
             kwargs["tags"] = tags + [tag for tag in model_tags if tag not in tags]
         self.create_model_card(model_name=model_name, **kwargs)
-        return HfApi().upload_folder(repo_id=self.hub_model_id, folder_path=self.args.output_dir,
-                                     commit_message=commit_message, token=token, run_as_future=not blocking,
-                                     ignore_patterns=["_*", "checkpoint-*", ".tmp-checkpoint-*"],
-                                     revision=revision if revision is not None else getattr(self.args,
-                                                                                            "hub_revision", None))
+        wait_for_charts()  # the run report's charts are drawn into output_dir after train() returns
+        return hf_api().upload_folder(repo_id=self.hub_model_id, folder_path=self.args.output_dir,
+                                      commit_message=commit_message, token=token, run_as_future=not blocking,
+                                      ignore_patterns=OUTPUT_DIR_IGNORE,
+                                      revision=revision if revision is not None else getattr(self.args,
+                                                                                             "hub_revision", None))
 
     # -- hyper-parameter search ------------------------------------------------------------------------------------
     def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,

@@ -146,7 +146,6 @@ def test_load_best_model_save_steps_not_a_multiple_of_eval_steps(tmp_path):
 
 
 @pytest.mark.parametrize("field, value, hint, needs", [
-    ("push_to_hub", True, "save_model", {}),
     ("optim", "adamw_anyprecision", "torchdistx", {}),
     ("debug", "tpu_metrics_debug", "no TPU", {}),
 ])
@@ -257,7 +256,6 @@ def test_loop_args_serializes_like_training_arguments(tmp_path):
 NON_DEFAULT = {
     "use_liger_kernel": True,
     "liger_kernel_config": {"rope": True},
-    "push_to_hub": True,
     "parallelism_config": object(),
 }
 
@@ -284,7 +282,7 @@ def test_every_field_is_supported_inert_or_refused(tmp_path):
         assert "GPU" in str(error.value) or "Hub" in str(error.value)
 
 
-@pytest.mark.parametrize("field, value", [("do_train", True), ("hub_model_id", "me/model"), ("log_level", "error"),
+@pytest.mark.parametrize("field, value", [("do_train", True), ("trackio_space_id", "me/space"), ("log_level", "error"),
                                           ("ddp_timeout", 7200)])
 def test_inert_fields_are_accepted(tmp_path, field, value):
     check_args(hf_args(tmp_path, **{field: value}))

@@ -163,8 +163,8 @@ def test_unknown_loop_args_keyword_suggests_the_nearest_field(tmp_path):
         LoopArgs(per_device_batch_size=4)
     assert_names(error, "per_device_eval_batch_size or per_device_train_batch_size")
     with pytest.raises(TypeError) as error:  # a TrainingArguments field loopkit refuses: its own fix
-        LoopArgs(push_to_hub=True)
-    assert_names(error, "push_to_hub=True", "huggingface_hub.upload_folder")
+        LoopArgs(use_liger_kernel=True)
+    assert_names(error, "use_liger_kernel=True", "ChunkedLossStep")
 
 
 @pytest.mark.parametrize("where", ["train", "eval", "eval_dict"])

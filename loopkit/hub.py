@@ -1,0 +1,251 @@
+"""Pushing to the Hugging Face Hub as `transformers.Trainer` does with `push_to_hub=True`, through `huggingface_hub`
+(transformers 5.24's `init_hf_repo`, `_push_from_checkpoint`, `push_to_hub` and `_finish_current_push`), without an
+upload ever racing loopkit's checkpoint writing or rotation.
+
+As Trainer:
+* the repo (`hub_model_id`, default the output folder's name; `hub_private_repo`, `hub_token`) is created when the
+  `Loop` is built;
+* at each save, on the main process, unless `hub_strategy="end"` or the previous push is still uploading (then the
+  save pushes nothing, unless `hub_always_push`), `on_push_begin` fires and uploads are queued as futures of
+  transformers' shared `HfApi` (one background queue): `output_dir` (its checkpoint folders and `_*` left out) after
+  the model files of the checkpoint are copied into it and the processing class saved there, commit "Training in
+  progress, step N" (epoch N when `save_strategy` is not "steps"); with `hub_strategy="checkpoint"` also the
+  checkpoint folder as `last-checkpoint/`, with "all_checkpoints" under its own name ("..., checkpoint");
+* `train()` waits for the push in progress after `on_train_end`; `save_model()` and `push_to_hub()` upload
+  `output_dir` (`hub_revision`: the branch of every upload).
+
+What loopkit does differently (docs/differences.md):
+* `training_args.bin` (a pickle of the arguments) is neither written nor uploaded;
+* `on_push_begin` fires when a pushing save starts, on the training thread (Trainer: once its files are written),
+  and the uploads are queued once the checkpoint folder is complete (renamed into place; with `async_save`, by the
+  writer thread, after it has written the folder): no upload sees a half-written checkpoint;
+* rotation (`save_total_limit`) leaves a checkpoint folder that is still uploading, and deletes it at a later
+  rotation or, at the latest, when `train()` has waited for the last push; rotation runs before the uploads are
+  queued (Trainer: after), so the listing of `output_dir` by an upload does not meet a folder being deleted;
+* files are put into `output_dir` atomically (written beside it under `_loopkit-*`, which no upload lists, then
+  renamed), so an upload still reading the previous version (`hub_always_push`) never reads a half-written file, and
+  `push_to_hub()` waits for the push in progress before it saves into `output_dir` (Trainer: after);
+* a failed push warns, naming the checkpoint, the repo and the error, and training goes on (Trainer: a failed upload
+  is silent, a failed copy stops training);
+* the token goes to `huggingface_hub` only: `LoopArgs` does not print it and its `to_dict` masks it, as
+  `TrainingArguments` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from concurrent import futures
+from pathlib import Path
+
+from .checkpoint import LEFTOVER_PREFIXES, CHECKPOINT_PREFIX
+
+# Trainer's modeling files (CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME, SAFE_WEIGHTS_NAME and PEFT's adapter
+# files), and the index files whose shards are copied too.
+MODEL_FILES = ("config.json", "generation_config.json", "pytorch_model.bin", "model.safetensors",
+               "adapter_config.json", "adapter_model.bin", "adapter_model.safetensors")
+INDEX_FILES = ("pytorch_model.bin.index.json", "model.safetensors.index.json")
+# Trainer's ["_*", "checkpoint-*"], and the folders loopkit's atomic saves and deletions leave beside checkpoints.
+OUTPUT_DIR_IGNORE = ["_*", f"{CHECKPOINT_PREFIX}-*"] + [f"{prefix}{CHECKPOINT_PREFIX}-*"
+                                                        for prefix in LEFTOVER_PREFIXES]
+STAGING_PREFIX = "_loopkit-"  # matched by "_*": a folder in output_dir no upload lists
+HUB_TIMEOUT_S = 5.0  # a Hub that does not answer in this time counts as unreachable: nothing hangs on it
+
+logger = logging.getLogger(__name__)
+
+
+def hf_api():
+    """transformers' shared `HfApi`, the one Trainer pushes through: its background uploads share one queue."""
+    from transformers.utils.hub import hf_api as shared_api
+
+    return shared_api()
+
+
+def hub_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT
+
+
+def hub_unreachable_reason(endpoint: str, timeout: float = HUB_TIMEOUT_S) -> str | None:
+    """Why the Hub cannot be reached right now (offline mode, or no TCP connection within `timeout`), or None."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    url = urlparse(endpoint)
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(url.hostname):
+        url = urlparse(proxy if "://" in proxy else f"http://{proxy}")  # the connection goes to the proxy
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except OSError as exc:
+        return f"no connection to {url.hostname}:{port} within {timeout:g} s ({exc})"
+    return None
+
+
+def require_hub(what: str) -> None:
+    """Raise `ConnectionError` at once, naming the reason and the fix, when the Hub cannot be reached now."""
+    reason = hub_unreachable_reason(hub_endpoint())
+    if reason is not None:
+        raise ConnectionError(f"{what}: the Hugging Face Hub at {hub_endpoint()} is not reachable: {reason}. "
+                              f"Fix: connect to the network (or unset HF_HUB_OFFLINE), or save with "
+                              f"loop.save_model(dir) now and upload that folder later with "
+                              f"huggingface_hub.upload_folder.")
+
+
+@contextlib.contextmanager
+def quiet_hub_progress(args):
+    """While training with `push_to_hub`: no `huggingface_hub` progress bars from background uploads (Trainer's
+    `suppress_progress_bars`, copied from `transformers.trainer_utils`)."""
+    if not getattr(args, "push_to_hub", False):
+        yield
+        return
+    import huggingface_hub.utils as hub_utils
+
+    hub_utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        hub_utils.enable_progress_bars()
+
+
+def model_files(checkpoint: str) -> list[str]:
+    """The modeling files Trainer copies from a checkpoint into output_dir before pushing: config, weights (with
+    the shards an index names), adapters; those present."""
+    names = list(MODEL_FILES)
+    for index_name in INDEX_FILES:
+        index_path = os.path.join(checkpoint, index_name)
+        if os.path.isfile(index_path):
+            with open(index_path, encoding="utf-8") as f:
+                names += [index_name] + sorted(set(json.load(f)["weight_map"].values()))
+    return [name for name in names if os.path.isfile(os.path.join(checkpoint, name))]
+
+
+def move_into(staging: str, output_dir: str) -> None:
+    """Each file written into `staging` takes its place in `output_dir` by an atomic rename."""
+    for name in os.listdir(staging):
+        source, target = os.path.join(staging, name), os.path.join(output_dir, name)
+        if os.path.isdir(source):
+            shutil.copytree(source, target, dirs_exist_ok=True)
+        else:
+            os.replace(source, target)
+
+
+class HubPush:
+    """One `Loop`'s pushes: the repo, the uploads in flight (futures, with the folder each reads), and the rules
+    above. Owned by the `Checkpointer`, which calls `begin_push` when a save starts, `push_checkpoint` once the
+    folder is complete, and asks `uploading(folder)` before rotation deletes one."""
+
+    def __init__(self, run):
+        self.run = run
+        self.repo_id: str | None = None  # Trainer's `hub_model_id`, once the repo exists
+        self.jobs: list[tuple[str, futures.Future]] = []  # the push in progress: (folder read, its upload)
+
+    @property
+    def pushes(self) -> bool:
+        """Whether this process pushes at saves: push_to_hub, a strategy other than "end", the main process."""
+        args = self.run.args
+        strategy = getattr(getattr(args, "hub_strategy", None), "value", getattr(args, "hub_strategy", None))
+        return bool(getattr(args, "push_to_hub", False)) and strategy != "end" \
+            and self.run.accelerator.is_main_process
+
+    def create_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        """Trainer's `init_hf_repo`: create (or reuse) the repo, on the main process."""
+        if not self.run.accelerator.is_main_process:
+            return
+        require_hub("init_hf_repo")
+        args = self.run.args
+        name = getattr(args, "hub_model_id", None) or Path(args.output_dir).absolute().name
+        token = token if token is not None else getattr(args, "hub_token", None)
+        private = private if private is not None else getattr(args, "hub_private_repo", None)
+        self.repo_id = hf_api().create_repo(name, token=token, private=private, exist_ok=True).repo_id
+        self.jobs = []
+
+    def in_progress(self) -> bool:
+        return any(not job.done() for _, job in self.jobs)
+
+    def uploading(self, folder: str) -> bool:
+        """Whether an upload still in flight reads `folder` (rotation must not delete it now)."""
+        path = os.path.realpath(folder)
+        return any(not job.done() and os.path.realpath(read) == path for read, job in self.jobs)
+
+    def begin_push(self) -> str | None:
+        """When a save starts, on the training thread: whether it pushes (Trainer's rule: not while the previous
+        push uploads, unless `hub_always_push`) and then its commit message, after firing `on_push_begin`."""
+        run = self.run
+        if not self.pushes or (not run.args.hub_always_push and self.in_progress()):
+            return None
+        run.fire("on_push_begin")
+        if getattr(run.args.save_strategy, "value", run.args.save_strategy) == "steps":
+            return f"Training in progress, step {run.state.global_step}"
+        return f"Training in progress, epoch {int(run.state.epoch)}"
+
+    def push_checkpoint(self, checkpoint: str, commit_message: str | None) -> None:
+        """Once `checkpoint` is complete: its model files and the processing class into output_dir, then the uploads
+        queued (Trainer's `_push_from_checkpoint`). A failure warns; training goes on."""
+        if commit_message is None:
+            return
+        args = self.run.args
+        strategy = getattr(args.hub_strategy, "value", args.hub_strategy)
+        try:
+            if self.repo_id is None:  # push_to_hub set after the Loop was built
+                self.create_repo()
+            self.refresh_output_dir(checkpoint)
+            api, common = hf_api(), dict(repo_id=self.repo_id, token=args.hub_token, run_as_future=True,
+                                         revision=args.hub_revision)
+            jobs = [(args.output_dir, api.upload_folder(folder_path=args.output_dir, commit_message=commit_message,
+                                                        ignore_patterns=OUTPUT_DIR_IGNORE, **common))]
+            if strategy in ("checkpoint", "all_checkpoints"):
+                path_in_repo = "last-checkpoint" if strategy == "checkpoint" else os.path.basename(checkpoint)
+                jobs.append((checkpoint, api.upload_folder(folder_path=checkpoint, path_in_repo=path_in_repo,
+                                                           commit_message=commit_message + ", checkpoint", **common)))
+        except Exception as exc:
+            self.warn_failed(os.path.basename(checkpoint), exc)
+            return
+        self.forget_done()
+        self.jobs += jobs
+
+    def refresh_output_dir(self, checkpoint: str) -> None:
+        """Trainer copies the model files from the checkpoint and saves the processing class into output_dir; here
+        each file replaces its old version atomically (see the module docstring)."""
+        output_dir, processing_class = self.run.args.output_dir, self.run.processing_class
+        staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=output_dir)
+        try:
+            for name in model_files(checkpoint):
+                shutil.copy(os.path.join(checkpoint, name), os.path.join(staging, name))
+            if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+                processing_class.save_pretrained(staging)
+            move_into(staging, output_dir)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def forget_done(self) -> None:
+        """Drop the finished uploads, warning about each that failed."""
+        for folder, job in [entry for entry in self.jobs if entry[1].done()]:
+            if not job.cancelled() and job.exception() is not None:
+                self.warn_failed(os.path.basename(os.path.normpath(folder)), job.exception())
+        self.jobs = [entry for entry in self.jobs if not entry[1].done()]
+
+    def warn_failed(self, what: str, exc: BaseException) -> None:
+        warnings.warn(f"Pushing {what} to the Hub repo {self.repo_id} failed ({type(exc).__name__}: {exc}). "
+                      f"Training goes on; the files are still in {self.run.args.output_dir}, and "
+                      f"loop.push_to_hub() uploads them again.")
+
+    def wait(self) -> None:
+        """Trainer's `_finish_current_push`: wait for the uploads in flight."""
+        if self.in_progress():
+            logger.info("Waiting for the current checkpoint push to be finished, this might take a couple of "
+                        "minutes.")
+            futures.wait([job for _, job in self.jobs])
+        self.forget_done()
