@@ -94,14 +94,16 @@ def hub_unreachable_reason(endpoint: str, timeout: float = HUB_TIMEOUT_S) -> str
     return None
 
 
-def require_hub(what: str) -> None:
+SAVE_NOW_UPLOAD_LATER = ("save with loop.save_model(dir) now and upload that folder later with "
+                         "huggingface_hub.upload_folder")
+
+
+def require_hub(what: str, instead: str = SAVE_NOW_UPLOAD_LATER) -> None:
     """Raise `ConnectionError` at once, naming the reason and the fix, when the Hub cannot be reached now."""
     reason = hub_unreachable_reason(hub_endpoint())
     if reason is not None:
         raise ConnectionError(f"{what}: the Hugging Face Hub at {hub_endpoint()} is not reachable: {reason}. "
-                              f"Fix: connect to the network (or unset HF_HUB_OFFLINE), or save with "
-                              f"loop.save_model(dir) now and upload that folder later with "
-                              f"huggingface_hub.upload_folder.")
+                              f"Fix: connect to the network (or unset HF_HUB_OFFLINE), or {instead}.")
 
 
 @contextlib.contextmanager
@@ -164,8 +166,9 @@ class HubPush:
         """Trainer's `init_hf_repo`: create (or reuse) the repo, on the main process."""
         if not self.run.accelerator.is_main_process:
             return
-        require_hub("init_hf_repo")
         args = self.run.args
+        require_hub("init_hf_repo", "build the Loop with push_to_hub=False and upload output_dir later with "
+                    "huggingface_hub.upload_folder" if getattr(args, "push_to_hub", False) else SAVE_NOW_UPLOAD_LATER)
         name = getattr(args, "hub_model_id", None) or Path(args.output_dir).absolute().name
         token = token if token is not None else getattr(args, "hub_token", None)
         private = private if private is not None else getattr(args, "hub_private_repo", None)

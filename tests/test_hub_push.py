@@ -165,7 +165,7 @@ def test_pushes_at_saves_as_trainer(tmp_path, monkeypatch, strategy):
         assert "optimizer.pt" in uploads[1]["files"]
     assert_same_uploads(hf["calls"][1:], lk["calls"][1:])
     # on_push_begin fires at the same moments (before on_save), and every other event is unchanged.
-    assert [e[:2] for e in lk["events"]] == [e[:2] for e in hf["events"]]
+    assert lk["events"] == hf["events"]
     assert sum(e[0] == "on_push_begin" for e in hf["events"]) == (3 if per_save else 0)
 
 
@@ -298,6 +298,7 @@ def test_a_failed_push_warns_and_training_goes_on(tmp_path, monkeypatch):
                                          r"went away\)\. Training goes on"):
         output = loop.train()
     assert output.global_step == 4
+    assert hub.calls[0]["repo_id"] == tmp_path.name  # no hub_model_id: the output folder's name, as Trainer
     assert sorted(p for p in os.listdir(tmp_path) if p.startswith("checkpoint")) == ["checkpoint-2", "checkpoint-4"]
 
 
@@ -306,7 +307,7 @@ def test_an_unreachable_hub_is_refused_when_the_loop_is_built(tmp_path, monkeypa
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(ConnectionError, match="init_hf_repo: .*HF_HUB_OFFLINE"):
+    with pytest.raises(ConnectionError, match="init_hf_repo: .*HF_HUB_OFFLINE.*Fix: .*push_to_hub=False"):
         Loop(model=tiny_llama(), args=hf_args(tmp_path, push_to_hub=True), train_dataset=lm_data(8))
 
 
