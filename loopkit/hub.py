@@ -21,7 +21,8 @@ What loopkit does differently (docs/differences.md):
   writer thread, after it has written the folder): no upload sees a half-written checkpoint;
 * rotation (`save_total_limit`) leaves a checkpoint folder that is still uploading, and deletes it at a later
   rotation or, at the latest, when `train()` has waited for the last push; rotation runs before the uploads are
-  queued (Trainer: after), so the listing of `output_dir` by an upload does not meet a folder being deleted;
+  queued (Trainer: after), so the upload that starts then does not list `output_dir` while that save's deletions
+  run;
 * files are put into `output_dir` atomically (written beside it under `_loopkit-*`, which no upload lists, then
   renamed), so an upload still reading the previous version (`hub_always_push`) never reads a half-written file, and
   `push_to_hub()` waits for the push in progress before it saves into `output_dir` (Trainer: after);
