@@ -108,12 +108,12 @@ def tokenizer():
 
 
 def train_with_hub(runner, output_dir, monkeypatch, gated=False, open_at="on_train_end", evaluation=None,
-                   **arg_kwargs):
+                   callbacks=(), **arg_kwargs):
     """One run of `runner` with push_to_hub=True against a fresh fake; returns (fake, recorder, trainer)."""
     hub = FakeHub(str(output_dir), gated=gated)
     hub.patch(monkeypatch)
     recorder = Recorder()
-    callbacks = [recorder] + ([OpenGateAt(hub, open_at)] if gated else [])
+    callbacks = [recorder] + ([OpenGateAt(hub, open_at)] if gated else []) + list(callbacks)
     fields = dict(max_steps=6, save_steps=2, per_device_train_batch_size=4, learning_rate=1e-3, push_to_hub=True,
                   hub_token=SECRET, hub_model_id="me/tiny", hub_private_repo=True, hub_revision="dev")
     fields.update(arg_kwargs)
@@ -240,6 +240,20 @@ def test_async_save_uploads_only_complete_folders(tmp_path, monkeypatch):
             set(upload["files"])
     assert [e[0] for e in recorder.events].count("on_push_begin") == 3
     assert not any(name.startswith((".tmp-", "_loopkit-")) for name in os.listdir(tmp_path))
+
+
+def test_hub_progress_bars_are_off_while_training_as_in_trainer(tmp_path, monkeypatch):
+    """Background uploads print no progress bars into the training output; they are back after train()."""
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    seen = {}
+    for name, runner in runners():
+        during = []
+        probe = type("Probe", (TrainerCallback,), {
+            "on_step_end": lambda self, *args, **kwargs: during.append(are_progress_bars_disabled())})()
+        train_with_hub(runner, tmp_path / name, monkeypatch, hub_strategy="every_save", callbacks=[probe])
+        seen[name] = (during, are_progress_bars_disabled())
+    assert seen["loopkit"] == seen["hf"] == ([True] * 6, False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
