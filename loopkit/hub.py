@@ -44,7 +44,8 @@ import warnings
 from concurrent import futures
 from pathlib import Path
 
-from .checkpoint import LEFTOVER_PREFIXES, CHECKPOINT_PREFIX
+from .args import plain
+from .checkpoint import CHECKPOINT_PREFIX, LEFTOVER_PREFIXES
 
 # Trainer's modeling files (CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME, SAFE_WEIGHTS_NAME and PEFT's adapter
 # files), and the index files whose shards are copied too.
@@ -153,14 +154,14 @@ class HubPush:
     def __init__(self, run):
         self.run = run
         self.repo_id: str | None = None  # Trainer's `hub_model_id`, once the repo exists
-        self.jobs: list[tuple[str, futures.Future]] = []  # the push in progress: (folder read, its upload)
+        # The push in progress: (the folder an upload reads, what it pushes, for a warning; the upload's future).
+        self.jobs: list[tuple[str, str, futures.Future]] = []
 
     @property
     def pushes(self) -> bool:
         """Whether this process pushes at saves: push_to_hub, a strategy other than "end", the main process."""
         args = self.run.args
-        strategy = getattr(getattr(args, "hub_strategy", None), "value", getattr(args, "hub_strategy", None))
-        return bool(getattr(args, "push_to_hub", False)) and strategy != "end" \
+        return bool(getattr(args, "push_to_hub", False)) and plain(args.hub_strategy) != "end" \
             and self.run.accelerator.is_main_process
 
     def create_repo(self, token: str | None = None, private: bool | None = None) -> None:
@@ -177,12 +178,12 @@ class HubPush:
         self.jobs = []
 
     def in_progress(self) -> bool:
-        return any(not job.done() for _, job in self.jobs)
+        return any(not job.done() for _, _, job in self.jobs)
 
     def uploading(self, folder: str) -> bool:
         """Whether an upload still in flight reads `folder` (rotation must not delete it now)."""
         path = os.path.realpath(folder)
-        return any(not job.done() and os.path.realpath(read) == path for read, job in self.jobs)
+        return any(not job.done() and os.path.realpath(read) == path for read, _, job in self.jobs)
 
     def begin_push(self) -> str | None:
         """When a save starts, on the training thread: whether it pushes (Trainer's rule: not while the previous
@@ -191,7 +192,7 @@ class HubPush:
         if not self.pushes or (not run.args.hub_always_push and self.in_progress()):
             return None
         run.fire("on_push_begin")
-        if getattr(run.args.save_strategy, "value", run.args.save_strategy) == "steps":
+        if plain(run.args.save_strategy) == "steps":
             return f"Training in progress, step {run.state.global_step}"
         return f"Training in progress, epoch {int(run.state.epoch)}"
 
@@ -201,21 +202,23 @@ class HubPush:
         if commit_message is None:
             return
         args = self.run.args
-        strategy = getattr(args.hub_strategy, "value", args.hub_strategy)
+        strategy = plain(args.hub_strategy)
         try:
             if self.repo_id is None:  # push_to_hub set after the Loop was built
                 self.create_repo()
             self.refresh_output_dir(checkpoint)
             api, common = hf_api(), dict(repo_id=self.repo_id, token=args.hub_token, run_as_future=True,
                                          revision=args.hub_revision)
-            jobs = [(args.output_dir, api.upload_folder(folder_path=args.output_dir, commit_message=commit_message,
-                                                        ignore_patterns=OUTPUT_DIR_IGNORE, **common))]
+            jobs = [(args.output_dir, f"{args.output_dir} ({commit_message})",
+                     api.upload_folder(folder_path=args.output_dir, commit_message=commit_message,
+                                       ignore_patterns=OUTPUT_DIR_IGNORE, **common))]
             if strategy in ("checkpoint", "all_checkpoints"):
                 path_in_repo = "last-checkpoint" if strategy == "checkpoint" else os.path.basename(checkpoint)
-                jobs.append((checkpoint, api.upload_folder(folder_path=checkpoint, path_in_repo=path_in_repo,
-                                                           commit_message=commit_message + ", checkpoint", **common)))
+                jobs.append((checkpoint, f"{checkpoint} as {path_in_repo}",
+                             api.upload_folder(folder_path=checkpoint, path_in_repo=path_in_repo,
+                                               commit_message=commit_message + ", checkpoint", **common)))
         except Exception as exc:
-            self.warn_failed(os.path.basename(checkpoint), exc)
+            self.warn_failed(f"{checkpoint} ({commit_message})", exc)
             return
         self.forget_done()
         self.jobs += jobs
@@ -236,20 +239,20 @@ class HubPush:
 
     def forget_done(self) -> None:
         """Drop the finished uploads, warning about each that failed."""
-        for folder, job in [entry for entry in self.jobs if entry[1].done()]:
+        for _, what, job in [entry for entry in self.jobs if entry[2].done()]:
             if not job.cancelled() and job.exception() is not None:
-                self.warn_failed(os.path.basename(os.path.normpath(folder)), job.exception())
-        self.jobs = [entry for entry in self.jobs if not entry[1].done()]
+                self.warn_failed(what, job.exception())
+        self.jobs = [entry for entry in self.jobs if not entry[2].done()]
 
     def warn_failed(self, what: str, exc: BaseException) -> None:
         warnings.warn(f"Pushing {what} to the Hub repo {self.repo_id} failed ({type(exc).__name__}: {exc}). "
-                      f"Training goes on; the files are still in {self.run.args.output_dir}, and "
-                      f"loop.push_to_hub() uploads them again.")
+                      f"Nothing else is affected: training goes on, the files stay on disk, and "
+                      f"loop.push_to_hub() uploads output_dir again.")
 
     def wait(self) -> None:
         """Trainer's `_finish_current_push`: wait for the uploads in flight."""
         if self.in_progress():
             logger.info("Waiting for the current checkpoint push to be finished, this might take a couple of "
                         "minutes.")
-            futures.wait([job for _, job in self.jobs])
+            futures.wait([job for _, _, job in self.jobs])
         self.forget_done()
