@@ -4,7 +4,8 @@ Every event gets `args, state, control` positionally and the keywords `model, pr
 lr_scheduler, train_dataloader, eval_dataloader` (plus `logs=` for `on_log`, `metrics=` for `on_evaluate` and
 `on_predict`). Callbacks run in list order; a callback that returns a control replaces the one later callbacks see.
 The handler resets flags before dispatch exactly as HF's `CallbackHandler` does. Any object with `on_*` methods is a
-callback (duck typing), so unmodified `transformers.TrainerCallback`s work.
+callback (duck typing), so unmodified `transformers.TrainerCallback`s work. The handler's own `on_<event>` methods
+(`loop.callback_handler.on_evaluate(args, state, control, metrics)`) have HF's `CallbackHandler` signatures.
 
 Stages receive events too: a stage that defines an `on_*` method is called before the callbacks for that event.
 
@@ -145,12 +146,27 @@ class EventHandler:
     eval_dataloader = property(lambda self: self.run.eval_dataloader if self.run is not None else None)
 
 
+# HF's CallbackHandler takes these events' payload as a fourth positional parameter (`on_evaluate(args, state,
+# control, metrics)`, as HF's question-answering example calls it); every other event takes keywords only.
+PAYLOAD_PARAMETERS = {"on_evaluate": "metrics", "on_predict": "metrics", "on_log": "logs"}
+
+
 def event_method(event: str):
-    def method(self, args, state, control, **kwargs):
-        reset = FLAG_RESETS.get(event)
-        if reset is not None:
+    """`EventHandler.on_<event>` with HF's `CallbackHandler` signature: reset the event's flags, then `call_event`."""
+    reset = FLAG_RESETS.get(event, lambda control: None)
+    payload = PAYLOAD_PARAMETERS.get(event)
+    if payload == "metrics":
+        def method(self, args, state, control, metrics, **kwargs):
             reset(control)
-        return self.call_event(event, args, state, control, **kwargs)
+            return self.call_event(event, args, state, control, metrics=metrics, **kwargs)
+    elif payload == "logs":
+        def method(self, args, state, control, logs, **kwargs):
+            reset(control)
+            return self.call_event(event, args, state, control, logs=logs, **kwargs)
+    else:
+        def method(self, args, state, control, **kwargs):
+            reset(control)
+            return self.call_event(event, args, state, control, **kwargs)
 
     method.__name__ = method.__qualname__ = event
     method.__doc__ = f"Fire `{event}` (HF's `CallbackHandler.{event}`)."
