@@ -22,7 +22,7 @@ import warnings
 from .args import LoopArgs, check_args, check_inputs, config_error
 from .checkpoint import Checkpointer
 from .distributed import release_earlier_run
-from .events import DefaultFlowCallback, EventHandler, reporting_callbacks
+from .events import EventHandler, default_callbacks
 from .guards import PreemptionWatch, preemption_agreed, with_batch_size_search
 from .hf_methods import HFMethods, bind_overrides
 from .trainer_api import TrainerAPI
@@ -86,10 +86,9 @@ class Loop(HFMethods, TrainerAPI):
         run.metrics = check_metrics(metrics, run.accelerator.num_processes)
         run.label_names = list(args.label_names) if args.label_names is not None else find_labels(run.model)
         self.data.check_eval_labels()  # before any training: metric_for_best_model needs labelled evaluations
-        # Events: HF's callback order (flow, integrations, the user's, then progress or printer).
-        default = [DefaultFlowCallback()] + reporting_callbacks(args.report_to)
+        # Events: HF's callbacks in HF's order (flow, integrations, the user's, then progress or printer).
         progress = default_progress_callback(args)  # the printer, HF's notebook display, or tqdm bars
-        run.events = EventHandler(default + list(callbacks or []) + [progress], self.stages, run)
+        run.events = EventHandler(default_callbacks(args, callbacks, progress), self.stages, run)
         # As in Trainer.__init__: an evaluate() before train() logs (and reports) on the main process only.
         run.state = LoopState(is_local_process_zero=run.accelerator.is_local_main_process,
                               is_world_process_zero=run.accelerator.is_main_process)
