@@ -2,7 +2,7 @@
 under its logger (`transformers.trainer`), so a user's log handler and `--log_level info` show what they show under
 `Trainer`.
 
-Each message is one function here; the stages and the `Loop` call them in the places Trainer logs (one line each).
+Each message is one function here; the stages and the `Loop` call them where Trainer logs, in a line or two.
 Like Trainer, every process logs; the verbosity set at construction decides what a process shows
 (`log_level` on the process that logs, `log_level_replica` elsewhere, `log_on_each_node` choosing which processes
 log: `start`). Nothing here is on the per-step path.
@@ -29,8 +29,8 @@ def process_log_level(args, accelerator) -> int:
     levels = {**hf_logging.get_log_levels_dict(), "passive": -1}
     logs_here = (accelerator.local_process_index == 0 if getattr(args, "log_on_each_node", True)
                  else accelerator.process_index == 0)
-    level = levels[getattr(args, "log_level", "passive") if logs_here else getattr(args, "log_level_replica",
-                                                                                   "warning")]
+    main, replica = getattr(args, "log_level", "passive"), getattr(args, "log_level_replica", "warning")
+    level = levels[main if logs_here else replica]
     return hf_logging.get_verbosity() if level == -1 else level
 
 
@@ -43,8 +43,7 @@ def start(args, accelerator, args_given: bool, train_dataset) -> None:
     if args.max_steps > 0 and args.num_train_epochs > 0:
         logger.info("max_steps is given, it will override any value given in num_train_epochs")
     if isinstance(train_dataset, torch.utils.data.IterableDataset):
-        strategy = getattr(args, "train_sampling_strategy", "random")
-        logger.info(f"The `train_sampling_strategy='{strategy}'` option is ignored when using an `IterableDataset`. "
+        logger.info(f"The `train_sampling_strategy='{args.train_sampling_strategy}'` option is ignored when using an `IterableDataset`. "
                     "Samplers cannot be used with IterableDataset as they require indexed access to the dataset.")
 
 

@@ -13,6 +13,7 @@ import os
 import subprocess
 
 import pytest
+import torch
 
 from helpers import (IGNORE_PIN_MEMORY_WARNING, hf_args, lm_data, regression_data, runners, tiny_llama,
                      tiny_regression)
@@ -102,6 +103,21 @@ def test_records_of_a_pretrained_model_and_the_clean_up_equal_trainers(tmp_path)
         in messages
     assert any(name == "transformers.modeling_utils" for name, _, _ in runs["hf"]["records"])
     assert runs["loopkit"]["records"] == runs["hf"]["records"]
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(regression_data(16))
+
+
+def test_construction_notes_equal_trainers(tmp_path):
+    """An `IterableDataset` to train on, and `max_steps` with the default `num_train_epochs`: Trainer's notes."""
+    runs = {name: child.recorded_run(runner, tmp_path / name, lambda trainer: None, {"train_dataset": Stream()},
+                                     log_level="info", max_steps=3, train_sampling_strategy="sequential")
+            for name, runner in runners()}
+    assert [message[:40] for _, _, message in runs["hf"]["records"]] == [
+        "max_steps is given, it will override any", "The `train_sampling_strategy='sequential"]
+    assert runs["loopkit"] == runs["hf"]
 
 
 def test_main_and_replica_process_of_a_two_process_launch(tmp_path):
