@@ -43,8 +43,9 @@ def start(args, accelerator, args_given: bool, train_dataset) -> None:
     if args.max_steps > 0 and args.num_train_epochs > 0:
         logger.info("max_steps is given, it will override any value given in num_train_epochs")
     if isinstance(train_dataset, torch.utils.data.IterableDataset):
-        logger.info(f"The `train_sampling_strategy='{args.train_sampling_strategy}'` option is ignored when using an `IterableDataset`. "
-                    "Samplers cannot be used with IterableDataset as they require indexed access to the dataset.")
+        logger.info(f"The `train_sampling_strategy='{args.train_sampling_strategy}'` option is ignored when using "
+                    "an `IterableDataset`. Samplers cannot be used with IterableDataset as they require indexed "
+                    "access to the dataset.")
 
 
 # -- training ---------------------------------------------------------------------------------------------------------

@@ -95,8 +95,8 @@ def test_records_of_a_pretrained_model_and_the_clean_up_equal_trainers(tmp_path)
         runs[name] = child.recorded_run(
             runner, tmp_path / name, train_then_resume, {"model": tiny_llama(), "train_dataset": lm_data(16),
                                              "eval_dataset": lm_data(4, seed=1), "compute_metrics": scores()},
-            log_level="info", max_steps=6, per_device_train_batch_size=2, eval_strategy="steps", eval_steps=2, save_steps=2,
-            save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="score", greater_is_better=False)
+            log_level="info", max_steps=6, per_device_train_batch_size=2, eval_strategy="steps", eval_steps=2,
+            save_steps=2, save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="score", greater_is_better=False)
     messages = [message for _, _, message in runs["hf"]["records"]]
     assert "Deleting older checkpoint [OUT/checkpoint-6] due to args.save_total_limit" in messages
     assert "  Fast-forwarding the dataloader past 0 epochs and 2 batches to resume from the exact training state." \
