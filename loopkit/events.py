@@ -4,7 +4,10 @@ Every event gets `args, state, control` positionally and the keywords `model, pr
 lr_scheduler, train_dataloader, eval_dataloader` (plus `logs=` for `on_log`, `metrics=` for `on_evaluate` and
 `on_predict`). Callbacks run in list order; a callback that returns a control replaces the one later callbacks see.
 The handler resets flags before dispatch exactly as HF's `CallbackHandler` does. Any object with `on_*` methods is a
-callback (duck typing), so unmodified `transformers.TrainerCallback`s work.
+callback (duck typing), so unmodified `transformers.TrainerCallback`s work. The default callbacks are HF's own
+`DefaultFlowCallback` and `ProgressCallback` / `PrinterCallback` / `NotebookProgressCallback` (`default_callbacks`).
+The handler's own `on_<event>` methods (`loop.callback_handler.on_evaluate(args, state, control, metrics)`) have
+HF's `CallbackHandler` signatures.
 
 Stages receive events too: a stage that defines an `on_*` method is called before the callbacks for that event.
 
@@ -19,8 +22,6 @@ loopkit adds two events HF lacks:
 from __future__ import annotations
 
 import time
-
-import tqdm.auto as tqdm_auto
 
 # HF's 16 events, in the order a run meets them, then loopkit's additions.
 HF_EVENTS = (
@@ -68,7 +69,7 @@ class EventHandler:
     def add_callback(self, callback):
         cb = callback() if isinstance(callback, type) else callback
         cb_class = callback if isinstance(callback, type) else type(callback)
-        if any(same_kind(type(c), cb_class) for c in self.callbacks):
+        if cb_class in [type(c) for c in self.callbacks]:
             import warnings
 
             warnings.warn(f"You are adding a {cb_class.__name__} to the callbacks but there is one already. The "
@@ -77,10 +78,10 @@ class EventHandler:
         self._rebuild()
 
     def pop_callback(self, callback):
-        """Remove and return the first callback of class `callback` (HF's classes find loopkit's defaults of the
-        same name), or `callback` itself; None if there is none."""
+        """Remove and return the first callback that is an instance of class `callback`, or equals `callback`;
+        None if there is none (HF's `CallbackHandler.pop_callback`)."""
         for cb in self.callbacks:
-            if (is_kind(cb, callback) if isinstance(callback, type) else cb is callback):
+            if isinstance(cb, callback) if isinstance(callback, type) else cb == callback:
                 self.callbacks.remove(cb)
                 self._rebuild()
                 return cb
@@ -145,12 +146,27 @@ class EventHandler:
     eval_dataloader = property(lambda self: self.run.eval_dataloader if self.run is not None else None)
 
 
+# HF's CallbackHandler takes these events' payload as a fourth positional parameter (`on_evaluate(args, state,
+# control, metrics)`, as HF's question-answering example calls it); every other event takes keywords only.
+PAYLOAD_PARAMETERS = {"on_evaluate": "metrics", "on_predict": "metrics", "on_log": "logs"}
+
+
 def event_method(event: str):
-    def method(self, args, state, control, **kwargs):
-        reset = FLAG_RESETS.get(event)
-        if reset is not None:
+    """`EventHandler.on_<event>` with HF's `CallbackHandler` signature: reset the event's flags, then `call_event`."""
+    reset = FLAG_RESETS.get(event, lambda control: None)
+    payload = PAYLOAD_PARAMETERS.get(event)
+    if payload == "metrics":
+        def method(self, args, state, control, metrics, **kwargs):
             reset(control)
-        return self.call_event(event, args, state, control, **kwargs)
+            return self.call_event(event, args, state, control, metrics=metrics, **kwargs)
+    elif payload == "logs":
+        def method(self, args, state, control, logs, **kwargs):
+            reset(control)
+            return self.call_event(event, args, state, control, logs=logs, **kwargs)
+    else:
+        def method(self, args, state, control, **kwargs):
+            reset(control)
+            return self.call_event(event, args, state, control, **kwargs)
 
     method.__name__ = method.__qualname__ = event
     method.__doc__ = f"Fire `{event}` (HF's `CallbackHandler.{event}`)."
@@ -161,115 +177,14 @@ for _event in EVENTS:
     setattr(EventHandler, _event, event_method(_event))
 
 
-# loopkit's default callbacks carry the names of the HF classes they replace; HF's classes of those names (from
-# transformers.trainer_callback) find them in pop_callback / remove_callback and count as duplicates in add_callback.
-HF_DEFAULT_CALLBACK_NAMES = ("DefaultFlowCallback", "ProgressCallback", "PrinterCallback")
+def default_callbacks(args, callbacks, progress) -> list:
+    """HF Trainer's callback list: its `DefaultFlowCallback`, the `report_to` integrations, the user's `callbacks`,
+    then `progress` (the printer, tqdm bars or the notebook display: loopkit/notebook.py). The defaults are HF's
+    own classes; their module (it imports `TrainingArguments`) is imported here, when a `Loop` is built, never by
+    `import loopkit`."""
+    from transformers.trainer_callback import DefaultFlowCallback
 
-
-def is_default_callback_class(cls) -> bool:
-    return cls.__name__ in HF_DEFAULT_CALLBACK_NAMES and cls.__module__ in (__name__, "transformers.trainer_callback")
-
-
-def same_kind(cls_a, cls_b) -> bool:
-    return cls_a is cls_b or (is_default_callback_class(cls_a) and is_default_callback_class(cls_b)
-                              and cls_a.__name__ == cls_b.__name__)
-
-
-def is_kind(callback, cls) -> bool:
-    """`isinstance`, where loopkit's default callbacks and HF's classes of the same name are one kind."""
-    return isinstance(callback, cls) or same_kind(type(callback), cls)
-
-
-class DefaultFlowCallback:
-    """HF's `DefaultFlowCallback` rules (5.24): when to log, evaluate, save and stop."""
-
-    def on_step_end(self, args, state, control, **kwargs):
-        step = state.global_step
-        if step == 1 and args.logging_first_step:
-            control.should_log = True
-        if args.logging_strategy == "steps" and step % state.logging_steps == 0:
-            control.should_log = True
-        if args.eval_strategy == "steps" and step % state.eval_steps == 0 and args.eval_delay <= step:
-            control.should_evaluate = True
-        if args.save_strategy == "steps" and state.save_steps > 0 and step % state.save_steps == 0:
-            control.should_save = True
-        if step >= state.max_steps:
-            control.should_training_stop = True
-            # 5.x: a forced final evaluation when the last step is not an evaluation step.
-            if args.eval_strategy == "steps" and step % state.eval_steps != 0 and args.eval_delay <= step:
-                control.should_evaluate = True
-            if args.save_strategy == "steps":
-                control.should_save = True
-        return control
-
-    def on_epoch_end(self, args, state, control, **kwargs):
-        if args.logging_strategy == "epoch":
-            control.should_log = True
-        if args.eval_strategy == "epoch" and args.eval_delay <= state.epoch:
-            control.should_evaluate = True
-        if args.save_strategy == "epoch":
-            control.should_save = True
-        return control
-
-
-def format_logs(logs: dict) -> dict:
-    return {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in logs.items() if k != "total_flos"}
-
-
-class ProgressCallback:
-    """A tqdm bar over optimizer steps and one over evaluation batches; logs are written above the bar."""
-
-    def __init__(self):
-        self.training_bar = self.prediction_bar = None
-        self.current_step = 0
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            self.training_bar = tqdm_auto.tqdm(total=state.max_steps, dynamic_ncols=True)
-        self.current_step = state.global_step
-        if self.training_bar is not None:
-            self.training_bar.update(state.global_step)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.training_bar is not None:
-            self.training_bar.update(state.global_step - self.current_step)
-            self.current_step = state.global_step
-
-    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
-        if state.is_world_process_zero and hasattr(eval_dataloader, "__len__"):
-            if self.prediction_bar is None:
-                self.prediction_bar = tqdm_auto.tqdm(total=len(eval_dataloader), leave=self.training_bar is None,
-                                                     dynamic_ncols=True)
-            self.prediction_bar.update(1)
-
-    def _close_prediction_bar(self, *args, **kwargs):
-        if self.prediction_bar is not None:
-            self.prediction_bar.close()
-        self.prediction_bar = None
-
-    on_evaluate = on_predict = _close_prediction_bar
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.training_bar is not None:
-            self.training_bar.write(str(format_logs(logs)))
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.training_bar is not None:
-            self.training_bar.close()
-        self.training_bar = None
-
-
-class PrinterCallback:
-    """Prints each log dict (HF's `PrinterCallback`, used when `disable_tqdm=True`)."""
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        logs.pop("total_flos", None)  # HF mutates the shared dict; kept for identical `TrainOutput.metrics`.
-        if state.is_local_process_zero:
-            print(format_logs(logs))
-
-
-# loopkit's earlier names for its default callbacks.
-DefaultFlow, ProgressBar, Printer = DefaultFlowCallback, ProgressCallback, PrinterCallback
+    return [DefaultFlowCallback()] + reporting_callbacks(args.report_to) + list(callbacks or []) + [progress]
 
 
 def reporting_callbacks(report_to) -> list:

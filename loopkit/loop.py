@@ -19,10 +19,11 @@ from __future__ import annotations
 import time
 import warnings
 
+from . import trainer_logging
 from .args import LoopArgs, check_args, check_inputs, config_error
 from .checkpoint import Checkpointer
 from .distributed import release_earlier_run
-from .events import DefaultFlowCallback, EventHandler, reporting_callbacks
+from .events import EventHandler, default_callbacks
 from .guards import PreemptionWatch, preemption_agreed, with_batch_size_search
 from .hf_methods import HFMethods, bind_overrides
 from .hub import quiet_hub_progress
@@ -63,7 +64,7 @@ class Loop(HFMethods, TrainerAPI):
                  preprocess_logits_for_metrics=None, *, metrics=None, setup: SetupStage | None = None,
                  data: DataStage | None = None, step: StepStage | None = None,
                  evaluation: EvalStage | None = None, teardown: TeardownStage | None = None):
-        args = args if args is not None else LoopArgs()
+        args_given, args = args is not None, args if args is not None else LoopArgs()
         check_args(args)
         if optimizers[0] is not None and optimizer_cls_and_kwargs is not None:
             raise config_error("optimizer_cls_and_kwargs", optimizer_cls_and_kwargs, "an optimizer was passed too",
@@ -84,13 +85,13 @@ class Loop(HFMethods, TrainerAPI):
         bind_overrides(self, classes)
 
         self.setup.build(model)  # seeds, Accelerate, the model
+        trainer_logging.start(args, run.accelerator, args_given, train_dataset)  # verbosity, Trainer's notes
         run.metrics = check_metrics(metrics, run.accelerator.num_processes)
         run.label_names = list(args.label_names) if args.label_names is not None else find_labels(run.model)
         self.data.check_eval_labels()  # before any training: metric_for_best_model needs labelled evaluations
-        # Events: HF's callback order (flow, integrations, the user's, then progress or printer).
-        default = [DefaultFlowCallback()] + reporting_callbacks(args.report_to)
+        # Events: HF's callbacks in HF's order (flow, integrations, the user's, then progress or printer).
         progress = default_progress_callback(args)  # the printer, HF's notebook display, or tqdm bars
-        run.events = EventHandler(default + list(callbacks or []) + [progress], self.stages, run)
+        run.events = EventHandler(default_callbacks(args, callbacks, progress), self.stages, run)
         # As in Trainer.__init__: an evaluate() before train() logs (and reports) on the main process only.
         run.state = LoopState(is_local_process_zero=run.accelerator.is_local_main_process,
                               is_world_process_zero=run.accelerator.is_main_process)
@@ -156,6 +157,7 @@ class Loop(HFMethods, TrainerAPI):
 
         # 3. Step: optimizer, scheduler, accelerator.prepare, and their resumed state.
         self.step.prepare(plan.max_steps, checkpoint)
+        trainer_logging.log_training_start(args, plan, batch_size, run.model_wrapped, resume, run.state.global_step)
         start_time = self.schedule.start_time = time.time()
         run.model_wrapped.zero_grad()
 
@@ -270,6 +272,7 @@ class Loop(HFMethods, TrainerAPI):
 
     def save_checkpoint(self) -> str:
         """A checkpoint of the current step (`checkpoint-<global_step>`), written atomically; returns its path."""
+        trainer_logging.log_model_save(self.run, checkpoint=True)
         return self.run.checkpointer.save(self.stage_states())
 
     # ------------------------------------------------------------------------------------------------------------
@@ -287,6 +290,7 @@ class Loop(HFMethods, TrainerAPI):
         """Weights, config and processing class in `save_pretrained` layout (no `on_save`, as in HF)."""
         from .checkpoint import save_model_files
 
+        trainer_logging.log_model_save(self.run, output_dir=output_dir)
         save_model_files(self.model_wrapped, self.run.accelerator, output_dir or self.run.args.output_dir,
                          self.run.processing_class, writer=self.run.checkpointer.writes_files)
         if getattr(self.args, "push_to_hub", False) and not _internal_call:  # as Trainer: a user's save pushes

@@ -13,7 +13,6 @@ import os
 import sys
 
 from .batches import has_length
-from .events import PrinterCallback, ProgressCallback
 
 
 def in_notebook() -> bool:
@@ -30,14 +29,18 @@ def in_notebook() -> bool:
 
 
 def default_progress_callback(args):
-    """HF's choice for the last default callback: the printer with `disable_tqdm`, the notebook display in a
-    notebook, else tqdm bars."""
+    """HF's choice for the last default callback, with HF's classes: the printer with `disable_tqdm`, the notebook
+    display in a notebook, else tqdm bars."""
     if args.disable_tqdm:
+        from transformers.trainer_callback import PrinterCallback
+
         return PrinterCallback()
     if in_notebook():
         from transformers.utils.notebook import NotebookProgressCallback
 
         return NotebookProgressCallback()
+    from transformers.trainer_callback import ProgressCallback
+
     return ProgressCallback()
 
 

@@ -245,13 +245,9 @@ class TrainerAPI:
     # -- sizes -----------------------------------------------------------------------------------------------------
     def num_examples(self, dataloader) -> int:
         """Samples in the loader's dataset, else an estimate from its length (HF's `Trainer.num_examples`)."""
-        try:
-            dataset = dataloader.dataset
-            if type(dataset).__name__ == "IterableDatasetShard":  # HF's shard wraps the real dataset
-                return len(dataset.dataset)
-            return len(dataset)
-        except (NameError, AttributeError, TypeError):
-            return len(dataloader) * self.args.per_device_train_batch_size
+        from .trainer_logging import num_examples
+
+        return num_examples(dataloader, self.args)
 
     def get_sp_size(self) -> int:
         config = getattr(self.accelerator, "parallelism_config", None)

@@ -64,8 +64,8 @@ def without_timings(logs: dict) -> dict:
 
 @pytest.mark.parametrize("printer", ["default", "hf_printer_callback"])
 def test_printer_prints_what_trainer_prints(tmp_path, capsys, printer):
-    """disable_tqdm=True prints each log as HF's PrinterCallback does; HF's own PrinterCallback, swapped in for
-    loopkit's, prints the same, and pops `total_flos` from the train metrics as in HF."""
+    """disable_tqdm=True prints each log as under Trainer (the default printer is HF's PrinterCallback); a
+    PrinterCallback popped and added again prints the same, and pops `total_flos` from the train metrics as in HF."""
     printed, outputs = {}, {}
     for name, runner in runners():
         args = hf_args(tmp_path / name, disable_tqdm=True, max_steps=4, per_device_train_batch_size=2,
@@ -73,9 +73,7 @@ def test_printer_prints_what_trainer_prints(tmp_path, capsys, printer):
         trainer = runner(tiny_regression(), args, train_dataset=regression_data(8),
                          eval_dataset=regression_data(4, seed=1))
         if name == "loopkit" and printer == "hf_printer_callback":
-            from loopkit.events import Printer
-
-            assert trainer.pop_callback(Printer) is not None
+            assert trainer.pop_callback(PrinterCallback) is not None
             trainer.add_callback(PrinterCallback)
         capsys.readouterr()
         outputs[name] = trainer.train()

@@ -14,9 +14,9 @@ import types
 import pytest
 from helpers import IGNORE_PIN_MEMORY_WARNING, hf_args, regression_data, tiny_regression
 from transformers import Trainer
+from transformers.trainer_callback import ProgressCallback
 
 from loopkit import Loop, LoopArgs, StepStage
-from loopkit.events import ProgressCallback
 
 
 def fake_ipython(monkeypatch, config: dict) -> list:

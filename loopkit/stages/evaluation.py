@@ -31,6 +31,7 @@ from ..batches import (carries_labels, concat_padded, find_batch_size, has_lengt
                        shallow_copy, to_numpy)
 from ..guards import EvaluationInterrupted
 from ..metrics import BatchOutputs, compute_all, real_rows, reset_all, update_all, warn_no_rows
+from .. import trainer_logging
 from ..state import EvalLoopOutput, EvalPrediction, PredictionOutput
 from .base import Stage
 
@@ -227,6 +228,7 @@ class EvalStage(Stage):
         run, args = self.run, self.run.args
         if prediction_loss_only is None:
             prediction_loss_only = args.prediction_loss_only
+        trainer_logging.log_evaluation_start(description, dataloader, args)
         model = self.cast_for_full_eval(self.eval_model())
         model.eval()
         if callable(getattr(run.optimizer, "eval", None)):

@@ -28,6 +28,7 @@ import torch
 from ..checkpoint import load_model_weights
 from ..export import export_model
 from ..report import build_report, write_report
+from .. import trainer_logging
 from ..state import TrainOutput
 from .base import Stage
 from .evaluation import speed_metrics
@@ -41,6 +42,7 @@ class TeardownStage(Stage):
     def finish_training(self, plan, start_time: float, train_loss: float, steps_run: int) -> TrainOutput:
         run = self.run
         state = run.state
+        trainer_logging.log_training_completed()
         metrics = speed_metrics("train", start_time,
                                 num_samples=plan.num_train_samples * steps_run / max(state.max_steps, 1),
                                 num_steps=steps_run)
@@ -50,9 +52,12 @@ class TeardownStage(Stage):
         run.log(metrics)
         run.checkpointer.wait()  # an asynchronous save still in flight
         if run.args.load_best_model_at_end and state.best_model_checkpoint is not None:
+            trainer_logging.log_loading_best_model(state)
             load_model_weights(run.accelerator.unwrap_model(run.model_wrapped), state.best_model_checkpoint)
         if not run.preemption.requested:  # an interrupted run keeps the checkpoint it resumes from
+            kept = run.checkpointer.own_checkpoints()
             run.checkpointer.keep_only_best()
+            trainer_logging.log_deleted_checkpoints(kept, run.checkpointer.own_checkpoints())
         run.fire("on_train_end")
         return TrainOutput(state.global_step, train_loss, metrics)
 
