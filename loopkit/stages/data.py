@@ -428,8 +428,8 @@ class DataStage(Stage):
         """Where a resumed run picks up: whole epochs done, and micro-batches of the current epoch to skip.
 
         loopkit checkpoints store the position in global samples, so a run resumes on another number of processes
-        with the same global batch. HF checkpoints have no position: it is derived from `global_step` as HF does.
-        """
+        or with another batch size (back to the last whole micro-batch, with a warning, when the samples are not a
+        whole number of them). HF checkpoints have no position: it is derived from `global_step` as HF does."""
         if checkpoint is None:
             return None
         args, rng = self.run.args, self.run.checkpointer.read_rng(checkpoint)
