@@ -339,6 +339,24 @@ def load_model_weights(model, checkpoint: str) -> None:
         model.tie_weights()
 
 
+def warn_if_checkpoint_args_differ(args, state) -> None:
+    """Trainer's `compare_trainer_and_checkpoint_args`, in its words and under its logger: a warning naming each of
+    the logging, evaluation and save intervals and the per-device batch size that differs from the checkpoint's
+    `trainer_state.json` (whose intervals the resumed run keeps, as Trainer's does)."""
+    from transformers.utils import logging as hf_logging
+
+    differences = [(name, getattr(args, name), getattr(state, name, None))
+                   for name in ("logging_steps", "eval_steps", "save_steps")]
+    if state.train_batch_size is not None:  # loopkit's state holds the per-device batch (Trainer's: x n_gpu)
+        differences.append(("per_device_train_batch_size", args.per_device_train_batch_size, state.train_batch_size))
+    differences = [d for d in differences if d[1] is not None and d[2] is not None and d[1] != d[2]]
+    if differences:
+        hf_logging.get_logger("transformers.trainer_utils").warning_once(
+            "Warning: The following arguments do not match the ones in the `trainer_state.json` within the "
+            "checkpoint directory: " + "".join(f"\n\t{name}: {ours} (from args) != {saved} (from trainer_state.json)"
+                                               for name, ours, saved in differences))
+
+
 def holds_model_weights(path: str) -> bool:
     """Whether the folder holds a file or folder of model weights that Trainer's `_load_from_checkpoint` looks for."""
     names = (WEIGHTS_NAME, "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
