@@ -182,7 +182,7 @@ def twice_per_epoch(runner):
         def get_train_dataloader(self):
             return Concatenated([super().get_train_dataloader(), super().get_train_dataloader()])
 
-        def get_eval_dataloader(self, eval_dataset=None):
+        def get_eval_dataloader(self, eval_dataset):  # no default, as in HF's tests: it is always passed
             return Concatenated([super().get_eval_dataloader(eval_dataset), super().get_eval_dataloader(eval_dataset)])
 
     return TwicePerEpoch
@@ -193,7 +193,7 @@ def test_train_dataloader_without_dataset_attribute_trains_as_trainer(tmp_path):
     trained = {}
     for name, runner in runners():
         args = hf_args(tmp_path / name, num_train_epochs=2, per_device_train_batch_size=8, logging_steps=1,
-                       save_strategy="no", learning_rate=0.1)
+                       save_strategy="no", learning_rate=0.1, eval_strategy="epoch")
         trainer = twice_per_epoch(runner)(model=line_model(), args=args, train_dataset=LineRows(32),
                                           eval_dataset=LineRows(16, seed=1))
         output = trainer.train()
@@ -202,6 +202,9 @@ def test_train_dataloader_without_dataset_attribute_trains_as_trainer(tmp_path):
     assert our_output.global_step == hf_output.global_step == 16  # 2 epochs of 2 x 4 batches
     assert logged_losses(ours) == pytest.approx(logged_losses(hf), rel=1e-6)
     assert [h["epoch"] for h in ours.state.log_history] == [h["epoch"] for h in hf.state.log_history]
+    evaluated = {name: [h["eval_loss"] for h in run[0].state.log_history if "eval_loss" in h]  # 2 epochs, evaluate()
+                 for name, run in trained.items()}
+    assert len(evaluated["hf"]) == 3 and evaluated["loopkit"] == pytest.approx(evaluated["hf"], rel=1e-6)
     assert our_eval["eval_loss"] == pytest.approx(hf_eval["eval_loss"], rel=1e-6)
 
 
