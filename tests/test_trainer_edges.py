@@ -302,6 +302,42 @@ def test_resume_with_another_batch_size_and_intervals_warns_as_trainer(tmp_path)
     assert ours.state.epoch == 2.0 and hf.state.epoch == 3.0  # 12 + 8 + 16 samples = 2 epochs; Trainer's count
 
 
+class SampleRecorder:
+    """HF's default collator, recording the first feature of each sample it collates (which samples, in order)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, features):
+        from transformers import default_data_collator
+
+        self.seen += [round(float(f["x"][0]), 6) for f in features]
+        return default_data_collator(features)
+
+
+def test_resume_with_a_smaller_batch_continues_at_the_checkpoints_sample(tmp_path):
+    """docs/differences.md's claim: 12 samples trained in batches of 4, resumed in batches of 2, continue with the
+    13th sample of the epoch's order and then the next epoch's, as an uninterrupted run reads them."""
+    data = regression_data(16)
+    reference = SampleRecorder()
+    Loop(model=tiny_regression(), args=hf_args(tmp_path / "whole", max_steps=8, per_device_train_batch_size=4,
+                                               save_strategy="no"), train_dataset=data,
+         data_collator=reference).train()
+    first = Loop(model=tiny_regression(), args=hf_args(tmp_path / "cut", max_steps=8, per_device_train_batch_size=4,
+                                                       save_steps=3), train_dataset=data)
+    first.train()
+    resumed_order = SampleRecorder()
+    resumed = Loop(model=tiny_regression(), args=hf_args(tmp_path / "cut", max_steps=13,
+                                                         per_device_train_batch_size=2), train_dataset=data,
+                   data_collator=resumed_order)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # an exact resume has nothing to warn about
+        warnings.filterwarnings("ignore", "'pin_memory'", UserWarning)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-3"))
+    assert resumed.state.global_step == 13 and resumed.state.epoch == 2.0
+    assert resumed_order.seen == reference.seen[12:32] and len(reference.seen) == 32
+
+
 def test_resume_with_other_intervals_only_warns_as_trainer(tmp_path):
     runs = {name: checkpoint_then_resume(tmp_path, runner, name, logging_steps=2)
             for name, runner in runners()}
