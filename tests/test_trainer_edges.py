@@ -240,6 +240,27 @@ def test_persistent_workers_keep_the_eval_loader_as_trainer(tmp_path):
     assert kept["hf"] is single and kept["loopkit"] is other
 
 
+class LoaderSeen(transformers.TrainerCallback):
+    """The evaluation loader each evaluation read (as HF hands it to callbacks)."""
+
+    def __init__(self):
+        self.loaders = []
+
+    def on_evaluate(self, args, state, control, eval_dataloader=None, **kwargs):
+        self.loaders.append(eval_dataloader)
+
+
+def test_evaluations_during_training_share_one_loader_with_persistent_workers(tmp_path):
+    """Three evaluations in training read one loader (one set of worker processes), as in Trainer."""
+    for name, runner in runners():
+        seen = LoaderSeen()
+        args = hf_args(tmp_path / name, dataloader_persistent_workers=True, dataloader_num_workers=1, max_steps=3,
+                       eval_strategy="steps", eval_steps=1, save_strategy="no", per_device_train_batch_size=8)
+        runner(model=line_model(), args=args, train_dataset=LineRows(16), eval_dataset=LineRows(8, seed=1),
+               callbacks=[seen]).train()
+        assert len(seen.loaders) == 3 and all(loader is seen.loaders[0] for loader in seen.loaders), name
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Resuming with another batch size or other intervals: Trainer's warning, the run goes on
 # ---------------------------------------------------------------------------------------------------------------
