@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import importlib.util
 import inspect
 import json
 import logging
@@ -26,8 +27,20 @@ class UnknownArgumentError(LoopConfigError, TypeError):
     """A keyword `LoopArgs` has no field for (a `TypeError` too, as Python's own error for it is)."""
 
 
+class MetricNotFoundError(LoopConfigError, KeyError):
+    """`metric_for_best_model` names a metric the evaluation did not return (a `KeyError`, as Trainer raises)."""
+
+
 def config_error(field_name: str, value: Any, problem: str, fix: str) -> LoopConfigError:
     return LoopConfigError(f"{field_name}={value!r}: {problem}. Fix: {fix}.")
+
+
+def trainer_error(trainer_message: str, field_name: str, value: Any, problem: str, fix: str,
+                  kind: type = LoopConfigError) -> LoopConfigError:
+    """The error Trainer raises in the same situation: its exception type (`LoopConfigError` is a `ValueError`;
+    `kind` for another) and its message, then loopkit's field, value, problem and fix, so that code matching
+    either finds its words."""
+    return kind(f"{trainer_message} ({field_name}={value!r}: {problem}. Fix: {fix}.)")
 
 
 def nearest(name: str, candidates, n: int = 1) -> list[str]:
@@ -304,7 +317,7 @@ ACCELERATE_ENGINE_FIELDS = frozenset({"fsdp", "fsdp_config", "deepspeed"})
 # `accelerator_config`, `debug`, `save_on_each_node`) are LoopArgs fields: supported, never inert.
 SUPPORTED_FIELDS = frozenset(f.name for f in dataclasses.fields(LoopArgs))
 LoopArgs.__init__ = reject_unknown_keywords(LoopArgs.__init__)
-# `optim` is checked by loopkit/optimizers.py (every value this machine can run, refusals name the package or device).
+# `optim` is checked by loopkit/optimizers.py (refusals name the package or device the user's machine lacks).
 SUPPORTED_CHOICES = {
     # transformers' schedulers (reduce_lr_on_plateau and greedy step on eval metrics); a scheduler type added later
     # is refused until it is reviewed.
@@ -324,18 +337,19 @@ FIXES = {
                          "scheduler) to Loop or override create_scheduler",
     "train_sampling_strategy": "use one of those, or return your sampler from a DataStage subclass's "
                                "train_sampler(dataset) and pass Loop(..., data=YourDataStage())",
-    "parallelism_config": "leave it None (plain data parallelism, DDP, runs under any launcher)",
+    "parallelism_config": "leave it None (plain data parallelism, DDP, runs under any launcher; FSDP2 through fsdp "
+                          "and fsdp_config)",
     "use_liger_kernel": "leave it False; for the memory saving on large vocabularies use "
                         "Loop(..., step=loopkit.ChunkedLossStep())",
     "liger_kernel_config": "leave it None",
 }
-# Why each remaining refusal cannot run here: about this machine or a missing package, never about loopkit.
+# Why each remaining refusal: what loopkit does not implement. (What a user's machine lacks is checked on it when the
+# refusal is made, as for `debug` below and `optim` in loopkit/optimizers.py.)
 REFUSAL_REASONS = {
-    "parallelism_config": "beyond plain data parallelism it is FSDP2 sharding, tensor or context parallelism, which "
-                          "need GPUs this machine lacks, so loopkit neither runs nor tests them",
-    "use_liger_kernel": "Liger's fused kernels are Triton GPU kernels (package liger-kernel): this machine has no GPU, "
-                        "so loopkit can neither run nor test them",
-    "liger_kernel_config": "it configures Liger's GPU kernels (see use_liger_kernel), which cannot run here",
+    "parallelism_config": "loopkit does not implement it: it hands no ParallelismConfig to Accelerate, so the tensor, "
+                          "context and sequence parallelism and the FSDP2 device mesh it describes are not built",
+    "use_liger_kernel": "loopkit does not apply Liger's kernels (liger-kernel's fused Triton kernels)",
+    "liger_kernel_config": "loopkit does not apply Liger's kernels, which it configures (see use_liger_kernel)",
 }
 
 
@@ -372,18 +386,31 @@ def unsupported_field_error(name: str, value: Any, default: Any) -> LoopConfigEr
 
 
 def check_unsupported_fields(args) -> None:
-    """Every field outside the supported and inert sets must have the value a `TrainingArguments` built with the same
-    supported values has (so values `__post_init__` derives from supported fields count as defaults)."""
+    """Every `TrainingArguments` field outside the supported and inert sets must have the value a `TrainingArguments`
+    built with the same supported values has (so values `__post_init__` derives from supported fields count as
+    defaults). A script's subclass may add fields of its own (`@dataclass class ScriptArgs(TrainingArguments)`):
+    Trainer never reads them, and neither does this check; the reference keeps their values."""
     fields = [f for f in dataclasses.fields(args) if not f.name.startswith("_")]
-    same = {f.name: getattr(args, f.name) for f in fields if f.init and f.name in SUPPORTED_FIELDS}
+    own = {f.name for f in fields} - trainer_field_names(args)
+    same = {f.name: getattr(args, f.name) for f in fields if f.init and (f.name in SUPPORTED_FIELDS or f.name in own)}
     reference = type(args)(**same)
     for f in fields:
         if f.name in SUPPORTED_FIELDS or f.name in INERT_FIELDS or f.name in ACCELERATE_ENGINE_FIELDS \
-                or f.name in SEQ2SEQ_FIELDS:
+                or f.name in SEQ2SEQ_FIELDS or f.name in own:
             continue
         value, default = plain(getattr(args, f.name)), plain(getattr(reference, f.name))
         if value != default:
             raise unsupported_field_error(f.name, value, default)
+
+
+def trainer_field_names(args) -> set[str]:
+    """The fields `TrainingArguments` itself declares, for an instance of it or of a subclass; for another args
+    dataclass, all of its fields."""
+    from transformers import TrainingArguments  # not a `transformers.trainer*` module
+
+    if isinstance(args, TrainingArguments):
+        return {f.name for f in dataclasses.fields(TrainingArguments)}
+    return {f.name for f in dataclasses.fields(args)}
 
 
 def check_args(args) -> None:
@@ -434,9 +461,32 @@ def check_args(args) -> None:
         check_unsupported_fields(args)
 
 
+def take_accumulation_steps(args) -> None:
+    """`accelerator_config`'s `gradient_accumulation_kwargs={"num_steps": n}`, as Trainer's
+    `create_accelerator_and_postprocess` takes it at construction: `gradient_accumulation_steps` becomes n (and
+    `num_steps` 1 in that dict, in place, as there), unless `gradient_accumulation_steps` is above 1 too."""
+    if args.accelerator_config is None:
+        return
+    from .stages.setup import resolve_accelerator_config  # it imports this module
+
+    kwargs = resolve_accelerator_config(args.accelerator_config).gradient_accumulation_kwargs
+    if not kwargs or "num_steps" not in kwargs:
+        return
+    if args.gradient_accumulation_steps > 1:
+        raise trainer_error(
+            "The `AcceleratorConfig`'s `num_steps` is set but `gradient_accumulation_steps` is greater than 1 in the "
+            "passed `TrainingArguments`If using the passed `AcceleratorConfig` is desired, do not set the "
+            "`TrainingArguments` `gradient_accumulation_steps`.",
+            "accelerator_config", {"gradient_accumulation_kwargs": dict(kwargs)},
+            f"num_steps is a second gradient-accumulation setting next to gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps}", "drop num_steps, or leave gradient_accumulation_steps at 1")
+    args.gradient_accumulation_steps = kwargs["num_steps"]
+    kwargs["num_steps"] = 1
+
+
 def check_training_options(args) -> None:
     """The values of the training options TrainingArguments validates when it is built (checked again here, for
-    `LoopArgs` and for fields changed afterwards), and the debug options this machine cannot run."""
+    `LoopArgs` and for fields changed afterwards), and the debug options loopkit does not run."""
     steps = args.torch_empty_cache_steps
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise config_error("torch_empty_cache_steps", steps, "it is the interval, in optimizer steps, at which the "
@@ -445,9 +495,14 @@ def check_training_options(args) -> None:
         raise config_error("fp16_full_eval", True, "bf16_full_eval=True is set too, and evaluation casts the model "
                            "to one dtype", "set only one of bf16_full_eval and fp16_full_eval")
     for option in (plain(o) for o in args.debug):
+        if option == "tpu_metrics_debug":
+            # Checked on the user's machine now: without torch_xla there are no XLA metrics to print at all.
+            problem = ("it prints torch_xla's metrics, and torch_xla is not installed"
+                       if importlib.util.find_spec("torch_xla") is None else
+                       "loopkit does not print torch_xla's metrics (not implemented)")
+            raise config_error("debug", option, problem, "use debug='underflow_overflow' or leave debug empty")
         if option != "underflow_overflow":
-            raise config_error("debug", option, "it prints torch_xla's metrics, and this machine has no TPU (no "
-                               "torch_xla)" if option == "tpu_metrics_debug" else "it is not a debug option",
+            raise config_error("debug", option, "it is not a debug option",
                                "use debug='underflow_overflow' or leave debug empty")
 
 

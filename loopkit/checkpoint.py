@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .args import trainer_error
 from .distributed import (FSDP_MODEL_FOLDER, active_engine, engine_checkpoint_present, full_state_dict_saved,
                           load_engine_model, load_optimizer_state, load_sharded_model, save_engine_state,
                           sharded_model_saved)
@@ -336,6 +337,31 @@ def load_model_weights(model, checkpoint: str) -> None:
     result = model.load_state_dict(state, strict=False)
     if result.missing_keys and hasattr(model, "tie_weights"):
         model.tie_weights()
+
+
+def warn_if_checkpoint_args_differ(args, state) -> None:
+    """Trainer's `compare_trainer_and_checkpoint_args`, in its words and under its logger: a warning naming each of
+    the logging, evaluation and save intervals and the per-device batch size that differs from the checkpoint's
+    `trainer_state.json` (whose intervals the resumed run keeps, as Trainer's does)."""
+    from transformers.utils import logging as hf_logging
+
+    differences = [(name, getattr(args, name), getattr(state, name, None))
+                   for name in ("logging_steps", "eval_steps", "save_steps")]
+    if state.train_batch_size is not None:  # loopkit's state holds the per-device batch (Trainer's: x n_gpu)
+        differences.append(("per_device_train_batch_size", args.per_device_train_batch_size, state.train_batch_size))
+    differences = [d for d in differences if d[1] is not None and d[2] is not None and d[1] != d[2]]
+    if differences:
+        hf_logging.get_logger("transformers.trainer_utils").warning_once(
+            "Warning: The following arguments do not match the ones in the `trainer_state.json` within the "
+            "checkpoint directory: " + "".join(f"\n\t{name}: {ours} (from args) != {saved} (from trainer_state.json)"
+                                               for name, ours, saved in differences))
+
+
+def holds_model_weights(path: str) -> bool:
+    """Whether the folder holds a file or folder of model weights that Trainer's `_load_from_checkpoint` looks for."""
+    names = (WEIGHTS_NAME, "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+             "adapter_model.safetensors", "adapter_model.bin")
+    return any(os.path.isfile(os.path.join(path, name)) for name in names) or engine_checkpoint_present(path)
 
 
 def checkpoint_problem(path: str) -> str | None:
@@ -787,10 +813,16 @@ class Checkpointer:
                 if problem is None:
                     return path
                 warnings.warn(f"Not resuming from {path}: {problem}. Falling back to the previous checkpoint.")
-            raise ValueError(f"resume_from_checkpoint=True but output_dir={output_dir!r} holds no usable "
-                             f"checkpoint-<step> folder. Train without resuming first.")
-        if not os.path.isdir(resume_from_checkpoint):
-            raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r} is not a folder.")
+            raise trainer_error(f"No valid checkpoint found in output directory ({output_dir})",
+                                "resume_from_checkpoint", True, f"output_dir={output_dir!r} holds no usable "
+                                f"checkpoint-<step> folder", "train without resuming first, or pass the path of a "
+                                "checkpoint folder")
+        if not os.path.isdir(resume_from_checkpoint) or not holds_model_weights(resume_from_checkpoint):
+            raise trainer_error(f"Can't find a valid checkpoint at {resume_from_checkpoint}",
+                                "resume_from_checkpoint", resume_from_checkpoint,
+                                "it is not a folder" if not os.path.isdir(resume_from_checkpoint) else
+                                f"the folder holds no model weights ({WEIGHTS_NAME}, an index or an adapter)",
+                                "pass a checkpoint-<step> folder, or resume_from_checkpoint=True for the latest one")
         problem = checkpoint_problem(resume_from_checkpoint)
         if problem is not None:
             raise ValueError(f"Cannot resume from {resume_from_checkpoint}: {problem}.")

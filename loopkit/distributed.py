@@ -64,7 +64,7 @@ def check_launch(accelerator) -> None:
         return
     import torch
 
-    device = "CUDA is available" if torch.cuda.is_available() else "this machine has no CUDA device"
+    device = "torch sees a CUDA device" if torch.cuda.is_available() else "torch sees no CUDA device"
     raise DistributedSetupError(
         f"The launcher started {launched} processes (WORLD_SIZE={os.environ.get('WORLD_SIZE')}, torch.distributed "
         f"initialised: {_dist_initialised()}), but Accelerate runs "

@@ -20,8 +20,8 @@ import time
 import warnings
 
 from . import trainer_logging
-from .args import LoopArgs, check_args, check_inputs, config_error
-from .checkpoint import Checkpointer
+from .args import LoopArgs, check_args, check_inputs, config_error, take_accumulation_steps
+from .checkpoint import Checkpointer, warn_if_checkpoint_args_differ
 from .distributed import release_earlier_run
 from .events import EventHandler, default_callbacks
 from .guards import PreemptionWatch, preemption_agreed, with_batch_size_search
@@ -65,6 +65,7 @@ class Loop(HFMethods, TrainerAPI):
                  data: DataStage | None = None, step: StepStage | None = None,
                  evaluation: EvalStage | None = None, teardown: TeardownStage | None = None):
         args_given, args = args is not None, args if args is not None else LoopArgs()
+        take_accumulation_steps(args)  # accelerator_config's num_steps, as Trainer takes it
         check_args(args)
         if optimizers[0] is not None and optimizer_cls_and_kwargs is not None:
             raise config_error("optimizer_cls_and_kwargs", optimizer_cls_and_kwargs, "an optimizer was passed too",
@@ -189,6 +190,7 @@ class Loop(HFMethods, TrainerAPI):
         saved = {}
         if checkpoint is not None:
             run.state = run.checkpointer.read_trainer_state(checkpoint)
+            warn_if_checkpoint_args_differ(args, run.state)
             if args.restore_callback_states_from_checkpoint:
                 restore_callback_states(run.events.callbacks + [run.control], run.state.stateful_callbacks)
             saved = run.checkpointer.read_stage_states(checkpoint)
@@ -285,16 +287,6 @@ class Loop(HFMethods, TrainerAPI):
         logs.update(self.schedule.token_logs(start_time))  # include_num_input_tokens_seen
         state.log_history.append({**logs, "step": state.global_step})
         self.run.fire("on_log", logs=logs)
-
-    def save_model(self, output_dir=None, _internal_call=False) -> None:
-        """Weights, config and processing class in `save_pretrained` layout (no `on_save`, as in HF)."""
-        from .checkpoint import save_model_files
-
-        trainer_logging.log_model_save(self.run, output_dir=output_dir)
-        save_model_files(self.model_wrapped, self.run.accelerator, output_dir or self.run.args.output_dir,
-                         self.run.processing_class, writer=self.run.checkpointer.writes_files)
-        if getattr(self.args, "push_to_hub", False) and not _internal_call:  # as Trainer: a user's save pushes
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def export(self, output_dir: str, example_inputs: dict, formats=("pretrained",)) -> dict:
         """loopkit addition: export the model as "pretrained", "torch_export" and/or "onnx", each checked against

@@ -60,8 +60,9 @@ KNOWN_OPTIMS = frozenset(PLAIN_TORCH) | OPTIM_EXTRA.keys() | OTHER_PACKAGES.keys
 
 
 def check_optim(args) -> None:
-    """Refuse, at construction, an `optim` value that cannot train on this machine, naming the package or hardware
-    it needs; and GaLore/APOLLO settings transformers would refuse only at `train()`."""
+    """Refuse, at construction, an `optim` value that cannot train on the user's machine (checked there, now),
+    naming the package or hardware it lacks; and GaLore/APOLLO settings transformers would refuse only at
+    `train()`."""
     name = plain(args.optim)
     if name not in KNOWN_OPTIMS:
         raise config_error("optim", name, "loopkit does not know this optimizer (the values of transformers 5.24's "
@@ -75,15 +76,16 @@ def check_optim(args) -> None:
                            f"pip install {package} (or loopkit[optim], which installs every optimizer package)")
     if name in OTHER_PACKAGES and importlib.util.find_spec(OTHER_PACKAGES[name][0]) is None:
         module, needed = OTHER_PACKAGES[name]
-        raise config_error("optim", name, f"it needs {needed}, and {module} is not installed here",
-                           "run on such a machine, or choose an optim value this machine runs (e.g. adamw_torch)")
+        raise config_error("optim", name, f"it needs {needed}, and {module} is not installed",
+                           "install it where that hardware is, or choose an optim value that needs no such package "
+                           "(e.g. adamw_torch)")
     if name in NEEDS_CUDA:
         import torch
 
         if not torch.cuda.is_available():
-            raise config_error("optim", name, f"it needs a CUDA GPU ({NEEDS_CUDA[name]}), and torch sees none here",
-                               "run on a CUDA machine, or use the same optimizer without 8 bits / AdaLomo "
-                               "(e.g. galore_adamw, lomo)")
+            raise config_error("optim", name, f"it needs a CUDA GPU ({NEEDS_CUDA[name]}), and torch sees none "
+                               "(torch.cuda.is_available() is False)", "run where torch sees a CUDA GPU, or use the "
+                               "same optimizer without 8 bits / AdaLomo (e.g. galore_adamw, lomo)")
     check_low_rank_settings(args, name)
 
 

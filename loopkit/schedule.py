@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from .args import MetricNotFoundError, trainer_error
 from .checkpoint import restore_rng_state, rng_state
 from .guards import EvaluationInterrupted
 from .optimizers import steps_on_metrics
@@ -263,7 +264,12 @@ class Schedule:
         metrics = self.evaluate(ignore_keys=ignore_keys)
         scheduler = self.run.lr_scheduler
         if steps_on_metrics(scheduler) and not skip_scheduler:
-            scheduler.step(metrics[best_metric_key(self.run.args)])
+            key = best_metric_key(self.run.args)
+            if key not in metrics:
+                raise metric_not_found(self.run.args, key, metrics, "Please ensure that the `compute_metrics` "
+                                       f"function returns a dictionary that includes '{key}' or consider changing "
+                                       "the `metric_for_best_model` via the TrainingArguments.")
+            scheduler.step(metrics[key])
         return metrics
 
     def update_best_metric(self, metrics: dict) -> bool:
@@ -273,8 +279,8 @@ class Schedule:
             return False
         key = best_metric_key(args)
         if key not in metrics:
-            raise KeyError(f"metric_for_best_model={args.metric_for_best_model!r} looks for {key!r}, which the "
-                           f"evaluation did not produce (it has {sorted(metrics)}). Fix: name one of those.")
+            raise metric_not_found(args, key, metrics, "Consider changing the `metric_for_best_model` via the "
+                                   "TrainingArguments.")
         value = metrics[key]
         if state.best_metric is None:
             state.best_metric = -math.inf if args.greater_is_better else math.inf
@@ -296,6 +302,16 @@ def running_loss_state(saved: dict) -> dict:
         return saved["running_loss"]
     return {"tr_loss": saved.get("step", {}).get("tr_loss", 0.0),
             "last_logged_step": saved.get("evaluation", {}).get("last_logged_step")}
+
+
+def metric_not_found(args, key: str, metrics: dict, trainer_advice: str) -> KeyError:
+    """Trainer's `KeyError` when the evaluation lacks `metric_for_best_model` (its words), with loopkit's fix."""
+    return trainer_error(
+        f"The `metric_for_best_model` training argument is set to '{key}', which is not found in the evaluation "
+        f"metrics. The available evaluation metrics are: {list(metrics.keys())}. {trainer_advice}",
+        "metric_for_best_model", args.metric_for_best_model, f"it looks for {key!r}, which the evaluation did not "
+        "produce", "name one of those metrics (without or with the eval_ prefix), or return it from compute_metrics",
+        kind=MetricNotFoundError)
 
 
 def best_metric_key(args) -> str:

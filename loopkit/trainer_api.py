@@ -27,6 +27,7 @@ import warnings
 from typing import Any, NamedTuple
 
 from .args import config_error
+from .trainer_logging import log_model_save
 
 # Trainer hooks loopkit does not call, and what a subclass overrides instead.
 HOOKS_TO_OVERRIDE_ELSEWHERE = {
@@ -322,6 +323,16 @@ class TrainerAPI:
             all_metrics.update(metrics)
             with open(path, "w", encoding="utf-8") as f:
                 json.dump(all_metrics, f, indent=4, sort_keys=True)
+
+    def save_model(self, output_dir=None, _internal_call=False) -> None:
+        """Weights, config and processing class in `save_pretrained` layout (no `on_save`, as in HF)."""
+        from .checkpoint import save_model_files
+
+        log_model_save(self.run, output_dir=output_dir)
+        save_model_files(self.model_wrapped, self.run.accelerator, output_dir or self.run.args.output_dir,
+                         self.run.processing_class, writer=self.run.checkpointer.writes_files)
+        if getattr(self.args, "push_to_hub", False) and not _internal_call:  # as Trainer: a user's save pushes
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def save_state(self) -> None:
         """`output_dir/trainer_state.json` (HF's `save_state`)."""

@@ -221,7 +221,7 @@ def test_debug_underflow_overflow_reports_and_stops_as_trainer(tmp_path, capsys)
 
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fields, names", [
-    ({"debug": "tpu_metrics_debug"}, ("debug='tpu_metrics_debug'", "no TPU")),
+    ({"debug": "tpu_metrics_debug"}, ("debug='tpu_metrics_debug'", "torch_xla")),
     ({"bf16_full_eval": True, "fp16_full_eval": True}, ("fp16_full_eval=True", "only one")),
     ({"torch_empty_cache_steps": 0}, ("torch_empty_cache_steps=0", "positive integer")),
     ({"include_num_input_tokens_seen": "some"}, ("include_num_input_tokens_seen='some'", "'non_padding'")),

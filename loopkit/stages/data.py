@@ -153,7 +153,7 @@ class DataStage(Stage):
         self.worker_seeding = None
         self.epoch, self.micro_batches_done = 0, 0
         self.saved_position = None  # the position read from a checkpoint, used by resume_point()
-        self.eval_loaders = {}  # kept only with persistent workers
+        self.eval_loaders = {}  # name -> (dataset, its loader), kept only with persistent workers
         self.length_order = None  # the group_by_length sampler (LengthGroupedOrder), whose draw a resume replays
         self.saved_order_rng = None
 
@@ -371,21 +371,23 @@ class DataStage(Stage):
             raise config_error("eval_dataset", None, "evaluation needs an eval dataset",
                                "pass eval_dataset=... to Loop or to evaluate()")
         key = eval_dataset if isinstance(eval_dataset, str) else "eval"
-        persistent = run.args.dataloader_persistent_workers and run.args.dataloader_num_workers > 0
-        if persistent and key in self.eval_loaders and (eval_dataset is None or isinstance(eval_dataset, str)):
-            return self.eval_loaders[key]  # as HF: reuse, instead of starting new workers at every evaluation
         if isinstance(eval_dataset, str):
             eval_dataset = run.eval_dataset[eval_dataset]
         elif eval_dataset is None:
             eval_dataset = run.eval_dataset
+        cached = self.eval_loaders.get(key)
+        # As HF (keyed by the dataset's name): reuse, instead of starting new workers at every evaluation. HF also
+        # returns it for another dataset passed in; loopkit only for the one it reads (docs/differences.md).
+        if cached is not None and cached[0] is eval_dataset:
+            return cached[1]
         loader = self.build_dataloader(eval_dataset, run.args.per_device_eval_batch_size, "evaluation", False)
-        if persistent:
-            self.eval_loaders[key] = loader
+        if run.args.dataloader_persistent_workers:
+            self.eval_loaders[key] = (eval_dataset, loader)
         return loader
 
     def shut_down_workers(self) -> None:
         """Stop the persistent worker processes of the train and evaluation loaders (the teardown's release)."""
-        for loader in [self.run.train_dataloader, *self.eval_loaders.values()]:
+        for loader in [self.run.train_dataloader, *(loader for _, loader in self.eval_loaders.values())]:
             base = getattr(loader, "base_dataloader", loader)
             iterator = getattr(base, "_iterator", None)  # set only with persistent_workers
             if iterator is not None and hasattr(iterator, "_shutdown_workers"):
@@ -404,8 +406,8 @@ class DataStage(Stage):
         if has_length(dataloader):
             micro_batches = len(dataloader)
             updates_per_epoch = max(math.ceil(micro_batches / ga), 1)
-            num_examples = len(dataloader.dataset) if has_length(dataloader.dataset) else \
-                micro_batches * self.train_batch_size()
+            dataset = getattr(dataloader, "dataset", None)  # a custom loader may have none (HF: an estimate)
+            num_examples = len(dataset) if has_length(dataset) else micro_batches * self.train_batch_size()
             if args.max_steps > 0:
                 max_steps = args.max_steps
                 epochs = math.ceil(max_steps / updates_per_epoch)
@@ -426,8 +428,8 @@ class DataStage(Stage):
         """Where a resumed run picks up: whole epochs done, and micro-batches of the current epoch to skip.
 
         loopkit checkpoints store the position in global samples, so a run resumes on another number of processes
-        with the same global batch. HF checkpoints have no position: it is derived from `global_step` as HF does.
-        """
+        or with another batch size (back to the last whole micro-batch, with a warning, when the samples are not a
+        whole number of them). HF checkpoints have no position: it is derived from `global_step` as HF does."""
         if checkpoint is None:
             return None
         args, rng = self.run.args, self.run.checkpointer.read_rng(checkpoint)
@@ -439,12 +441,12 @@ class DataStage(Stage):
                                (global_step % plan.num_update_steps_per_epoch) * args.gradient_accumulation_steps,
                                rng=rng)
         samples_per_micro_batch = self.train_batch_size() * self.run.accelerator.num_processes
-        if saved["samples"] % samples_per_micro_batch:
-            raise config_error("per_device_train_batch_size", self.train_batch_size(),
-                               f"the checkpoint stopped after {saved['samples']} samples of epoch {saved['epoch']}, "
-                               f"which is not a whole number of micro-batches of {samples_per_micro_batch} samples",
-                               "resume with the same global batch size (per-device batch x processes x GA)")
         epoch, skip = saved["epoch"], saved["samples"] // samples_per_micro_batch
+        if saved["samples"] % samples_per_micro_batch:  # another batch size: back to the last whole micro-batch
+            warnings.warn(f"The checkpoint stopped after {saved['samples']} samples of epoch {saved['epoch']}, not a "
+                          f"whole number of this run's micro-batches of {samples_per_micro_batch} samples: resuming "
+                          f"after {skip * samples_per_micro_batch} samples, so "
+                          f"{saved['samples'] - skip * samples_per_micro_batch} of them are trained on again.")
         if plan.steps_in_epoch and skip >= plan.steps_in_epoch and has_length(self.run.train_dataloader):
             epoch, skip = epoch + 1, 0  # the checkpoint closed its epoch
         return ResumePoint(checkpoint, epoch, skip, saved.get("dataset_state"), rng)

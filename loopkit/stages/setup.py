@@ -92,11 +92,8 @@ def accelerator_options(args):
     options = config.to_dict()
     options.pop("use_configured_state", None)  # TrainingArguments hands it to AcceleratorState, as loopkit's do
     accumulation_kwargs = dict(options.pop("gradient_accumulation_kwargs") or {})
-    # Trainer adds num_steps=1 to this dict in place, so a reused TrainingArguments carries it: that one is a no-op.
-    if accumulation_kwargs.pop("num_steps", 1) != 1:
-        raise config_error("accelerator_config", {"gradient_accumulation_kwargs": dict(
-            config.gradient_accumulation_kwargs)}, "num_steps would be a second gradient-accumulation setting",
-            "drop num_steps and set gradient_accumulation_steps instead")
+    # Its num_steps became gradient_accumulation_steps when the Loop was built (loopkit.args.take_accumulation_steps).
+    accumulation_kwargs.pop("num_steps", None)
     loader_keys = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler", "non_blocking")
     dataloader_config = DataLoaderConfiguration(**{key: options.pop(key) for key in loader_keys},
                                                 data_seed=args.data_seed)
