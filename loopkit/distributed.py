@@ -29,6 +29,7 @@ unpickles a folder's `.metadata`. DeepSpeed is not exercised by the tests.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 class DistributedSetupError(RuntimeError):
@@ -298,7 +299,7 @@ def load_optimizer_state(run, checkpoint: str) -> bool:
 
     acc, engine = run.accelerator, active_engine(run.accelerator)
     if engine == "DeepSpeed":
-        run.model_wrapped.load_checkpoint(checkpoint, load_module_strict=False)
+        load_deepspeed_checkpoint(run.model_wrapped, checkpoint)
         return True
     model, optimizer = acc.unwrap_model(run.model_wrapped), getattr(run.optimizer, "optimizer", run.optimizer)
     sharded, whole = os.path.join(checkpoint, FSDP_OPTIMIZER_FOLDER), os.path.join(checkpoint, OPTIMIZER_NAME)
@@ -323,6 +324,58 @@ def load_optimizer_state(run, checkpoint: str) -> bool:
     else:
         return False
     return True
+
+
+# DeepSpeed's own objects in its checkpoints, besides tensors and plain values: the ZeRO stage of the optimizer state,
+# fp16 loss scalers, the fragment addresses of `param_slice_mappings` (deepspeed/runtime/zero/stage_1_and_2.py,
+# stage3.py, bf16_optimizer.py, fp16/loss_scaler.py, utils/tensor_fragment.py).
+DEEPSPEED_STATE_CLASSES = ("deepspeed.runtime.zero.config.ZeroStageEnum",
+                           "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                           "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                           "deepspeed.utils.tensor_fragment.fragment_address")
+
+
+def load_deepspeed_checkpoint(engine, checkpoint: str) -> None:
+    """The engine's `load_checkpoint` (model and optimizer from `global_step*/`, as HF Trainer resumes), with every
+    `torch.load` it makes forced to `weights_only=True`: DeepSpeed's checkpoint engine passes `weights_only=False`.
+    Its own state classes (`DEEPSPEED_STATE_CLASSES`, those this DeepSpeed has) are admitted besides tensors and
+    plain values; anything else is refused, naming the folder."""
+    import importlib
+    import pickle
+
+    from .dcp_reading import UnsafeCheckpointError
+
+    allowed = []
+    for path in DEEPSPEED_STATE_CLASSES:
+        module, name = path.rsplit(".", 1)
+        try:
+            allowed.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):  # another DeepSpeed version: what it does not have, it does not save
+            pass
+    try:
+        with weights_only_loads(allowed):
+            engine.load_checkpoint(checkpoint, load_module_strict=False)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(f"Refusing to load the DeepSpeed checkpoint in {checkpoint}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def weights_only_loads(allowed: list):
+    """Every `torch.load` inside runs with `weights_only=True`, even one that passes `weights_only=False` (torch's
+    TORCH_FORCE_WEIGHTS_ONLY_LOAD), admitting the `allowed` classes besides tensors and plain values."""
+    import torch
+
+    saved = {name: os.environ.pop(name, None) for name in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD",
+                                                            "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(allowed):
+            yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
 
 
 def load_sharded_optimizer(model, optimizer, folder: str, options=None) -> None:

@@ -1,7 +1,11 @@
-"""loopkit/dcp_reading.py without launching processes: a real DCP folder (model and AdamW state, written by
-`dcp.save` in this process) reads back equal through `read_dcp`; planted pickles, in `.metadata` or in a non-tensor
-value of a `.distcp` file, are refused with the file named and never run. (The 2-process FSDP2 resume with planted
-metadata is in tests/test_fsdp.py.)"""
+"""Checkpoint files that would run code, without launching processes.
+
+loopkit/dcp_reading.py: a real DCP folder (model and AdamW state, written by `dcp.save` in this process) reads back
+equal through `read_dcp`; planted pickles, in `.metadata` or in a non-tensor value of a `.distcp` file, are refused
+with the file named and never run. (The 2-process FSDP2 resume with planted metadata is in tests/test_fsdp.py.)
+The DeepSpeed resume (`load_deepspeed_checkpoint`), with a stand-in engine that loads as DeepSpeed's checkpoint
+engine does (`torch.load(weights_only=False)`): DeepSpeed itself needs GPUs.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from loopkit.checkpoint import load_model_weights
 from loopkit.dcp_reading import UnsafeCheckpointError, load_metadata, read_dcp
-from loopkit.distributed import FSDP_MODEL_FOLDER, load_sharded_model, load_sharded_optimizer
+from loopkit.distributed import FSDP_MODEL_FOLDER, load_deepspeed_checkpoint, load_sharded_model, \
+    load_sharded_optimizer
 
 
 class Call:
@@ -140,4 +145,38 @@ def test_a_planted_non_tensor_value_in_a_shard_file_is_refused(tmp_path):
         read_dcp(target, folder)
     assert os.path.join(folder, "__0_0.distcp") in str(refused.value) and "optimizer.param_groups.0.lr" in str(
         refused.value)
+    assert not marker.exists()
+
+
+class StandInDeepSpeedEngine:
+    """Loads `<checkpoint>/global_step1/mp_rank_00_model_states.pt` as DeepSpeed's TorchCheckpointEngine does."""
+
+    def load_checkpoint(self, checkpoint, load_module_strict=True):
+        self.loaded = torch.load(os.path.join(checkpoint, "global_step1", "mp_rank_00_model_states.pt"),
+                                 map_location="cpu", weights_only=False)
+
+
+def deepspeed_checkpoint(tmp_path, state) -> str:
+    os.makedirs(tmp_path / "checkpoint" / "global_step1")
+    torch.save(state, tmp_path / "checkpoint" / "global_step1" / "mp_rank_00_model_states.pt")
+    return str(tmp_path / "checkpoint")
+
+
+def test_a_deepspeed_checkpoint_of_tensors_and_plain_values_loads(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", raising=False)
+    state = {"module": tiny_model().state_dict(), "global_steps": 1, "ds_version": "0.18", "param_shapes": [
+        {"0.weight": torch.Size([3, 4])}], "sparse_tensor_module_names": set(), "lr_scheduler": None}
+    engine = StandInDeepSpeedEngine()
+    load_deepspeed_checkpoint(engine, deepspeed_checkpoint(tmp_path, state))
+    assert engine.loaded.keys() == state.keys() and engine.loaded["param_shapes"] == state["param_shapes"]
+    assert all(torch.equal(engine.loaded["module"][k], v) for k, v in state["module"].items())
+    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ  # torch's switch is restored
+
+
+def test_a_planted_deepspeed_checkpoint_is_refused_and_never_runs(tmp_path):
+    marker = tmp_path / "payload-ran"
+    checkpoint = deepspeed_checkpoint(tmp_path, {"module": {}, "client_state": Call(os.system, f"touch {marker}")})
+    with pytest.raises(UnsafeCheckpointError, match="Refusing to load the DeepSpeed checkpoint") as refused:
+        load_deepspeed_checkpoint(StandInDeepSpeedEngine(), checkpoint)
+    assert checkpoint in str(refused.value) and "system" in str(refused.value)
     assert not marker.exists()
