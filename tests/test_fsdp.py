@@ -159,6 +159,27 @@ def test_save_model_writes_one_safetensors_that_from_pretrained_loads(runs):
     assert all(torch.equal(model.state_dict()[k], expected[k]) for k in expected)
 
 
+def test_a_sharded_checkpoint_converts_to_a_from_pretrained_folder(runs, tmp_path):
+    """docs/checkpoints.md's recipe, in this plain process: checkpoint-4 of the 2-process sharded run (no
+    model.safetensors), loaded from its shards into the model class and saved with `save_pretrained`, loads with
+    `from_pretrained` and matches checkpoint-4 of the unsharded run."""
+    from transformers import LlamaForCausalLM
+
+    from loopkit.checkpoint import load_model_weights
+
+    two, one, _, _ = runs
+    model = child.dist_child.tiny_llama()
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    load_model_weights(model, os.path.join(two, "sharded", f"checkpoint-{child.SAVE_AT}"))
+    model.save_pretrained(tmp_path / "pretrained")
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "pretrained").state_dict()
+    expected = load_file(os.path.join(one, "whole", f"checkpoint-{child.SAVE_AT}", "model.safetensors"))
+    measured = worst_relative_difference({k: reloaded[k] for k in expected}, expected)
+    moved = worst_relative_difference({k: initial[k] for k in expected}, expected)
+    print(f"converted sharded checkpoint vs the unsharded run's: max|dw|/max|w| = {measured:.2e} (initial: {moved:.2e})")
+    assert measured <= 1e-4 < moved
+
+
 def test_load_best_model_at_end_from_sharded_checkpoints(runs):
     """Evaluation every 2 steps on 2 sharded processes, the best sharded checkpoint loaded back into the sharded
     model at the end: the same best step and weights as one unsharded process."""
