@@ -7,8 +7,8 @@ A sharded FSDP checkpoint (`pytorch_model_fsdp_0/`, `optimizer_0/`) is a DCP fol
 folder through `read_dcp`, which differs from `dcp.load` in exactly those two places:
 
 * `.metadata` goes through `MetadataUnpickler`, which rebuilds only DCP's metadata classes (`Metadata`,
-  `TensorStorageMetadata`, ... the globals that a real `.metadata` asks for) and the plain values they hold, and
-  refuses any other global, naming the file. The bytes validated are the bytes loaded (one read), so nothing can be
+  `TensorStorageMetadata`, ... the globals that a real `.metadata` asks for) and the plain values they hold, sets
+  the state of those objects only (as torch's weights-only unpickler), and refuses anything else, naming the file. The bytes validated are the bytes loaded (one read), so nothing can be
   swapped in between. The storage entries must name files inside the folder.
 * non-tensor values go through `torch.load(weights_only=True)`, as tensors already do in DCP's reader.
 
@@ -17,6 +17,7 @@ What is refused raises `UnsafeCheckpointError`; checkpoints DCP writes load unch
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pathlib
@@ -56,28 +57,47 @@ def _allowed_globals() -> dict:
 _ALLOWED = _allowed_globals()
 
 
-class MetadataUnpickler(pickle.Unpickler):
-    """Rebuilds DCP metadata and nothing else: `find_class` (every global a pickle names, whether to call it or to
-    build it) admits only DCP's metadata classes, `torch.Size`, torch dtypes and layouts, and paths."""
+# The objects whose state a pickle may set (BUILD): DCP's metadata dataclasses; not the enum, whose members are
+# shared by the whole process.
+_BUILDABLE = tuple(cls for cls in _ALLOWED.values() if dataclasses.is_dataclass(cls))
+
+
+class MetadataUnpickler(pickle._Unpickler):
+    """Rebuilds DCP metadata and nothing else. `find_class` (every global a pickle names, to call it, instantiate it
+    or build it) admits only DCP's metadata classes, `torch.Size`, torch dtypes and layouts, and paths; BUILD (setting
+    an object's state) only DCP's metadata objects, never a class or a function, as torch's weights-only unpickler
+    does. (Python's implementation of the unpickler, because BUILD cannot be restricted in the C one.)"""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def __init__(self, file, path: str):
         super().__init__(file)
         self.path = path
+
+    def refuse(self, what: str):
+        raise UnsafeCheckpointError(
+            f"Refusing to load {self.path}: {what}. loopkit loads only torch.distributed.checkpoint's metadata "
+            f"classes and plain values from it, so that a planted file cannot run code; re-create the checkpoint or "
+            f"resume from another one.")
 
     def find_class(self, module: str, name: str):
         allowed = _ALLOWED.get((module, name))
         if allowed is None and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             allowed = getattr(torch, name)
         if allowed is None:
-            raise UnsafeCheckpointError(
-                f"Refusing to load {self.path}: it asks for `{module}.{name}`, which is not part of "
-                f"torch.distributed.checkpoint's metadata. loopkit loads only DCP's metadata classes and plain values "
-                f"from it, so that a planted file cannot run code; re-create the checkpoint or resume from another "
-                f"one.")
+            self.refuse(f"it asks for `{module}.{name}`, which is not part of DCP's metadata")
         return allowed
 
     def persistent_load(self, pid):
-        raise UnsafeCheckpointError(f"Refusing to load {self.path}: DCP metadata holds no persistent ids.")
+        self.refuse("it holds a persistent id, which DCP metadata never does")
+
+    def load_build(self):
+        target = self.stack[-2]  # below the state
+        if type(target) not in _BUILDABLE:
+            self.refuse(f"it sets the state of a {type(target).__name__}, not of a DCP metadata object")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 def load_metadata(data: bytes, path: str) -> dcp_metadata.Metadata:

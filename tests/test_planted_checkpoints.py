@@ -125,6 +125,18 @@ def test_what_is_not_dcp_metadata_is_refused(tmp_path):
         load_metadata(pickle.dumps(torch.Size([3]))[:-4], path)  # truncated
 
 
+def test_a_pickle_that_sets_attributes_of_an_allowed_class_is_refused(tmp_path):
+    """BUILD on the class `Metadata` itself (not an instance) would change it for the whole process."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    data = (b"ctorch.distributed.checkpoint.metadata\nMetadata\n"  # GLOBAL: the class
+            b"N}X\x04\x00\x00\x00evilK\x01s\x86"  # (None, {"evil": 1}): set attribute `evil`
+            b"b.")  # BUILD, STOP
+    with pytest.raises(UnsafeCheckpointError, match="sets the state of a type"):
+        load_metadata(data, str(tmp_path / ".metadata"))
+    assert not hasattr(Metadata, "evil")
+
+
 def test_a_storage_entry_outside_the_folder_is_refused(checkpoint):
     folder = checkpoint[0]
     path = metadata_path(folder)
