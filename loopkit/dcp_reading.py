@@ -8,8 +8,9 @@ folder through `read_dcp`, which differs from `dcp.load` in exactly those two pl
 
 * `.metadata` goes through `MetadataUnpickler`, which rebuilds only DCP's metadata classes (`Metadata`,
   `TensorStorageMetadata`, ... the globals that a real `.metadata` asks for) and the plain values they hold, sets
-  the state of those objects only (as torch's weights-only unpickler), and refuses anything else, naming the file. The bytes validated are the bytes loaded (one read), so nothing can be
-  swapped in between. The storage entries must name files inside the folder.
+  the state of those objects only (as torch's weights-only unpickler), and refuses anything else, naming the file.
+  The bytes validated are the bytes loaded (one read), so nothing can be swapped in between. The storage entries
+  must name files inside the folder.
 * non-tensor values go through `torch.load(weights_only=True)`, as tensors already do in DCP's reader.
 
 What is refused raises `UnsafeCheckpointError`; checkpoints DCP writes load unchanged.

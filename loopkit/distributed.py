@@ -164,9 +164,10 @@ def shard_on_cpu_processes(accelerator, plugins: dict, requested: list[str]) -> 
     ...; accelerate/state.py), so on `MULTI_CPU` the plugin is dropped and DDP runs. Everything downstream runs on
     CPU unchanged: `prepare` -> `fsdp2_prepare_model` (torch's `fully_shard`, a CPU device mesh over gloo), the
     DTensor-aware `clip_grad_norm_`, `save_fsdp_model` / `save_fsdp_optimizer` (torch's distributed checkpoint;
-    loading mirrors `load_fsdp_*`, `load_engine_model`). So this sets, after the `Accelerator` exists, exactly what that branch sets: the distributed type
-    (in both shared states, as Accelerate does), the plugin (built from the launcher's FSDP_* variables when FSDP was
-    asked by `accelerate launch --use_fsdp`, as `Accelerator.__init__` builds it) and its mixed precision."""
+    loading mirrors `load_fsdp_*`: `load_engine_model`). So this sets, after the `Accelerator` exists, exactly what
+    that branch sets: the distributed type (in both shared states, as Accelerate does), the plugin (built from the
+    launcher's FSDP_* variables when FSDP was asked by `accelerate launch --use_fsdp`, as `Accelerator.__init__`
+    builds it) and its mixed precision."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 

@@ -176,7 +176,8 @@ def test_a_sharded_checkpoint_converts_to_a_from_pretrained_folder(runs, tmp_pat
     expected = load_file(os.path.join(one, "whole", f"checkpoint-{child.SAVE_AT}", "model.safetensors"))
     measured = worst_relative_difference({k: reloaded[k] for k in expected}, expected)
     moved = worst_relative_difference({k: initial[k] for k in expected}, expected)
-    print(f"converted sharded checkpoint vs the unsharded run's: max|dw|/max|w| = {measured:.2e} (initial: {moved:.2e})")
+    print(f"converted sharded checkpoint vs the unsharded run's: max|dw|/max|w| = {measured:.2e} "
+          f"(initial weights: {moved:.2e})")
     assert measured <= 1e-4 < moved
 
 

@@ -101,12 +101,14 @@ def test_real_folders_read_back_equal(checkpoint):
         assert all(torch.equal(loaded["state"][index][key], value) for key, value in state.items())
 
 
-@pytest.mark.parametrize("payload", ["os.system", "eval", "exec", "getattr", "torch.load", "a DCP class not in the list"])
+@pytest.mark.parametrize("payload", ["os.system", "eval", "exec", "getattr", "torch.load",
+                                     "a DCP class not in the list"])
 def test_planted_metadata_is_refused_with_the_file_named_and_never_runs(checkpoint, tmp_path, payload):
     marker = tmp_path / "payload-ran"
     command = f"open({str(marker)!r}, 'w').close()"
     planted = {"os.system": Call(os.system, f"touch {marker}"), "eval": Call(builtins.eval, command),
-               "exec": Call(builtins.exec, command), "getattr": Call(getattr, Call(builtins.__import__, "os"), "system"),
+               "exec": Call(builtins.exec, command),
+               "getattr": Call(getattr, Call(builtins.__import__, "os"), "system"),
                "torch.load": Call(torch.load, str(marker)),
                "a DCP class not in the list": Call(dcp.FileSystemReader, str(tmp_path))}[payload]
     folder = checkpoint[0]
