@@ -19,7 +19,10 @@ Rotation deletes only the current run's checkpoints; `resume_from_checkpoint=Tru
 complete checkpoint and names it; a fresh run into a folder holding other runs' checkpoints says what it found.
 
 Security: weights go through safetensors, state through JSON, and every `torch.load` uses `weights_only=True`
-(`rng_state.pth` needs numpy's RNG tuple, allowed by an explicit list of numpy classes).
+(`rng_state.pth` needs numpy's RNG tuple, allowed by an explicit list of numpy classes). Sharded FSDP folders
+(`pytorch_model_fsdp_0/`, `optimizer_0/`) are read by loopkit/dcp_reading.py (DCP metadata through a restricted
+unpickler), DeepSpeed's `global_step*/` with its `torch.load`s forced to `weights_only=True` (loopkit/distributed.py).
+docs/checkpoints.md lists every file read and how.
 """
 
 from __future__ import annotations

@@ -22,11 +22,14 @@ Accelerate path, which is how the CPU test suite proves it (tests/test_fsdp.py).
 the optimizer through Accelerate's FSDP functions or the DeepSpeed engine (`save_engine_state`, `load_engine_model`,
 `load_optimizer_state`, used by loopkit/checkpoint.py), as HF Trainer does; with FSDP's SHARDED_STATE_DICT each rank
 writes its shards (`pytorch_model_fsdp_0/`, `optimizer_0/`), and such a checkpoint resumes at any number of
-processes, sharded or not, as does an ordinary one in a sharded run. DeepSpeed is not exercised by the tests.
+processes, sharded or not, as does an ordinary one in a sharded run. Sharded folders are read by loopkit, with
+Accelerate's options, through loopkit/dcp_reading.py: torch's own reader, which Accelerate's `load_fsdp_*` build,
+unpickles a folder's `.metadata`. DeepSpeed is not exercised by the tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 class DistributedSetupError(RuntimeError):
@@ -160,10 +163,11 @@ def shard_on_cpu_processes(accelerator, plugins: dict, requested: list[str]) -> 
     `DistributedType.FSDP` only in the `AcceleratorState` branch for accelerator process groups (MULTI_GPU, MULTI_NPU,
     ...; accelerate/state.py), so on `MULTI_CPU` the plugin is dropped and DDP runs. Everything downstream runs on
     CPU unchanged: `prepare` -> `fsdp2_prepare_model` (torch's `fully_shard`, a CPU device mesh over gloo), the
-    DTensor-aware `clip_grad_norm_`, `save_fsdp_model` / `save_fsdp_optimizer` / `load_fsdp_*` (torch's distributed
-    checkpoint). So this sets, after the `Accelerator` exists, exactly what that branch sets: the distributed type
-    (in both shared states, as Accelerate does), the plugin (built from the launcher's FSDP_* variables when FSDP was
-    asked by `accelerate launch --use_fsdp`, as `Accelerator.__init__` builds it) and its mixed precision."""
+    DTensor-aware `clip_grad_norm_`, `save_fsdp_model` / `save_fsdp_optimizer` (torch's distributed checkpoint;
+    loading mirrors `load_fsdp_*`: `load_engine_model`). So this sets, after the `Accelerator` exists, exactly what
+    that branch sets: the distributed type (in both shared states, as Accelerate does), the plugin (built from the
+    launcher's FSDP_* variables when FSDP was asked by `accelerate launch --use_fsdp`, as `Accelerator.__init__`
+    builds it) and its mixed precision."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
@@ -226,7 +230,7 @@ def sharded_model_saved(checkpoint: str) -> bool:
 
 def model_loads_after_prepare(accelerator, checkpoint: str) -> bool:
     """A sharded model folder resumed by a sharded run with SHARDED_STATE_DICT: each rank reads its own shards after
-    `prepare` (Accelerate's `load_fsdp_model`). Every other combination loads the whole model before `prepare`
+    `prepare` (`load_engine_model`). Every other combination loads the whole model before `prepare`
     (`load_model_weights`), which then shards it when FSDP is active."""
     return sharded_model_saved(checkpoint) and not full_state_dict_saved(accelerator)
 
@@ -252,46 +256,60 @@ def save_engine_state(run, folder: str, with_optimizer: bool) -> None:
 
 
 def load_engine_model(run, checkpoint: str) -> bool:
-    """The model shards of a sharded checkpoint, after `accelerator.prepare` (`model_loads_after_prepare`). Returns
-    whether it did."""
+    """The model shards of a sharded checkpoint, after `accelerator.prepare` (`model_loads_after_prepare`), as
+    Accelerate's `load_fsdp_model` reads them (its state-dict options, between two barriers) but through
+    `read_dcp`: Accelerate's builds DCP's own reader, which unpickles `.metadata`. Returns whether it did."""
     acc = run.accelerator
-    if model_loads_after_prepare(acc, checkpoint):
-        from accelerate.utils import load_fsdp_model
+    if not model_loads_after_prepare(acc, checkpoint):
+        return False
+    acc.wait_for_everyone()
+    load_sharded_model(run.model_wrapped, os.path.join(checkpoint, FSDP_MODEL_FOLDER),
+                       sharded_state_dict_options(acc.state.fsdp_plugin))
+    acc.wait_for_everyone()
+    return True
 
-        load_fsdp_model(acc.state.fsdp_plugin, acc, run.model_wrapped, checkpoint)
-        return True
-    return False
+
+def sharded_state_dict_options(plugin):
+    """The state-dict options Accelerate's FSDP2 checkpoint functions use with SHARDED_STATE_DICT."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    config = plugin.state_dict_config
+    return StateDictOptions(full_state_dict=False, cpu_offload=getattr(config, "offload_to_cpu", False),
+                            broadcast_from_rank0=getattr(config, "rank0_only", False))
 
 
-def load_sharded_model(model, folder: str) -> None:
+def load_sharded_model(model, folder: str, options=None) -> None:
     """A `pytorch_model_fsdp_0/` folder into `model`, sharded or not, at any number of processes (torch's distributed
-    checkpoint reshards on load; without a process group it reads every shard in this process)."""
-    import torch.distributed.checkpoint as dcp
+    checkpoint reshards on load; without a process group it reads every shard in this process). Read by `read_dcp`:
+    nothing in the folder is unpickled beyond DCP's metadata classes, tensors and plain values."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=folder)
-    set_model_state_dict(model, state["model"])
+    from .dcp_reading import read_dcp
+
+    state = {"model": get_model_state_dict(model, options=options)}
+    read_dcp(state, folder)
+    set_model_state_dict(model, state["model"], options=options)
 
 
 def load_optimizer_state(run, checkpoint: str) -> bool:
     """The optimizer state, after `prepare`, from whichever layout the checkpoint holds into this run's layout:
-    sharded (`optimizer_0/`) into a sharded run through Accelerate's `load_fsdp_optimizer` (or into an unsharded one:
-    torch's distributed checkpoint reshards), whole (`optimizer.pt`) into an unsharded run or, cut into this rank's
+    sharded (`optimizer_0/`, read by `read_dcp`) into a sharded run with Accelerate's options or into an unsharded
+    one (torch's distributed checkpoint reshards), whole (`optimizer.pt`) into an unsharded run or, cut into this rank's
     shards, into a sharded one. Returns whether it loaded one."""
     from .checkpoint import OPTIMIZER_NAME, safe_torch_load
 
     acc, engine = run.accelerator, active_engine(run.accelerator)
     if engine == "DeepSpeed":
-        run.model_wrapped.load_checkpoint(checkpoint, load_module_strict=False)
+        load_deepspeed_checkpoint(run.model_wrapped, checkpoint)
         return True
     model, optimizer = acc.unwrap_model(run.model_wrapped), getattr(run.optimizer, "optimizer", run.optimizer)
     sharded, whole = os.path.join(checkpoint, FSDP_OPTIMIZER_FOLDER), os.path.join(checkpoint, OPTIMIZER_NAME)
     if os.path.isdir(sharded):
-        if engine == "FSDP" and not full_state_dict_saved(acc):
-            from accelerate.utils import load_fsdp_optimizer
-
-            load_fsdp_optimizer(acc.state.fsdp_plugin, acc, run.optimizer, run.model_wrapped, checkpoint)
+        if engine == "FSDP" and not full_state_dict_saved(acc):  # as Accelerate's load_fsdp_optimizer
+            acc.wait_for_everyone()
+            load_sharded_optimizer(run.model_wrapped, run.optimizer, sharded,
+                                   sharded_state_dict_options(acc.state.fsdp_plugin))
+            acc.wait_for_everyone()
         else:
             load_sharded_optimizer(model, optimizer, sharded)
     elif os.path.isfile(whole):
@@ -309,14 +327,68 @@ def load_optimizer_state(run, checkpoint: str) -> bool:
     return True
 
 
-def load_sharded_optimizer(model, optimizer, folder: str) -> None:
-    """An `optimizer_0/` folder (keyed by parameter names) into an optimizer over `model`, sharded or not."""
-    import torch.distributed.checkpoint as dcp
+# DeepSpeed's own objects in its checkpoints, besides tensors and plain values: the ZeRO stage of the optimizer state,
+# fp16 loss scalers, the fragment addresses of `param_slice_mappings` (deepspeed/runtime/zero/stage_1_and_2.py,
+# stage3.py, bf16_optimizer.py, fp16/loss_scaler.py, utils/tensor_fragment.py).
+DEEPSPEED_STATE_CLASSES = ("deepspeed.runtime.zero.config.ZeroStageEnum",
+                           "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                           "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                           "deepspeed.utils.tensor_fragment.fragment_address")
+
+
+def load_deepspeed_checkpoint(engine, checkpoint: str) -> None:
+    """The engine's `load_checkpoint` (model and optimizer from `global_step*/`, as HF Trainer resumes), with every
+    `torch.load` it makes forced to `weights_only=True`: DeepSpeed's checkpoint engine passes `weights_only=False`.
+    Its own state classes (`DEEPSPEED_STATE_CLASSES`, those this DeepSpeed has) are admitted besides tensors and
+    plain values; anything else is refused, naming the folder."""
+    import importlib
+    import pickle
+
+    from .dcp_reading import UnsafeCheckpointError
+
+    allowed = []
+    for path in DEEPSPEED_STATE_CLASSES:
+        module, name = path.rsplit(".", 1)
+        try:
+            allowed.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):  # another DeepSpeed version: what it does not have, it does not save
+            pass
+    try:
+        with weights_only_loads(allowed):
+            engine.load_checkpoint(checkpoint, load_module_strict=False)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(f"Refusing to load the DeepSpeed checkpoint in {checkpoint}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def weights_only_loads(allowed: list):
+    """Every `torch.load` inside runs with `weights_only=True`, even one that passes `weights_only=False` (torch's
+    TORCH_FORCE_WEIGHTS_ONLY_LOAD), admitting the `allowed` classes besides tensors and plain values."""
+    import torch
+
+    saved = {name: os.environ.pop(name, None) for name in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD",
+                                                            "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(allowed):
+            yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+
+
+def load_sharded_optimizer(model, optimizer, folder: str, options=None) -> None:
+    """An `optimizer_0/` folder (keyed by parameter names) into an optimizer over `model`, sharded or not, read by
+    `read_dcp` as `load_sharded_model` reads a model folder."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # the layout to fill (initialises the state)
-    dcp.load(state, checkpoint_id=folder)
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    from .dcp_reading import read_dcp
+
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=options)}  # the layout to fill
+    read_dcp(state, folder)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
 
 
 def load_whole_optimizer_into_shards(model, optimizer, state: dict) -> None:

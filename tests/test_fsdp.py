@@ -159,6 +159,28 @@ def test_save_model_writes_one_safetensors_that_from_pretrained_loads(runs):
     assert all(torch.equal(model.state_dict()[k], expected[k]) for k in expected)
 
 
+def test_a_sharded_checkpoint_converts_to_a_from_pretrained_folder(runs, tmp_path):
+    """docs/checkpoints.md's recipe, in this plain process: checkpoint-4 of the 2-process sharded run (no
+    model.safetensors), loaded from its shards into the model class and saved with `save_pretrained`, loads with
+    `from_pretrained` and matches checkpoint-4 of the unsharded run."""
+    from transformers import LlamaForCausalLM
+
+    from loopkit.checkpoint import load_model_weights
+
+    two, one, _, _ = runs
+    model = child.dist_child.tiny_llama()
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    load_model_weights(model, os.path.join(two, "sharded", f"checkpoint-{child.SAVE_AT}"))
+    model.save_pretrained(tmp_path / "pretrained")
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "pretrained").state_dict()
+    expected = load_file(os.path.join(one, "whole", f"checkpoint-{child.SAVE_AT}", "model.safetensors"))
+    measured = worst_relative_difference({k: reloaded[k] for k in expected}, expected)
+    moved = worst_relative_difference({k: initial[k] for k in expected}, expected)
+    print(f"converted sharded checkpoint vs the unsharded run's: max|dw|/max|w| = {measured:.2e} "
+          f"(initial weights: {moved:.2e})")
+    assert measured <= 1e-4 < moved
+
+
 def test_load_best_model_at_end_from_sharded_checkpoints(runs):
     """Evaluation every 2 steps on 2 sharded processes, the best sharded checkpoint loaded back into the sharded
     model at the end: the same best step and weights as one unsharded process."""
@@ -216,3 +238,49 @@ def test_memory_per_rank_falls_with_the_number_of_processes(runs):
     assert table[1]["total"] >= 16 * table[1]["model_parameters"] * 0.99  # fp32 weights, grads, exp_avg, exp_avg_sq
     assert table[2]["total"] <= 0.55 * table[1]["total"]
     assert table[4]["total"] <= 0.3 * table[1]["total"]
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """A 2-process sharded checkpoint, two copies with a malicious `.metadata` (model folder, optimizer folder),
+    each resumed by 2 sharded processes (tests/scripts/fsdp_child.py, mode planted). Returns the launch's folder
+    and the file the payload would create."""
+    out = tmp_path_factory.mktemp("planted")
+    marker = os.path.join(tmp_path_factory.mktemp("marker"), "payload-ran")
+    finish(launch(out, "planted", 2, marker), "the planted-metadata launch")
+    return out, marker
+
+
+def planted_checkpoint(out, folder: str) -> str:
+    return os.path.join(out, "planted", folder, f"checkpoint-{child.SAVE_AT}")
+
+
+@pytest.mark.parametrize("folder", ["pytorch_model_fsdp_0", "optimizer_0"])
+def test_a_planted_metadata_is_refused_when_two_sharded_processes_resume(planted, folder):
+    """Resuming the planted checkpoint fails on both ranks with the file named; the payload never ran."""
+    out, marker = planted
+    metadata = os.path.join(planted_checkpoint(out, folder), folder, ".metadata")
+    for rank in (0, 1):
+        error = result(out, f"planted_{folder}", rank)["error"]
+        assert error is not None, f"rank {rank} resumed from {metadata}"
+        assert error.startswith("UnsafeCheckpointError: Refusing to load") and metadata in error, error
+        assert "posix.system" in error
+    assert not os.path.exists(marker)
+
+
+def test_a_planted_metadata_is_refused_by_one_process_and_by_the_best_model_load(planted, tmp_path):
+    """The other readers of a sharded checkpoint: an unsharded run resuming it (model before `prepare`, optimizer
+    resharded) and `load_model_weights`, which `load_best_model_at_end` calls."""
+    from loopkit.checkpoint import load_model_weights
+    from loopkit.dcp_reading import UnsafeCheckpointError
+
+    out, marker = planted
+    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+        checkpoint = planted_checkpoint(out, folder)
+        metadata = os.path.join(checkpoint, folder, ".metadata")
+        with pytest.raises(UnsafeCheckpointError, match="Refusing to load") as refused:
+            child.run_training(str(tmp_path), f"unsharded_{folder}", 2, sharded=False, resume_from=checkpoint)
+        assert metadata in str(refused.value)
+    with pytest.raises(UnsafeCheckpointError, match="Refusing to load"):
+        load_model_weights(child.dist_child.tiny_llama(), planted_checkpoint(out, "pytorch_model_fsdp_0"))
+    assert not os.path.exists(marker)

@@ -12,6 +12,9 @@ Usage (under a launcher): python fsdp_child.py OUT_DIR MODE [ARG]
 * memory+ram_efficient: first `ram_efficient` (`sharded` with cpu_ram_efficient_loading, rank 1 starting from
   other weights), then memory. (A process keeps the FSDP plugin of its first Accelerator, hence its own launch.)
 * kill: saves every 2 steps; rank 1 SIGKILLs itself while writing the optimizer shards of checkpoint-4.
+* planted MARKER: `sharded`, then two copies of its checkpoint, one with a malicious `.metadata` in
+  `pytorch_model_fsdp_0/`, one in `optimizer_0/` (`plant_payload`: unpickling it creates the file MARKER), each
+  resumed; writes `planted_<folder>_rank<r>.json` with the error the resume raised (null if it resumed).
 """
 
 from __future__ import annotations
@@ -160,6 +163,52 @@ def kill_during_save(out: str) -> None:
     build_loop(os.path.join(out, "kill"), 1, sharded=True, save_steps=2).train()
 
 
+class Payload:
+    """Unpickling it runs a shell command (pickle calls `os.system(command)`): what a planted file would do."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def plant_payload(metadata_path: str, marker: str) -> None:
+    """Rewrite a real DCP `.metadata` with a payload inside (its `save_id`) that creates `marker` when unpickled.
+    The rest stays valid, so a reader that unpickles it runs the payload and loads the checkpoint as if untouched."""
+    import pickle
+
+    with open(metadata_path, "rb") as f:
+        metadata = pickle.load(f)  # written by this test's own run
+    metadata.storage_meta.save_id = Payload(f"touch {marker}")
+    with open(metadata_path, "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def resume_planted(out: str, marker: str) -> None:
+    import shutil
+
+    import torch.distributed as dist
+
+    from loopkit.distributed import FSDP_MODEL_FOLDER, FSDP_OPTIMIZER_FOLDER
+
+    run_training(out, "sharded", 1, sharded=True, save_at=SAVE_AT)
+    rank = int(os.environ["RANK"])
+    for folder in (FSDP_MODEL_FOLDER, FSDP_OPTIMIZER_FOLDER):
+        planted = os.path.join(out, "planted", folder, f"checkpoint-{SAVE_AT}")
+        if rank == 0:
+            shutil.copytree(os.path.join(out, "sharded", f"checkpoint-{SAVE_AT}"), planted)
+            plant_payload(os.path.join(planted, folder, ".metadata"), marker)
+        dist.barrier()
+        try:
+            run_training(out, f"resumed_{folder}", 1, sharded=True, resume_from=planted)
+            error = None
+        except Exception as exc:  # the refusal, expected on every rank
+            error = f"{type(exc).__name__}: {exc}"
+        with open(os.path.join(out, f"planted_{folder}_rank{rank}.json"), "w") as f:
+            json.dump({"error": error}, f)
+
+
 def main() -> None:
     out, mode = sys.argv[1], sys.argv[2]
     if mode == "memory+ram_efficient":  # the plugin of a process's first Accelerator holds for all its runs
@@ -169,6 +218,8 @@ def main() -> None:
         measure_memory(out)
     elif mode == "kill":
         kill_during_save(out)
+    elif mode == "planted":
+        resume_planted(out, sys.argv[3])
     else:
         run_training(out, "sharded", 1, sharded=True, save_at=SAVE_AT, save_model=True)
         run_training(out, "resume", 1, sharded=True, resume_from=os.path.join(out, "sharded", f"checkpoint-{SAVE_AT}"))
