@@ -672,6 +672,7 @@ class Checkpointer:
             if snapshot.stage_tensors:
                 from safetensors.torch import save_file
 
+                os.makedirs(tmp, exist_ok=True)
                 save_file(snapshot.stage_tensors, os.path.join(tmp, stage_tensors_name(acc.num_processes,
                                                                                        acc.process_index)),
                           metadata={"stage_states": snapshot.own_stage_states_json})

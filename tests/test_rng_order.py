@@ -10,6 +10,7 @@ last one of 2, so GA 3 ends each epoch with a window of 2).
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -80,3 +81,85 @@ def test_iterable_data_and_seeded_collator_match_trainer(tmp_path, case):
     hf, loopkit = train_both(tmp_path, **case)
     assert_same_losses(loopkit, hf)
     assert_bit_identical(loopkit.model.state_dict(), hf.model.state_dict())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Killed after a mid-epoch checkpoint, resumed in a fresh process
+# ---------------------------------------------------------------------------------------------------------------
+# Each saves after every step. GA 3 (5 micro-batches: windows of 3 + 2): checkpoint-1 is mid-epoch, with the first
+# micro-batch of window 2 read ahead; the kill comes after that micro-batch's forward, inside window 2. The iterable
+# (GA 2: windows of 2, 2, 1) resumes through the dataset's own state_dict().
+KILL_CASES = {"token-masking": dict(ga=3), "iterable-dataset": dict(iterable=True, steps=5, ga=2),
+              "seeded-whole-word": dict(seeded=True, whole_word=True, ga=3)}
+
+
+def start_child(out, texts_path, case, mode=None, launcher=False):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    if launcher:  # as under a scheduler: a preempted run checkpoints and exits 143 (loopkit/guards.py)
+        env["SLURM_JOB_ID"] = "1"
+    command = [sys.executable, CHILD, str(out), str(texts_path), json.dumps({**case, "save_steps": 1})]
+    return subprocess.Popen(command + ([mode] if mode else []), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finished(child, returncode=0) -> None:
+    output, _ = child.communicate(timeout=300)
+    assert child.returncode == returncode, output[-3000:]
+
+
+def result(out):
+    """The final weights, and the logged training and evaluation losses."""
+    with open(os.path.join(out, "history.json")) as f:
+        history = json.load(f)
+    return load_file(os.path.join(out, "final.safetensors")), logged(history) + logged(history, "eval_loss")
+
+
+@pytest.fixture(scope="module")
+def texts_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("texts") / "texts.json"
+    path.write_text(json.dumps(TEXTS))
+    return path
+
+
+@pytest.mark.parametrize("name", list(KILL_CASES))
+def test_killed_mid_window_resumes_bit_identical(tmp_path, texts_path, name):
+    case = KILL_CASES[name]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    children = start_child(full, texts_path, case), start_child(killed, texts_path, case, "kill")
+    finished(children[0])
+    finished(children[1], -9)
+    assert sorted(os.listdir(killed)) == ["checkpoint-1"]  # killed inside window 2, before checkpoint-2
+    checkpoint = killed / "checkpoint-1"
+    state = json.loads((checkpoint / "loopkit_state.json").read_text())["data"]
+    assert state["position"]["micro_batches"] == case["ga"]  # mid-epoch
+    assert state["read_ahead"]["processes"] == 1 and (checkpoint / "loopkit_tensors.safetensors").is_file()
+    assert ("dataset_state" in state["position"]) == bool(case.get("iterable"))
+    assert ("collator_generators" in state) == bool(case.get("seeded"))
+    mutated = tmp_path / "mutated"
+    if name == "token-masking":
+        shutil.copytree(killed, mutated)
+    finished(start_child(killed, texts_path, case, "resume"))
+    (weights, losses), (full_weights, full_losses) = result(killed), result(full)
+    assert losses == full_losses  # the restored history up to step 1, then the resumed steps (floats, ==)
+    assert_bit_identical(weights, full_weights)
+    if name == "token-masking":  # the mutation check: without the batch read ahead the resume is not exact
+        finished(start_child(mutated, texts_path, case, "resume-without-read-ahead"))
+        mutated_weights, mutated_losses = result(mutated)
+        assert mutated_losses[0] == full_losses[0] and mutated_losses[1:] != full_losses[1:]
+        assert any(not torch.equal(mutated_weights[k], full_weights[k]) for k in full_weights)
+
+
+def test_preempted_evaluation_with_seeded_collator_resumes_bit_identical(tmp_path, texts_path):
+    """SIGTERM during the evaluation after step 2 (mid-epoch, a batch read ahead): the checkpoint holds the RNG and the
+    collator's generator from before that evaluation, which the resumed run does first, then trains on."""
+    case = dict(seeded=True)
+    full, preempted = tmp_path / "full", tmp_path / "preempted"
+    children = start_child(full, texts_path, case), start_child(preempted, texts_path, case, "sigterm-eval",
+                                                                launcher=True)
+    finished(children[0])
+    finished(children[1], 143)
+    assert json.loads((preempted / "checkpoint-2" / "loopkit_state.json").read_text())["schedule"]["pending_evaluation"]
+    finished(start_child(preempted, texts_path, case, "resume"))
+    (weights, losses), (full_weights, full_losses) = result(preempted), result(full)
+    assert losses == full_losses
+    assert_bit_identical(weights, full_weights)

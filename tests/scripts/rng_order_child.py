@@ -3,8 +3,9 @@ run tests/test_rng_order.py compares with HF Trainer, and kills and resumes in c
 
 Usage: python rng_order_child.py OUTPUT_DIR TEXTS_JSON CASE_JSON [MODE]
 
-CASE_JSON: the `masked_lm_run` options. MODE: "kill" (SIGKILL inside the accumulation window after the first
-checkpoint), "resume" (resume from the newest checkpoint), "resume-without-read-ahead" (the same, with the batch
+CASE_JSON: the `masked_lm_run` options and `save_steps`. MODE: "kill" (SIGKILL inside the accumulation window after
+the first checkpoint), "sigterm-eval" (a SIGTERM to itself during the first evaluation: a preemption, whose
+checkpoint leaves that evaluation pending), "resume" (resume from the newest checkpoint), "resume-without-read-ahead" (the same, with the batch
 read ahead dropped from the checkpoint as it is read: the mutation check), or nothing (an uninterrupted run). A run
 that ends writes OUTPUT_DIR/final.safetensors (weights) and OUTPUT_DIR/history.json (log_history).
 """
@@ -49,18 +50,24 @@ def masked_lm_run(texts, whole_word=False, ga=1, seeded=False, iterable=False, s
     return model, fields, train_set, eval_set, collator
 
 
-class KillInWindow(TrainerCallback):
-    """SIGKILL at the first micro-batch that does not end its window, after the first checkpoint."""
+class Interrupt(TrainerCallback):
+    """"kill": SIGKILL at the first micro-batch that does not end its window, after the first checkpoint.
+    "sigterm-eval": SIGTERM at the first evaluation batch."""
 
-    def __init__(self):
-        self.saved = False
+    def __init__(self, mode):
+        self.mode, self.saved = mode, False
 
     def on_save(self, args, state, control, **kwargs):
         self.saved = True
 
     def on_substep_end(self, args, state, control, **kwargs):
-        if self.saved:
+        if self.mode == "kill" and self.saved:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        if self.mode == "sigterm-eval":
+            self.mode = None
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def drop_read_ahead() -> None:
@@ -89,11 +96,11 @@ def main():
     if mode == "resume-without-read-ahead":
         drop_read_ahead()
     loop = Loop(model=model, args=LoopArgs(**fields), train_dataset=train_set, eval_dataset=eval_set,
-                data_collator=collator, callbacks=[KillInWindow()] if mode == "kill" else [])
+                data_collator=collator, callbacks=[Interrupt(mode)])
     loop.train(resume_from_checkpoint=last_checkpoint(out) if mode and mode.startswith("resume") else None)
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in loop.model.state_dict().items()}, os.path.join(out, "final.safetensors"))
+    save_file({k: v.clone() for k, v in loop.model.state_dict().items()}, os.path.join(out, "final.safetensors"))
     with open(os.path.join(out, "history.json"), "w") as f:
         json.dump(loop.state.log_history, f)
 
