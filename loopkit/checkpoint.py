@@ -2,8 +2,9 @@
 
 A checkpoint is `<output_dir>/checkpoint-<global_step>/` holding `model.safetensors` (+ `config.json` through
 `save_pretrained` when the model has it), `optimizer.pt`, `scheduler.pt`, `scaler.pt` (fp16), `rng_state.pth`,
-`trainer_state.json`, and loopkit's own `loopkit_state.json` (stage state, e.g. the running loss). HF Trainer
-resumes from it; loopkit resumes from HF's.
+`trainer_state.json`, and loopkit's own `loopkit_state.json` (stage state, e.g. the running loss) with, when a stage's
+state holds tensors (the data stage's batch read ahead), `loopkit_tensors.safetensors` (one per process:
+`loopkit_tensors_<rank>.safetensors`). HF Trainer resumes from it; loopkit resumes from HF's.
 
 Atomicity: everything is written into a hidden sibling `.tmp-checkpoint-<step>`, flushed and fsynced, marked complete
 (`loopkit_state.json` is the last file written) and renamed into place. A kill mid-save leaves only the temporary
@@ -38,7 +39,7 @@ import threading
 import time
 import uuid
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -55,6 +56,7 @@ LOOPKIT_STATE_NAME = "loopkit_state.json"
 WEIGHTS_NAME = "model.safetensors"
 OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME = "optimizer.pt", "scheduler.pt", "scaler.pt"
 RECORD_KEY = "checkpoint"  # the entry of `loopkit_state.json` that says which run wrote the checkpoint, and when
+TENSOR_REF = "__tensor__"  # in a stage's state: a tensor stored in the process's stage-tensor file, by name
 
 logger = logging.getLogger(__name__)
 
@@ -279,6 +281,48 @@ def rng_file_name(num_processes: int, process_index: int) -> str:
     return f"rng_state_{process_index}.pth" if num_processes > 1 else "rng_state.pth"
 
 
+def stage_tensors_name(num_processes: int, process_index: int) -> str:
+    return f"loopkit_tensors_{process_index}.safetensors" if num_processes > 1 else "loopkit_tensors.safetensors"
+
+
+def tensors_apart(value, tensors: dict):
+    """`value` (a stage's state) with each tensor replaced by {"__tensor__": name}; the tensors, as CPU copies (an
+    asynchronous save writes them later), go into `tensors` under those names."""
+    if isinstance(value, torch.Tensor):
+        name = str(len(tensors))
+        tensors[name] = value.detach().to("cpu", copy=True).contiguous()
+        return {TENSOR_REF: name}
+    if isinstance(value, dict):
+        return {key: tensors_apart(item, tensors) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [tensors_apart(item, tensors) for item in value]
+    return value
+
+
+def tensors_back(value, tensors: dict):
+    """Undo `tensors_apart`. A reference to a tensor `tensors` lacks (no file for this process: another number of
+    processes wrote the checkpoint) becomes None."""
+    if isinstance(value, dict):
+        if value.keys() == {TENSOR_REF}:
+            return tensors.get(value[TENSOR_REF])
+        return {key: tensors_back(item, tensors) for key, item in value.items()}
+    if isinstance(value, list):
+        return [tensors_back(item, tensors) for item in value]
+    return value
+
+
+def split_stage_states(stage_states: dict) -> tuple[dict, dict, dict]:
+    """Stage states as JSON values, the tensors they held, and the entries that held some. Those entries are this
+    process's own (a batch read ahead differs by process): they are written with the tensors, per process."""
+    plain, tensors, own = {}, {}, {}
+    for name, entry in stage_states.items():
+        held = len(tensors)
+        plain[name] = tensors_apart(entry, tensors)
+        if len(tensors) > held:
+            own[name] = plain[name]
+    return plain, tensors, own
+
+
 def saved_world_size(checkpoint: str) -> int | None:
     """How many processes wrote `checkpoint`, from its RNG files (one per rank); None if it has none."""
     ranks = [name for name in os.listdir(checkpoint) if re.fullmatch(r"rng_state_\d+\.pth", name)]
@@ -426,6 +470,8 @@ class Snapshot:
     rng: dict | None
     trainer_state_json: str
     stage_states_json: str
+    stage_tensors: dict = field(default_factory=dict)  # this process's, with its stage entries that hold them:
+    own_stage_states_json: str | None = None
 
 
 LEFTOVER_PREFIXES = (".tmp-", ".old-", ".deleting-")
@@ -575,6 +621,7 @@ class Checkpointer:
         full_state = not args.save_only_model
         sharded = active_engine(acc) is not None  # FSDP / DeepSpeed: the optimizer is written by their own path
         run.state.record_callback_states(run.events.callbacks + [run.control])
+        stage_states, stage_tensors, own_stage_states = split_stage_states(stage_states)
         return Snapshot(
             step=run.state.global_step,
             model_state=copy(unwrapped.state_dict()) if self.async_save else None,
@@ -585,6 +632,7 @@ class Checkpointer:
             rng=(self.rng_for_next_save or rng_state()) if full_state else None,
             trainer_state_json=run.state.to_json_string(),
             stage_states_json=json.dumps({**stage_states, RECORD_KEY: self.record()}, indent=2, sort_keys=True),
+            stage_tensors=stage_tensors, own_stage_states_json=json.dumps(own_stage_states, sort_keys=True),
         )
 
     def write_handling_errors(self, snapshot: Snapshot, push: str | None = None) -> None:
@@ -656,6 +704,13 @@ class Checkpointer:
             if snapshot.rng is not None:
                 save_state_file(snapshot.rng, os.path.join(tmp, rng_file_name(acc.num_processes,
                                                                              acc.process_index)))
+            if snapshot.stage_tensors:
+                from safetensors.torch import save_file
+
+                os.makedirs(tmp, exist_ok=True)
+                save_file(snapshot.stage_tensors, os.path.join(tmp, stage_tensors_name(acc.num_processes,
+                                                                                       acc.process_index)),
+                          metadata={"stage_states": snapshot.own_stage_states_json})
             acc.wait_for_everyone()
             if self.writes_files:
                 write_text(os.path.join(tmp, TRAINER_STATE_NAME), snapshot.trainer_state_json)
@@ -841,13 +896,27 @@ class Checkpointer:
         except (OSError, ValueError, TypeError) as exc:
             raise RuntimeError(f"{path} is missing, corrupt or truncated ({exc}).") from exc
 
-    @staticmethod
-    def read_stage_states(checkpoint: str) -> dict:
+    def read_stage_states(self, checkpoint: str) -> dict:
+        """`loopkit_state.json` (the main process's), with the entries that held tensors taken from this process's
+        stage-tensor file, tensors put back."""
         path = os.path.join(checkpoint, LOOPKIT_STATE_NAME)
         if not os.path.isfile(path):
             return {}  # a checkpoint written by HF Trainer
         with open(path) as f:
-            return json.load(f)
+            states = json.load(f)
+        acc = self.run.accelerator
+        tensor_path = os.path.join(checkpoint, stage_tensors_name(acc.num_processes, acc.process_index))
+        if not os.path.isfile(tensor_path):
+            return tensors_back(states, {})
+        from safetensors import safe_open
+
+        try:
+            with safe_open(tensor_path, framework="pt") as f:
+                own = json.loads(f.metadata()["stage_states"])
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except Exception as exc:
+            raise RuntimeError(f"{tensor_path} is corrupt or truncated ({exc}).") from exc
+        return tensors_back({**states, **own}, tensors)
 
     def load_optimizer_and_scheduler(self, checkpoint: str) -> None:
         """After `prepare`, on every process: a sharded model's shards, then (as HF: when the checkpoint has a

@@ -1,20 +1,32 @@
-"""Deterministic data order and randomness, so a resumed run sees exactly the batches (and random draws) an
-uninterrupted run would, without re-reading the data it already trained on.
+"""Deterministic data order and randomness: batches are read in HF Trainer's order, so random draws (a masking
+collator's, dropout's) match Trainer's, and a resumed run sees exactly the batches and draws an uninterrupted run
+would, without re-reading the data it already trained on.
 
-Three mechanisms, used by the data stage:
+The mechanisms, used by the data stage:
 
-* **No read-ahead in training.** Accelerate's loader fetches one batch ahead, so a collator that draws random numbers
-  in the main process (masked-LM masking) would run *before* the forward that precedes it and the RNG snapshot of a
-  checkpoint would fall between the two. The data stage iterates the underlying loader itself, so the global RNG is
-  consumed in program order: collate k, forward k, [checkpoint], collate k+1, ...
+* **Trainer's read order.** Trainer takes an optimizer step's whole accumulation window before its first forward
+  (`get_batch_samples`), and Accelerate's loader reads one batch ahead of the one it hands out. So the collator of
+  micro-batch k+1 runs before the forward of micro-batch k, and the first micro-batch of window w+1 is collated before
+  window w's forwards (and before the evaluation and the save after step w). `ReadAhead` reads in that order. A
+  collator that draws from the global RNG in the main process (`DataCollatorForLanguageModeling`'s masking) and a
+  model with dropout then consume the RNG as under Trainer, draw for draw.
+* **The pre-read batch is checkpointed.** At a checkpoint mid-epoch the next micro-batch has already been collated
+  (its random draws came before the last step's dropout), so the RNG state alone cannot reproduce it. The data
+  stage's state holds that batch as it was collated (`batch_state`: tensors, which the checkpoint writes to
+  safetensors, and JSON structure); a resumed run skips the sampler past it and hands it out first
+  (`ReadAhead(primed=...)`). Anything read after it is read after the restored RNG, as in the uninterrupted run.
+* **Collators with their own generator.** A collator with a seeded generator (`DataCollatorForLanguageModeling(
+  seed=...)`) draws from it instead of the global RNG; its state is checkpointed (`collator_generators`).
 * **Worker randomness keyed by position.** With `num_workers > 0`, each worker is seeded from `(seed, epoch, rank,
   worker)` and, for map-style data, re-seeded before fetching each batch from `(seed, epoch, rank, batch index)`.
   A batch's random draws (augmentation in `__getitem__`, masking in the collator) then depend only on its position,
-  whichever worker fetches it and wherever the run resumed.
+  whichever worker fetches it and wherever the run resumed. (Trainer seeds workers otherwise, so with workers the
+  collator's draws are not Trainer's; dropout's, in the main process, still are.)
 * **Iterable datasets seek through their own state.** A dataset with `state_dict()` / `load_state_dict()` (as
-  `datasets.IterableDataset` has) is asked for its state at each checkpoint and restored on resume: O(1). That needs
-  `num_workers=0` (with workers the state lives in the worker processes). Otherwise the resumed epoch re-reads and
-  discards the consumed batches, with a warning that states the cost.
+  `datasets.IterableDataset` has) is asked for its state at each checkpoint, after the pre-read batch was read (the
+  position the resumed run continues from, once the stored batch is handed out), and restored on resume: O(1). That
+  needs `num_workers=0` (with workers the state lives in the worker processes). Otherwise the resumed epoch re-reads
+  and discards the consumed batches, with a warning that states the cost.
 * **Length-grouped order replayed.** `group_by_length` draws each epoch's order from the global RNG, as Trainer does;
   the RNG state it drew from is saved in checkpoints, and a run resumed mid-epoch draws the same order from it.
 """
@@ -141,3 +153,107 @@ def sample_lengths(dataset, args, processing_class) -> list[int]:
                            f"neither", f"add a '{args.length_column_name}' column (or set length_column_name) or "
                            "give each sample that key")
     return [len(sample[name]) for sample in dataset]
+
+
+class ReadAhead:
+    """An epoch's micro-batches in Accelerate's order: each `next()` reads the batch after the one it returns, so
+    the batch after the last one handed out (`pending`) is already collated, as under Trainer. `primed`: the
+    pre-read batch a checkpoint stored, handed out first (the loader is then positioned after it)."""
+
+    NOT_READ, END = object(), object()
+
+    def __init__(self, iterator, primed=None):
+        self.iterator = iterator
+        self.ahead = self.NOT_READ if primed is None else primed
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.ahead is self.END:
+            raise StopIteration
+        current = next(self.iterator) if self.ahead is self.NOT_READ else self.ahead
+        self.ahead = next(self.iterator, self.END)
+        return current
+
+    @property
+    def pending(self):
+        """The batch read ahead and not handed out yet; None if there is none."""
+        return None if self.ahead is self.NOT_READ or self.ahead is self.END else self.ahead
+
+
+def batch_state(batch):
+    """`batch` as JSON values with its tensors in place (a checkpoint writes them to safetensors), or None for a
+    batch holding something else (an object of the user's class, a numpy scalar): such a batch cannot be stored
+    without pickling. Tensors, numpy arrays, dicts with string keys, `BatchEncoding`, lists, tuples, str, int, float,
+    bool and None are kept with their types."""
+    from transformers import BatchEncoding
+
+    if isinstance(batch, torch.Tensor):
+        return {"tensor": batch}
+    if isinstance(batch, np.ndarray) and batch.dtype != object:
+        return {"ndarray": torch.from_numpy(batch)}
+    if batch is None or type(batch) in (str, int, float, bool):
+        return {"value": batch}
+    if type(batch) in (list, tuple):
+        items = [batch_state(item) for item in batch]
+        return None if any(item is None for item in items) else {type(batch).__name__: items}
+    if type(batch) in (dict, BatchEncoding) and all(isinstance(key, str) for key in batch):
+        items = {key: batch_state(value) for key, value in batch.items()}
+        kind = "dict" if type(batch) is dict else "batch_encoding"
+        return None if any(item is None for item in items.values()) else {kind: items}
+    return None
+
+
+def batch_from_state(state):
+    """The batch `batch_state` described."""
+    from transformers import BatchEncoding
+
+    (kind, value), = state.items()
+    if kind in ("tensor", "value"):
+        return value
+    if kind == "ndarray":
+        return value.numpy()
+    if kind in ("list", "tuple"):
+        items = [batch_from_state(item) for item in value]
+        return items if kind == "list" else tuple(items)
+    items = {key: batch_from_state(item) for key, item in value.items()}
+    return items if kind == "dict" else BatchEncoding(items)
+
+
+def collator_generators(collator) -> list:
+    """The collators, in `collator` and the wrappers around it (`.collator`), that draw from a seeded generator of
+    their own (`DataCollatorForLanguageModeling(seed=...)`: `seed` and `generator`)."""
+    owners = []
+    while collator is not None:
+        if getattr(collator, "seed", None) is not None and hasattr(collator, "generator"):
+            owners.append(collator)
+        collator = getattr(collator, "collator", None)
+    return owners
+
+
+def generator_state(owner):
+    """A collator's generator state: a uint8 tensor (torch), a dict (numpy), or None before its first batch."""
+    generator = owner.generator
+    if isinstance(generator, torch.Generator):
+        return generator.get_state()
+    if isinstance(generator, np.random.Generator):
+        return generator.bit_generator.state
+    return None
+
+
+def set_generator_state(owner, state) -> None:
+    """Restore what `generator_state` returned, creating the generator as the collator would at its first batch."""
+    if state is None:
+        return
+    kind = "pt" if isinstance(state, torch.Tensor) else "np"
+    if not isinstance(owner.generator, torch.Generator if kind == "pt" else np.random.Generator):
+        create = getattr(owner, "create_rng", None)  # HF's: also records the process that owns the generator
+        if create is not None:
+            create(kind)
+        else:
+            owner.generator = torch.Generator() if kind == "pt" else np.random.default_rng()
+    if kind == "pt":
+        owner.generator.set_state(state)
+    else:
+        owner.generator.bit_generator.state = state

@@ -6,7 +6,8 @@ Lifecycle of a stage within a `Loop` (see docs/stages.md for each stage's contra
     stage.load_state_dict(d)     at each train(): {} for a fresh run, the checkpoint's entry when resuming
     stage.prepare(...)           at each train(), where the stage has one (data: plan; step: optimizer, prepare)
     stage.on_<event>(...)        during the run: a stage hears each event before the callbacks do
-    stage.state_dict()           at each checkpoint: JSON values only, written to `loopkit_state.json`
+    stage.state_dict()           at each checkpoint: JSON values, written to `loopkit_state.json`, and tensors,
+                                 written to safetensors (a state holding tensors is this process's own)
 
 A stage reads what it needs from `self.run` and the arguments of its methods, writes only the run-state fields the
 table in `loopkit/run.py` gives it, and returns what it produces. It never reads another stage's attributes or

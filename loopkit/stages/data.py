@@ -8,8 +8,11 @@ Contract:
 * `plan(train_dataloader)` does the step and epoch arithmetic (`TrainingPlan`, HF's formulas).
 * `resume_point(checkpoint, global_step, plan)` says where a resumed run picks up (a `ResumePoint`).
 * `windows(epoch, plan, resume)` yields one `Window` of micro-batches per optimizer step of the epoch from
-  `run.train_dataloader`, skipping the micro-batches a resumed run already trained without collating them.
-* `state_dict()` is the data position (epoch, micro-batches, samples; an iterable dataset's own state).
+  `run.train_dataloader`, read in HF Trainer's order (the whole window before its first forward, and one batch
+  ahead: loopkit/data_order.py), skipping the micro-batches a resumed run already trained without collating them.
+* `state_dict()` is the data position (epoch, micro-batches, samples; an iterable dataset's own state), the batch
+  read ahead (its tensors, which the checkpoint writes to safetensors, and its structure), and the state of a
+  collator's own seeded generator.
 * Errors at the cause, before the first batch: `check_columns` (with `remove_unused_columns`, a column that is a
   near miss of a forward argument, or a missing column the forward or a padding collator needs; for a dataset
   that is neither a `datasets.Dataset` nor a list, on the first rows its loader reads), `check_padding` (a padding
@@ -37,7 +40,9 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 from ..args import config_error, nearest, plain
 from ..batches import has_length, without_columns
 from ..checkpoint import restore_rng_state
-from ..data_order import LengthGroupedOrder, PositionSeededDataset, WorkerSeeding, is_seekable, sample_lengths
+from ..data_order import (LengthGroupedOrder, PositionSeededDataset, ReadAhead, WorkerSeeding, batch_from_state,
+                          batch_state, collator_generators, generator_state, is_seekable, sample_lengths,
+                          set_generator_state)
 from ..distributed import prepare_iterable_train_loader
 from .base import Stage, base_model
 
@@ -130,6 +135,7 @@ class ResumePoint:
     micro_batches_to_skip: int
     dataset_state: dict | None = None  # an iterable dataset's own position (the seek protocol)
     rng: dict | None = None  # the RNG states to continue from (the checkpoint's, or later: see EvalStage)
+    read_ahead: object = None  # the batch the interrupted run had read ahead (handed out first), if stored
 
 
 class DataStage(Stage):
@@ -152,8 +158,11 @@ class DataStage(Stage):
         self.train_source = None  # the dataset the train loader reads (after column removal)
         self.worker_seeding = None
         self.epoch, self.micro_batches_done = 0, 0
-        self.saved_position = None  # the position read from a checkpoint, used by resume_point()
-        self.eval_loaders = {}  # name -> (dataset, its loader), kept only with persistent workers
+        self.reader = None  # the epoch's `ReadAhead`: its pending batch goes into checkpoints
+        self.saved = None  # the state read from a checkpoint, until the resumed run reads its first window
+        self.generators_after_read = None  # a seeded collator's generator state after the last window was read
+        self.unstorable_batch_warned = False
+        self.eval_loaders = {}  # kept only with persistent workers
         self.length_order = None  # the group_by_length sampler (LengthGroupedOrder), whose draw a resume replays
         self.saved_order_rng = None
 
@@ -425,17 +434,20 @@ class DataStage(Stage):
                             total_batch, args.max_steps * ga, args.max_steps)
 
     def resume_point(self, checkpoint, global_step: int, plan: TrainingPlan) -> ResumePoint | None:
-        """Where a resumed run picks up: whole epochs done, and micro-batches of the current epoch to skip.
+        """Where a resumed run picks up: whole epochs done, micro-batches of the current epoch to skip, and the batch
+        the interrupted run had read ahead.
 
         loopkit checkpoints store the position in global samples, so a run resumes on another number of processes
         or with another batch size (back to the last whole micro-batch, with a warning, when the samples are not a
-        whole number of them). HF checkpoints have no position: it is derived from `global_step` as HF does."""
+        whole number of them; the batch read ahead is then read again: same samples, other random draws). HF
+        checkpoints have no position: it is derived from `global_step` as HF does.
+        """
         if checkpoint is None:
             return None
         args, rng = self.run.args, self.run.checkpointer.read_rng(checkpoint)
         if args.ignore_data_skip:
             return ResumePoint(checkpoint, global_step // plan.num_update_steps_per_epoch, 0, rng=rng)
-        saved = self.saved_position
+        saved = (self.saved or {}).get("position")
         if saved is None:
             return ResumePoint(checkpoint, global_step // plan.num_update_steps_per_epoch,
                                (global_step % plan.num_update_steps_per_epoch) * args.gradient_accumulation_steps,
@@ -449,18 +461,27 @@ class DataStage(Stage):
                           f"{saved['samples'] - skip * samples_per_micro_batch} of them are trained on again.")
         if plan.steps_in_epoch and skip >= plan.steps_in_epoch and has_length(self.run.train_dataloader):
             epoch, skip = epoch + 1, 0  # the checkpoint closed its epoch
-        return ResumePoint(checkpoint, epoch, skip, saved.get("dataset_state"), rng)
+        stored = self.saved.get("read_ahead")
+        # The stored batch is the next one only at the same number of processes and the same micro-batch size.
+        same_batches = stored is not None and stored["processes"] == self.run.accelerator.num_processes \
+            and saved.get("micro_batches") == skip
+        read_ahead = batch_from_state(stored["batch"]) if same_batches and skip else None
+        return ResumePoint(checkpoint, epoch, skip, saved.get("dataset_state"), rng, read_ahead)
 
     # -- the epoch's micro-batches, grouped by optimizer step --
     def windows(self, epoch: int, plan: TrainingPlan, resume: ResumePoint | None):
-        """Yield one `Window` per optimizer step. See `loopkit/data_order.py` for why this reads no batch ahead and
-        when the RNG of a resumed run is restored."""
+        """Yield one `Window` per optimizer step, read in Trainer's order: a window's micro-batches before its first
+        forward, and one batch ahead (`ReadAhead`). See `loopkit/data_order.py` for why, and for when the RNG of a
+        resumed run is restored."""
         from accelerate.utils import send_to_device
 
         run, ga = self.run, self.run.args.gradient_accumulation_steps
         resuming = resume is not None and epoch == resume.epochs_trained
         skip = resume.micro_batches_to_skip if resuming else 0
-        iterator, loader = self.epoch_iterator(epoch, skip, resume if resuming else None)
+        self.saved = None  # from here on the state is the live one
+        reader, loader = self.epoch_iterator(epoch, skip, resume if resuming else None)
+        self.reader = reader
+        generators = self.seeded_collators()
         device, non_blocking = run.accelerator.device, getattr(loader, "_non_blocking", False)
         last_window_size = plan.steps_in_epoch % ga or ga
         self.epoch, self.micro_batches_done = epoch, skip
@@ -470,37 +491,42 @@ class DataStage(Stage):
             with run.clock.span("data"):
                 for _ in range(size):
                     try:
-                        batches.append(send_to_device(next(iterator), device, non_blocking=non_blocking))
+                        batches.append(send_to_device(next(reader), device, non_blocking=non_blocking))
                     except StopIteration:
                         break
             if not batches:
                 return
+            if generators:  # what a checkpoint holds if an evaluation after this step is interrupted
+                self.generators_after_read = [generator_state(owner) for owner in generators]
             first = self.micro_batches_done
             self.micro_batches_done += len(batches)  # counted before the step: a checkpoint after it includes them
             yield Window(batches, first)
 
     def epoch_iterator(self, epoch: int, skip: int, resume: ResumePoint | None):
-        """The iterator over the epoch's micro-batches, positioned after the first `skip` (a resumed epoch), and
-        the loader it reads. The checkpoint's RNG is restored exactly where the uninterrupted run stood."""
+        """The epoch's micro-batches (a `ReadAhead`), positioned after the first `skip` (a resumed epoch; then the
+        batch the interrupted run had read ahead, if stored, comes first), and the loader it reads. The
+        checkpoint's RNG is restored exactly where the uninterrupted run stood."""
         if resume is not None and skip == 0 and resume.rng is not None:
             restore_rng_state(resume.rng)  # before the iterator: creating it draws from the RNG
+        primed = resume.read_ahead if resume is not None else None
         loader = self.run.train_dataloader
         set_epoch(loader, epoch)
         if self.worker_seeding is not None:
             self.worker_seeding.epoch = epoch
         if self.length_order is not None and skip and self.saved_order_rng is not None:
             self.length_order.replay(self.saved_order_rng)  # the interrupted epoch's order, drawn again
-        loader, discard = self.skip_batches(loader, skip, resume)
+        read = skip + (primed is not None)  # batches the interrupted run had read
+        loader, discard = self.skip_batches(loader, read, resume)
         dataset = getattr(loader, "dataset", None)
         if isinstance(dataset, PositionSeededDataset):
-            dataset.start_epoch(epoch, skip)
+            dataset.start_epoch(epoch, read)
         base = getattr(loader, "base_dataloader", loader)
-        iterator = iter(base)  # the plain loader: no read-ahead (Accelerate's shard fetches one batch ahead)
+        iterator = iter(base)  # the plain loader: ReadAhead reads ahead as Accelerate's shard would
         for _ in range(discard):
             next(iterator, None)
         if resume is not None and skip and resume.rng is not None:
-            restore_rng_state(resume.rng)  # the checkpoint's RNG was taken right before this batch
-        return iterator, loader
+            restore_rng_state(resume.rng)  # the checkpoint's RNG was taken after the batch read ahead
+        return ReadAhead(iterator, primed), loader
 
     def skip_batches(self, loader, skip: int, resume: ResumePoint | None):
         """Skip the first `skip` micro-batches as cheaply as the data allows: in the sampler (map-style), by the
@@ -522,19 +548,57 @@ class DataStage(Stage):
                       f"dataloader_num_workers=0.")
         return loader, skip
 
-    # -- checkpointed state: the data position --
+    def seeded_collators(self) -> list:
+        """The run's collators with a seeded generator of their own, when it draws in this process (no workers)."""
+        return collator_generators(self.collator) if self.run.args.dataloader_num_workers == 0 else []
+
+    # -- checkpointed state: the data position, the batch read ahead, a collator's generator --
     def state_dict(self) -> dict:
+        if self.saved is not None:  # resumed, no window read yet (a pending evaluation's save): as it was loaded
+            state = {key: value for key, value in self.saved.items() if key != "collator_generators"}
+        else:
+            state = self.position_state()
+        generators = self.seeded_collators()
+        if generators:
+            # A checkpoint taken for an interrupted evaluation holds the RNG from before it (see Schedule), so the
+            # generator from then too: after the last window was read.
+            before_evaluation = self.run.checkpointer.rng_for_next_save is not None and \
+                self.generators_after_read is not None
+            state["collator_generators"] = self.generators_after_read if before_evaluation else \
+                [generator_state(owner) for owner in generators]
+        return state
+
+    def position_state(self) -> dict:
         run = self.run
         samples = self.micro_batches_done * self.train_batch_size() * run.accelerator.num_processes
         position = {"epoch": self.epoch, "micro_batches": self.micro_batches_done, "samples": samples}
         if isinstance(self.train_source, IterableDataset) and is_seekable(self.train_source) and \
                 run.args.dataloader_num_workers == 0:
-            position["dataset_state"] = self.train_source.state_dict()
+            position["dataset_state"] = self.train_source.state_dict()  # after the batch read ahead
         state = {"position": position}
+        pending = self.reader.pending if self.reader is not None else None
+        if pending is not None:
+            stored = batch_state(pending)
+            if stored is not None:
+                state["read_ahead"] = {"processes": run.accelerator.num_processes, "batch": stored}
+            elif not self.unstorable_batch_warned:
+                self.unstorable_batch_warned = True
+                warnings.warn(f"The batch read ahead ({type(pending).__name__}) holds values a checkpoint cannot "
+                              f"store without pickling (tensors, numpy arrays, dicts, lists, tuples, str, int, "
+                              f"float, bool and None can be stored): a run resumed from this checkpoint reads it "
+                              f"again: the same samples, but random draws made while collating it differ from the "
+                              f"uninterrupted run. Return those types from the collator for an exact resume.")
         if self.length_order is not None and self.length_order.drawn_from is not None:
             state["length_order_rng"] = self.length_order.drawn_from
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.saved_position = state.get("position")
+        self.saved = state or None
+        self.reader, self.generators_after_read = None, None
         self.saved_order_rng = state.get("length_order_rng")
+        saved_generators = state.get("collator_generators")
+        owners = self.seeded_collators()
+        if saved_generators is not None and len(saved_generators) == len(owners):
+            for owner, generator in zip(owners, saved_generators):
+                set_generator_state(owner, generator)
+            self.generators_after_read = saved_generators
