@@ -158,12 +158,14 @@ def sample_lengths(dataset, args, processing_class) -> list[int]:
 class ReadAhead:
     """An epoch's micro-batches in Accelerate's order: each `next()` reads the batch after the one it returns, so
     the batch after the last one handed out (`pending`) is already collated, as under Trainer. `primed`: the
-    pre-read batch a checkpoint stored, handed out first (the loader is then positioned after it)."""
+    pre-read batch a checkpoint stored, handed out first (the loader is then positioned after it). With
+    `read_ahead=False` (a loader of the user's own that Accelerate does not wrap: Trainer reads it as it is) nothing
+    is read before it is handed out, and nothing past the epoch's last batch."""
 
     NOT_READ, END = object(), object()
 
-    def __init__(self, iterator, primed=None):
-        self.iterator = iterator
+    def __init__(self, iterator, primed=None, read_ahead: bool = True):
+        self.iterator, self.read_ahead = iterator, read_ahead
         self.ahead = self.NOT_READ if primed is None else primed
 
     def __iter__(self):
@@ -173,7 +175,7 @@ class ReadAhead:
         if self.ahead is self.END:
             raise StopIteration
         current = next(self.iterator) if self.ahead is self.NOT_READ else self.ahead
-        self.ahead = next(self.iterator, self.END)
+        self.ahead = next(self.iterator, self.END) if self.read_ahead else self.NOT_READ
         return current
 
     @property

@@ -526,7 +526,7 @@ class DataStage(Stage):
             next(iterator, None)
         if resume is not None and skip and resume.rng is not None:
             restore_rng_state(resume.rng)  # the checkpoint's RNG was taken after the batch read ahead
-        return ReadAhead(iterator, primed), loader
+        return ReadAhead(iterator, primed, read_ahead=base is not loader), loader
 
     def skip_batches(self, loader, skip: int, resume: ResumePoint | None):
         """Skip the first `skip` micro-batches as cheaply as the data allows: in the sampler (map-style), by the
