@@ -8,11 +8,13 @@ compilations, wherever they fall; counted too, loopkit/compilation.py), data, fo
 (the training logs, where a GPU run waits for its device), callbacks, evaluation, checkpoint, teardown (from the
 end of the last epoch) and the report itself; "other" is what falls between them (the loop's own bookkeeping).
 
-At the end of a run (and when it fails) the teardown stage writes `run_report.json` and `run_report.md` to the
-output folder and prints a one-screen summary. The PNG charts (loss with eval loss, the best checkpoint and resumes;
-the learning rate with its warmup; one axis per evaluation metric; throughput) are drawn after `train()` returns, by
-a background thread (one chart job at a time, in order; the interpreter waits for it before exiting;
-`wait_for_charts()` waits for it explicitly). Without matplotlib the report says how to get them.
+At the end of a run (and when it fails or is interrupted) the teardown stage draws the PNG charts (loss with eval
+loss, the best checkpoint and resumes; the learning rate with its warmup; one axis per evaluation metric;
+throughput), writes `run_report.json` and `run_report.md` to the output folder (each atomically: a temporary file,
+flushed, renamed) and prints a one-screen summary, all before `train()` returns or raises: no thread of loopkit's
+writes into the user's folder afterwards, and every file the summary names exists when it is printed. Drawing is
+timed as part of the "report" phase; `TeardownStage(charts=False)` skips it. Without matplotlib the report says how
+to get the charts.
 
 Slow steps: a step slower than 3x the rolling median and beyond the run's normal spread (median + 5 robust standard
 deviations, from the median absolute deviation), its scheduled evaluation and checkpoint left out. Each names its
@@ -33,7 +35,6 @@ import os
 import resource
 import statistics
 import sys
-import threading
 import time
 import warnings
 from collections import deque
@@ -276,14 +277,14 @@ def peak_device_memory_mb() -> float | None:
     return None
 
 
-def build_report(run, status: str, counters: dict, train_metrics: dict | None = None) -> dict:
-    """The report of a live run (called by the teardown stage): `run` is the `RunState`, `counters` the input tokens
-    and samples trained on. Building it is the "report" phase; the time by phase is read right after, so the files
-    written next are the only part of `train()` outside it."""
+def build_report(run, status: str, counters: dict, train_metrics: dict | None = None, charts: bool = True) -> dict:
+    """The report of a live run (called by the teardown stage), its charts drawn into the output folder (`charts`):
+    `run` is the `RunState`, `counters` the input tokens and samples trained on. Building it and drawing the charts
+    is the "report" phase; the time by phase is read right after, so writing the two small report files next is
+    the only part of `train()` outside it."""
     state, clock, args = run.state, run.clock, run.args
     with clock.span("report"):
         evals = [h for h in state.log_history if any(k.startswith("eval_") and k.endswith("_loss") for k in h)]
-        history = list(state.log_history)
         report = RunReport({
             "status": status, "output_dir": args.output_dir, "global_step": state.global_step,
             "max_steps": state.max_steps, "epoch": state.epoch, "final_metrics": evals[-1] if evals else {},
@@ -291,11 +292,11 @@ def build_report(run, status: str, counters: dict, train_metrics: dict | None = 
             "greater_is_better": args.greater_is_better, "best_checkpoint": state.best_model_checkpoint,
             "train_metrics": train_metrics or {}, "input_tokens": counters["tokens"],
             "peak_host_memory_mb": peak_host_memory_mb(), "peak_device_memory_mb": peak_device_memory_mb(),
-            "slow_steps": clock.slow_steps, "machine": clock.machine(), "log_history": history,
+            "slow_steps": clock.slow_steps, "machine": clock.machine(), "log_history": list(state.log_history),
             "best_step": state.best_global_step, "warmup_steps": args.get_warmup_steps(state.max_steps),
-            "interruption": interruption_record(run),
-            "charts": planned_charts({"log_history": history, "segments": clock.segments(state.global_step)}),
+            "interruption": interruption_record(run), "segments": clock.segments(state.global_step),
         })
+        report["charts"] = charts_drawn(report, args.output_dir) if charts else []
     clock.enter(None)  # closes the teardown phase: everything up to here is in the totals below
     segments = clock.segments(state.global_step)
     this_run = segments[-1]["seconds"]
@@ -315,8 +316,7 @@ class RunReport(dict):
 
 
 def report_markdown(report: dict) -> str:
-    """The report as Markdown: the summary, time by phase as a table, and the charts (waited for: they are drawn
-    after `train()` returns)."""
+    """The report as Markdown: the summary, time by phase as a table, and the charts."""
     summary = summary_text(report).splitlines()
     lines = [f"**{summary[0]}**", "", *(f"- {line.strip()}" for line in summary[1:]
                                          if not line.strip().startswith(("time by phase", "charts")))]
@@ -326,7 +326,6 @@ def report_markdown(report: dict) -> str:
         lines += [f"| {p} | {s:.2f} | {phases['percent'][p]:.0f} |" for p, s in phases["seconds"].items() if s > 0]
     charts = report.get("charts")
     if isinstance(charts, list) and charts:
-        wait_for_charts()
         lines += [""] + [f"![{c}]({os.path.join(report['output_dir'], c).replace(' ', '%20')})" for c in charts]
     return "\n".join(lines)
 
@@ -517,16 +516,21 @@ def chart_figure(name: str, report: dict):
     return fig
 
 
-def draw_charts(report: dict, folder: str) -> list[str]:
-    """Draw the charts of `report` into `folder` now. Uses matplotlib's object API, never pyplot: no global backend
-    switch in the user's process, no shared figure registry, safe off the main thread. Each PNG appears complete or
-    not at all (written under a temporary name, then renamed)."""
+def draw_charts(report: dict, folder: str, prefix: str = "") -> list[str]:
+    """Draw the charts of `report` into `folder` now (as `prefix` + each chart's name); returns the file names
+    written. Uses matplotlib's object API, never pyplot: no global backend switch in the user's process, no shared
+    figure registry. Each PNG appears complete or not at all (written under a temporary name, then renamed), and a
+    failure or an interruption mid-way leaves no temporary file behind."""
     written = []
     for name in chart_names(report):
-        path = os.path.join(folder, name)
-        chart_figure(name, report).savefig(path + ".tmp", format="png")
-        os.replace(path + ".tmp", path)
-        written.append(name)
+        path = os.path.join(folder, prefix + name)
+        try:
+            chart_figure(name, report).savefig(path + ".tmp", format="png")
+            os.replace(path + ".tmp", path)
+        finally:
+            if os.path.exists(path + ".tmp"):
+                os.remove(path + ".tmp")
+        written.append(prefix + name)
     # matplotlib caches open font files for the life of the process; a training library should not hold them.
     import matplotlib.font_manager
 
@@ -536,61 +540,17 @@ def draw_charts(report: dict, folder: str) -> list[str]:
     return written
 
 
-class ChartQueue:
-    """Chart jobs drawn one at a time, in order, by a background thread that exists only while there is work.
-
-    The thread is not a daemon: the interpreter waits for it at exit, so no chart is lost. One job at a time keeps
-    matplotlib's caches single-threaded; the next `train()` in the process (a hyper-parameter search) only shares
-    the CPU with it. A failed job is a warning, never an exception in the training thread."""
-
-    def __init__(self):
-        self.forget()
-        # A process forked while a job runs would inherit a held lock and no worker: it starts afresh instead.
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self.forget)
-
-    def forget(self) -> None:
-        self.jobs = deque()
-        self.lock = threading.Lock()
-        self.worker = None
-
-    def submit(self, report: dict, folder: str) -> None:
-        with self.lock:
-            self.jobs.append((report, folder))
-            if self.worker is None:
-                self.worker = threading.Thread(target=self.drain, name="loopkit-charts", daemon=False)
-                self.worker.start()
-
-    def drain(self) -> None:
-        while True:
-            with self.lock:
-                if not self.jobs:
-                    self.worker = None
-                    return
-                report, folder = self.jobs.popleft()
-            try:
-                draw_charts(report, folder)
-            except Exception as exc:
-                if not os.path.isdir(folder):
-                    continue  # the run's folder was deleted meanwhile (a temporary run): nobody wants its charts
-                warnings.warn(f"Could not draw the run's charts in {folder}: {type(exc).__name__}: {exc}. "
-                              f"`python -m loopkit report {folder}` draws them again.")
-
-    def wait(self) -> None:
-        while True:
-            with self.lock:
-                worker = self.worker
-            if worker is None:
-                return
-            worker.join()
-
-
-CHARTS = ChartQueue()
-
-
-def wait_for_charts() -> None:
-    """Block until every chart scheduled so far is drawn (the interpreter also waits for them at exit)."""
-    CHARTS.wait()
+def charts_drawn(report: dict, folder: str, prefix: str = "") -> list[str] | str:
+    """The report's "charts" entry after drawing them now: the files written, the sentence saying how to get
+    matplotlib, or what went wrong (a failed chart is a warning, never the run's exception)."""
+    planned = planned_charts(report)
+    if not isinstance(planned, list) or not planned:
+        return planned
+    try:
+        return draw_charts(report, folder, prefix)
+    except Exception as exc:
+        warnings.warn(f"Could not draw the run's charts in {folder}: {type(exc).__name__}: {exc}.")
+        return f"charts not drawn ({type(exc).__name__}: {exc}): python -m loopkit report {folder} draws them"
 
 
 # -- the report's text and files ---------------------------------------------------------------------------------
@@ -702,21 +662,33 @@ def summary_text(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_report(report: dict, folder: str, echo: bool = True) -> dict:
-    """run_report.json, run_report.md and the console summary; the charts go to the background queue."""
+def write_atomically(path: str, text: str) -> None:
+    """`text` into `path`, whole or not at all: written beside it, flushed to disk, then renamed over it (a reader,
+    a crash or a full disk never sees half a file; a failure leaves the previous file and no temporary one)."""
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_report(report: dict, folder: str, echo: bool = True, name: str = "run_report") -> dict:
+    """`name`.json and `name`.md (each written atomically) and the console summary; the charts are already drawn."""
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, REPORT_JSON), "w") as f:
-        json.dump(report, f, indent=2, default=str)
     text = summary_text(report)
     charts = report.get("charts")
-    with open(os.path.join(folder, REPORT_MD), "w") as f:
-        f.write("```\n" + text + "\n```\n")
-        for chart in charts if isinstance(charts, list) else []:
-            f.write(f"\n![{chart}]({chart})\n")
+    markdown = "```\n" + text + "\n```\n" + "".join(
+        f"\n![{chart}]({chart})\n" for chart in (charts if isinstance(charts, list) else []))
+    write_atomically(os.path.join(folder, name + ".json"), json.dumps(report, indent=2, default=str))
+    write_atomically(os.path.join(folder, name + ".md"), markdown)
     if echo:
         print(text)
-    if isinstance(charts, list) and charts:
-        CHARTS.submit(report, folder)  # last: from here on the drawing competes for the CPU
     return report
 
 
@@ -730,9 +702,7 @@ def report_from_files(run_dir: str) -> dict:
     newest = last_checkpoint(run_dir)
     if os.path.isfile(path) and (newest is None or os.path.getmtime(path) >= os.path.getmtime(newest)):
         with open(path) as f:
-            report = json.load(f)
-        report["charts"] = planned_charts(report)
-        return report
+            return json.load(f)
     if newest is None:
         raise FileNotFoundError(f"{run_dir} holds neither {REPORT_JSON} nor a checkpoint: nothing to report.")
     return report_from_checkpoint(run_dir, newest)
@@ -763,7 +733,6 @@ def report_from_checkpoint(run_dir: str, checkpoint: str) -> dict:
             "segments": segments, "time_by_phase": time_by_phase(segments), "log_history": history,
             "best_step": state.get("best_global_step"), "slow_steps": [], "interruption": None,
             "compile": compile_record(segments)}
-    report["charts"] = planned_charts(report)
     return report
 
 
@@ -775,5 +744,7 @@ def main(argv=None) -> int:
     report_cmd = sub.add_parser("report", help="rebuild the run report (summary, JSON, charts) of RUN_DIR")
     report_cmd.add_argument("run_dir")
     args = parser.parse_args(argv)
-    write_report(report_from_files(args.run_dir), args.run_dir)
-    return 0  # the interpreter waits for the charts before it exits
+    rebuilt = report_from_files(args.run_dir)
+    rebuilt["charts"] = charts_drawn(rebuilt, args.run_dir)
+    write_report(rebuilt, args.run_dir)
+    return 0

@@ -7,8 +7,10 @@ Contract:
   `on_train_end` and returns a `TrainOutput`.
 * `release()` frees what the run holds on the device (gradients, cached blocks); it also runs when training fails.
 * `write_run_report(status, counters, train_metrics)` writes the run report (loopkit/report.py: JSON summary, time
-  by phase, slow steps, charts, a console summary); a failed run gets its report too.
-  `last_report` keeps it (`loop.report` renders it in a notebook).
+  by phase, slow steps, charts, a console summary); a failed or interrupted run gets its report too. Everything is
+  written before it returns, so nothing of the run's is still being written when `train()` returns or raises.
+  `TeardownStage(charts=False)` writes no charts (e.g. for hyper-parameter search trials: drawing them is most of
+  the report's time). `last_report` keeps the report (`loop.report` renders it in a notebook).
 * `export(output_dir, example_inputs, formats)` writes the model in `save_pretrained`, `torch.export` and ONNX
   form, each checked against the live model.
 
@@ -37,6 +39,12 @@ class TeardownStage(Stage):
     """The end of a run."""
 
     last_report = None  # the latest run report (a `RunReport`: `loop.report`), on the main process
+    charts = True  # a subclass that does not call `__init__` keeps the default
+
+    def __init__(self, charts: bool = True):
+        """`charts`: draw the run report's PNG charts (loss, learning rate, evaluation metrics, throughput) into the
+        output folder at the end of each run (`python -m loopkit report RUN_DIR` draws them later too)."""
+        self.charts = charts
 
     def finish_training(self, plan, start_time: float, train_loss: float, steps_run: int) -> TrainOutput:
         run = self.run
@@ -65,7 +73,8 @@ class TeardownStage(Stage):
         if not run.accelerator.is_main_process:
             return
         try:
-            self.last_report = write_report(build_report(run, status, counters, train_metrics), run.args.output_dir)
+            report = build_report(run, status, counters, train_metrics, charts=self.charts)
+            self.last_report = write_report(report, run.args.output_dir)
         except Exception as exc:
             warnings.warn(f"Could not write the run report: {type(exc).__name__}: {exc}")
 
