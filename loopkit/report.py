@@ -23,8 +23,10 @@ machine reads as such; the report also says when the machine was busy over the r
 
 Each checkpoint carries a run record (`run_record()`, under "run_record" in `loopkit_state.json`): the elapsed time
 and phase totals of every stretch of training so far (one per resume), and the metric settings. A resumed run's
-report covers the whole run from it, and `python -m loopkit report RUN_DIR` rebuilds the report of a run killed
-before its teardown from its newest checkpoint. Time a killed run spent after its last checkpoint is in no file.
+report covers the whole run from it. `python -m loopkit report RUN_DIR` prints the run's own report when it covers
+the newest checkpoint (by save numbers, never file times), else rebuilds one from that checkpoint, its status from
+`run_status.json` (how the latest `train()` ended, or "running" if it never did), and writes it beside the run's own
+(`--force`: over it). Time a killed run spent after its last checkpoint is in no file.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ from collections import deque
 
 PHASES = ("setup", "compile", "data", "forward", "backward", "optimizer", "logging", "callbacks", "evaluation",
           "checkpoint", "teardown", "report")
-REPORT_JSON, REPORT_MD = "run_report.json", "run_report.md"
+REPORT_NAME, REBUILT_NAME = "run_report", "run_report.rebuilt"  # .json and .md
+STATUS_JSON = "run_status.json"  # how the latest train() ended (`write_run_status`)
+RUN_ENDS = ("running", "completed", "stopped_early", "interrupted", "failed")
 RUN_RECORD_KEY = "run_record"  # the run record's top-level key in loopkit_state.json
 # A slow step: slower than 3x the running median AND beyond the run's normal spread (median + 5 robust standard
 # deviations, from the median absolute deviation), once 20 steps give a median. A step's scheduled evaluation and
@@ -277,16 +281,18 @@ def peak_device_memory_mb() -> float | None:
     return None
 
 
-def build_report(run, status: str, counters: dict, train_metrics: dict | None = None, charts: bool = True) -> dict:
+def build_report(run, status: str, end: str, counters: dict, train_metrics: dict | None = None,
+                 charts: bool = True) -> dict:
     """The report of a live run (called by the teardown stage), its charts drawn into the output folder (`charts`):
-    `run` is the `RunState`, `counters` the input tokens and samples trained on. Building it and drawing the charts
+    `run` is the `RunState`, `end` how it ended (`RUN_ENDS`), `counters` the input tokens and samples trained on;
+    `saves` records the save number it covers (`is_current`). Building it and drawing the charts
     is the "report" phase; the time by phase is read right after, so writing the two small report files next is
     the only part of `train()` outside it."""
     state, clock, args = run.state, run.clock, run.args
     with clock.span("report"):
         evals = [h for h in state.log_history if any(k.startswith("eval_") and k.endswith("_loss") for k in h)]
         report = RunReport({
-            "status": status, "output_dir": args.output_dir, "global_step": state.global_step,
+            "status": status, "end": end, "output_dir": args.output_dir, "global_step": state.global_step,
             "max_steps": state.max_steps, "epoch": state.epoch, "final_metrics": evals[-1] if evals else {},
             "best_metric": state.best_metric, "metric_for_best_model": args.metric_for_best_model,
             "greater_is_better": args.greater_is_better, "best_checkpoint": state.best_model_checkpoint,
@@ -295,6 +301,7 @@ def build_report(run, status: str, counters: dict, train_metrics: dict | None = 
             "slow_steps": clock.slow_steps, "machine": clock.machine(), "log_history": list(state.log_history),
             "best_step": state.best_global_step, "warmup_steps": args.get_warmup_steps(state.max_steps),
             "interruption": interruption_record(run), "segments": clock.segments(state.global_step),
+            "saves": {"run_id": run.checkpointer.run_id, "save_index": run.checkpointer.next_save_index - 1},
         })
         report["charts"] = charts_drawn(report, args.output_dir) if charts else []
     clock.enter(None)  # closes the teardown phase: everything up to here is in the totals below
@@ -678,7 +685,7 @@ def write_atomically(path: str, text: str) -> None:
             os.remove(tmp)
 
 
-def write_report(report: dict, folder: str, echo: bool = True, name: str = "run_report") -> dict:
+def write_report(report: dict, folder: str, echo: bool = True, name: str = REPORT_NAME) -> dict:
     """`name`.json and `name`.md (each written atomically) and the console summary; the charts are already drawn."""
     os.makedirs(folder, exist_ok=True)
     text = summary_text(report)
@@ -692,20 +699,62 @@ def write_report(report: dict, folder: str, echo: bool = True, name: str = "run_
     return report
 
 
-def report_from_files(run_dir: str) -> dict:
-    """Rebuild the report of a finished or crashed run: its `run_report.json` if that is newer than its most
-    recently saved checkpoint, else that checkpoint's `trainer_state.json` and run record (a run killed before its
-    teardown)."""
-    from .checkpoint import last_checkpoint
+def write_run_status(folder: str, status: dict) -> None:
+    """`run_status.json`: how the latest `train()` in `folder` ended ("running" from its start until its end), for
+    a report rebuilt from a checkpoint (`report_from_files`) to say what the run's own report said."""
+    os.makedirs(folder, exist_ok=True)
+    write_atomically(os.path.join(folder, STATUS_JSON), json.dumps(status, indent=2))
 
-    path = os.path.join(run_dir, REPORT_JSON)
-    newest = last_checkpoint(run_dir)
-    if os.path.isfile(path) and (newest is None or os.path.getmtime(path) >= os.path.getmtime(newest)):
-        with open(path) as f:
-            return json.load(f)
+
+def read_json(path: str) -> dict | None:
+    """A JSON file's object; None when it is missing or unreadable (a file from a run killed mid-write: none of
+    loopkit's, which are written atomically)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def is_current(own: dict, newest) -> bool:
+    """Whether the run's own report covers the newest checkpoint (`newest`: its `CheckpointRecord`), by save
+    numbers (loopkit/checkpoint.py), else by steps: never by file times, which a copy or a restore changes."""
     if newest is None:
-        raise FileNotFoundError(f"{run_dir} holds neither {REPORT_JSON} nor a checkpoint: nothing to report.")
-    return report_from_checkpoint(run_dir, newest)
+        return True
+    saves = own.get("saves") or {}
+    if isinstance(saves.get("save_index"), int) and newest.save_index is not None:
+        return newest.save_index <= saves["save_index"]
+    return own.get("global_step", -1) >= newest.step
+
+
+def rebuilt_status(run_status: dict | None, newest) -> str:
+    """The status of a report rebuilt from checkpoint `newest`: what the run recorded of its end when that
+    checkpoint is its run's, and "incomplete" when that run never reached its end (killed, or the machine went)."""
+    name = os.path.basename(os.path.normpath(newest.path))
+    if run_status is None or run_status.get("run_id") != newest.run_id:
+        return f"incomplete (rebuilt from {name})"
+    if run_status.get("end") == "running":
+        return f"incomplete: the run stopped without reaching its end (killed?), rebuilt from {name}"
+    return f"{run_status['status']} (rebuilt from {name}, step {newest.step})"
+
+
+def report_from_files(run_dir: str, force: bool = False) -> tuple[dict, bool]:
+    """The report of a finished, failed or killed run from its folder, and whether it is the run's own: its
+    `run_report.json` when that covers the newest checkpoint (and not `force`), else a report rebuilt from that
+    checkpoint's `trainer_state.json` and run record, its status from `run_status.json`."""
+    from .checkpoint import checkpoints_by_recency
+
+    own = read_json(os.path.join(run_dir, REPORT_NAME + ".json"))
+    records = checkpoints_by_recency(run_dir)
+    newest = records[-1] if records else None
+    if own is not None and (newest is None or (not force and is_current(own, newest))):
+        return own, True
+    if newest is None:
+        raise FileNotFoundError(f"{run_dir} holds neither {REPORT_NAME}.json nor a checkpoint: nothing to report.")
+    report = report_from_checkpoint(run_dir, newest.path)
+    report["status"] = rebuilt_status(read_json(os.path.join(run_dir, STATUS_JSON)), newest)
+    return report, False
 
 
 def report_from_checkpoint(run_dir: str, checkpoint: str) -> dict:
@@ -741,10 +790,22 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m loopkit", description="loopkit command-line tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    report_cmd = sub.add_parser("report", help="rebuild the run report (summary, JSON, charts) of RUN_DIR")
+    report_cmd = sub.add_parser("report", help="print the run report of RUN_DIR and draw its charts; rebuild it "
+                                "from the newest checkpoint when the run's own report does not cover it")
     report_cmd.add_argument("run_dir")
+    report_cmd.add_argument("--force", action="store_true", help="rebuild from the newest checkpoint and write "
+                            "over the run's own run_report.* (otherwise a rebuilt report goes beside it)")
     args = parser.parse_args(argv)
-    rebuilt = report_from_files(args.run_dir)
-    rebuilt["charts"] = charts_drawn(rebuilt, args.run_dir)
-    write_report(rebuilt, args.run_dir)
+    report, own = report_from_files(args.run_dir, args.force)
+    if own:  # the run's own report: printed, its charts drawn again, its files left as the run wrote them
+        report["charts"] = charts_drawn(report, args.run_dir)
+        print(summary_text(report))
+        return 0
+    beside = not args.force and os.path.isfile(os.path.join(args.run_dir, REPORT_NAME + ".json"))
+    name = REBUILT_NAME if beside else REPORT_NAME
+    report["charts"] = charts_drawn(report, args.run_dir, prefix=name + "." if beside else "")
+    write_report(report, args.run_dir, name=name)
+    if beside:
+        print(f"  the run's own {REPORT_NAME}.json covers an earlier stretch and is kept; this rebuilt report is "
+              f"{name}.json (--force writes it over the run's own)")
     return 0

@@ -121,7 +121,8 @@ def test_a_crashed_run_reports_its_failure(tmp_path):
 
     with pytest.raises(RuntimeError):
         small_run(tmp_path, [Crash()], save_steps=2).train()
-    written = report.report_from_files(str(tmp_path))  # newer than checkpoint-4: the run's own report
+    written, own = report.report_from_files(str(tmp_path))  # it covers checkpoint-4: the run's own report
+    assert own and written["end"] == "failed"
     assert written["status"].startswith("failed: RuntimeError") and written["global_step"] == 5
     assert written["total_seconds"] > 0 and written["segments"][0]["to_step"] == 5
 
@@ -151,7 +152,8 @@ def test_killed_run_rebuilt_from_its_run_record_and_resumed_report_covers_the_wh
     assert all(is_png(out / chart) for chart in CHARTS)
     rebuilt = json.load(open(out / "run_report.json"))
     earliest, latest = bracket(killed, 6)
-    assert rebuilt["status"] == "incomplete (rebuilt from checkpoint-6)" and rebuilt["global_step"] == 6
+    assert rebuilt["status"] == "incomplete: the run stopped without reaching its end (killed?), rebuilt from " \
+        "checkpoint-6" and rebuilt["global_step"] == 6
     assert earliest - 0.01 <= rebuilt["total_seconds"] <= latest, (earliest, rebuilt["total_seconds"], latest)
     assert rebuilt["metric_for_best_model"] == "eval_loss" and rebuilt["greater_is_better"] is False
     assert sum(rebuilt["time_by_phase"]["seconds"].values()) == pytest.approx(rebuilt["total_seconds"], rel=1e-4)
@@ -181,8 +183,8 @@ def test_a_report_rebuilt_from_an_hf_trainer_checkpoint_says_unknown(tmp_path):
                    eval_steps=4, metric_for_best_model="eval_loss", use_cpu=True)
     Trainer(model=tiny_classifier(), args=args, train_dataset=classification_data(),
             eval_dataset=classification_data(8)).train()
-    rebuilt = report.report_from_files(str(tmp_path))
-    assert rebuilt["total_seconds"] is None and rebuilt["time_by_phase"] is None
+    rebuilt, own = report.report_from_files(str(tmp_path))
+    assert not own and rebuilt["total_seconds"] is None and rebuilt["time_by_phase"] is None
     assert rebuilt["metric_for_best_model"] is None  # trainer_state.json does not name it
     text = report.summary_text(rebuilt)
     assert "time unknown (steps 0-4 ran without a run record)" in text and "0.0 s" not in text
