@@ -19,7 +19,9 @@ to get the charts.
 Slow steps: a step slower than 3x the rolling median and beyond the run's normal spread (median + 5 robust standard
 deviations, from the median absolute deviation), its scheduled evaluation and checkpoint left out. Each names its
 phases, the load average and the process's share of a CPU during it, so a step slowed by other processes on a busy
-machine reads as such; the report also says when the machine was busy over the run (load average above the cores).
+machine reads as such; the report also says when the machine was busy over the run (load average above the cores),
+and, once, when a run on the CPU got far less CPU than torch's threads asked for (`cpu_starvation`): the threads,
+cores, load and CPU share, and how to set fewer threads.
 
 Each checkpoint carries a run record (`run_record()`, under "run_record" in `loopkit_state.json`): the elapsed time
 and phase totals of every stretch of training so far (one per resume), and the metric settings. A resumed run's
@@ -51,6 +53,8 @@ RUN_RECORD_KEY = "run_record"  # the run record's top-level key in loopkit_state
 # deviations, from the median absolute deviation), once 20 steps give a median. A step's scheduled evaluation and
 # checkpoint time is left out: it is expected, not slowness.
 SLOW_FACTOR, SLOW_SPREADS, SLOW_WARMUP = 3.0, 5.0, 20
+# A run starved of CPU: its process got under this share of the cores its torch threads could use, on a busy machine.
+STARVED_SHARE = 0.5
 MAD_TO_SIGMA = 1.4826  # the median absolute deviation of a normal distribution is 0.6745 sigma
 SCHEDULED_PHASES = ("evaluation", "checkpoint")
 TIMELINE_POINTS = 512  # the step timeline (throughput chart) keeps at most about this many points per segment
@@ -176,7 +180,7 @@ class PhaseClock:
         loads = [x for x in (self.load_at_start, load_end) if x is not None]
         return {"cores": cores, "load_average_start": self.load_at_start, "load_average_end": load_end,
                 "cpu_seconds_per_second": round(cpu / wall, 3) if wall > 0 else None,
-                "busy": bool(loads) and max(loads) > cores}
+                "busy": bool(loads) and max(loads) > cores, "torch_threads": torch_threads()}
 
     def segment(self, step: int) -> dict:
         """This stretch of training so far, as the run record stores it. The open background phase counts up to
@@ -268,6 +272,27 @@ def load_average() -> float | None:
         return None
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def cpu_starvation(machine: dict, on_cpu: bool) -> dict | None:
+    """Whether a run on the CPU got far less CPU than torch's threads asked for: several threads, a busy machine
+    (load average above the cores) and under half a core per thread it could run (`STARVED_SHARE`). Its threads
+    then wait for each other on cores other processes hold, and fewer threads run faster. None otherwise (a GPU
+    run's CPU waits for its device; on an idle machine a low share is waiting for something else)."""
+    threads, share = machine.get("torch_threads") or 1, machine.get("cpu_seconds_per_second")
+    if not on_cpu or threads < 2 or share is None or not machine.get("busy"):
+        return None
+    if share >= STARVED_SHARE * min(threads, machine["cores"]):
+        return None
+    load = max(x for x in (machine["load_average_start"], machine["load_average_end"]) if x is not None)
+    return {"torch_threads": threads, "cores": machine["cores"], "load_average": load,
+            "cpu_seconds_per_second": share, "suggested_threads": max(1, int(share))}
+
+
 def peak_host_memory_mb() -> float:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return round(peak / 1024 if sys.platform != "darwin" else peak / 2**20, 1)
@@ -291,6 +316,7 @@ def build_report(run, status: str, end: str, counters: dict, train_metrics: dict
     state, clock, args = run.state, run.clock, run.args
     with clock.span("report"):
         evals = [h for h in state.log_history if any(k.startswith("eval_") and k.endswith("_loss") for k in h)]
+        machine = clock.machine()
         report = RunReport({
             "status": status, "end": end, "output_dir": args.output_dir, "global_step": state.global_step,
             "max_steps": state.max_steps, "epoch": state.epoch, "final_metrics": evals[-1] if evals else {},
@@ -298,7 +324,8 @@ def build_report(run, status: str, end: str, counters: dict, train_metrics: dict
             "greater_is_better": args.greater_is_better, "best_checkpoint": state.best_model_checkpoint,
             "train_metrics": train_metrics or {}, "input_tokens": counters["tokens"],
             "peak_host_memory_mb": peak_host_memory_mb(), "peak_device_memory_mb": peak_device_memory_mb(),
-            "slow_steps": clock.slow_steps, "machine": clock.machine(), "log_history": list(state.log_history),
+            "slow_steps": clock.slow_steps, "machine": machine, "log_history": list(state.log_history),
+            "cpu_starved": cpu_starvation(machine, on_cpu=run.accelerator.device.type == "cpu"),
             "best_step": state.best_global_step, "warmup_steps": args.get_warmup_steps(state.max_steps),
             "interruption": interruption_record(run), "segments": clock.segments(state.global_step),
             "saves": {"run_id": run.checkpointer.run_id, "save_index": run.checkpointer.next_save_index - 1},
@@ -629,6 +656,18 @@ def slow_step_lines(report: dict) -> list[str]:
     return lines
 
 
+def starvation_lines(report: dict) -> list[str]:
+    """The one line of a run starved of CPU (`cpu_starvation`): the numbers and what to do."""
+    starved = report.get("cpu_starved")
+    if not starved:
+        return []
+    share, threads, fewer = starved["cpu_seconds_per_second"], starved["torch_threads"], starved["suggested_threads"]
+    return [f"  CPU starved: torch ran {threads} threads on {starved['cores']} cores under a load average of "
+            f"{starved['load_average']}, and the process got {share} CPU-seconds per second ({share / threads:.0%} "
+            f"of what its threads asked for): set fewer threads, OMP_NUM_THREADS={fewer} before Python starts or "
+            f"torch.set_num_threads({fewer})"]
+
+
 def summary_text(report: dict) -> str:
     """The one-screen summary, also the body of run_report.md."""
     lines = [f"loopkit run report: {report['status']}  ({report['output_dir']})", *interruption_lines(report),
@@ -660,7 +699,7 @@ def summary_text(report: dict) -> str:
             f"{a}-{b}" for a, b in phases.get("covers_steps", [])) + ")"
         lines.append(f"  time by phase{covered}: " + ", ".join(f"{p} {s:.2f}s ({phases['percent'][p]:.0f}%)"
                                                      for p, s in phases["seconds"].items() if s > 0))
-    lines += slow_step_lines(report)
+    lines += slow_step_lines(report) + starvation_lines(report)
     charts = report.get("charts")
     if isinstance(charts, list) and charts:
         lines.append("  charts: " + ", ".join(charts))
