@@ -291,10 +291,6 @@ def rung(rung_name: str, plan: dict, round_index: int, output_dir: str, threads:
         trainer = trainer_for(name, plan, model, train, tokenizer, clock, counted, seed, output_dir)
         training_loss = trainer.train().training_loss
         model = trainer.model
-        if name.startswith("loopkit"):
-            from loopkit.report import wait_for_charts
-
-            wait_for_charts()
     peak = peak_rss_mb(marks.get("reset", False))
     ends, begins = clock.ends, clock.begins
     tokens = torch.stack(counted).tolist()

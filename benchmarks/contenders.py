@@ -260,9 +260,5 @@ def train(contender: str, spec: TrainSpec, clock: StepClock, output_dir: str, re
     called_at = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume_from)
     seconds = time.perf_counter() - called_at
-    if contender == "loopkit":  # its charts are drawn after train(): not while the next contender is measured
-        from loopkit.report import wait_for_charts
-
-        wait_for_charts()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return TrainResult(trainer.model, trainer.state.global_step, losses, started_at, called_at, seconds)

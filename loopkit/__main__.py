@@ -1,4 +1,5 @@
-"""`python -m loopkit report RUN_DIR`: rebuild a run's report (see loopkit/report.py)."""
+"""`python -m loopkit report RUN_DIR [--force]`: print a run's report and draw its charts, rebuilt from its newest
+checkpoint when the run's own report does not cover it (see loopkit/report.py)."""
 
 import sys
 

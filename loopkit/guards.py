@@ -80,11 +80,11 @@ def under_launcher(num_processes: int) -> bool:
 
 
 def resume_call(checkpoint: str | None) -> str | None:
-    """The call that resumes from `checkpoint`, and for a script run with `--output_dir` (HF's example scripts) the
-    command line too."""
+    """The call that resumes from `checkpoint` (named without guessing what the user called their `Loop`), and for
+    a script run with `--output_dir` (HF's example scripts) the command line too."""
     if checkpoint is None:
         return None
-    call = f'trainer.train(resume_from_checkpoint="{os.path.abspath(checkpoint)}")'
+    call = f'train(resume_from_checkpoint="{os.path.abspath(checkpoint)}") on a Loop built as before'
     argv = [a for a in sys.argv if not a.startswith("--resume_from_checkpoint")]
     if "--output_dir" in argv or any(a.startswith("--output_dir=") for a in argv):
         command = " ".join(["python", *argv, "--resume_from_checkpoint", os.path.abspath(checkpoint)])

@@ -1,10 +1,16 @@
-"""The optimizer that `args.optim` names, built as HF Trainer 5.24 builds it.
+"""The optimizer that `args.optim` names and the learning-rate schedule, built as HF Trainer 5.24 builds them.
 
 Which class and keyword arguments each `optim` value means (with `optim_args`, GaLore/APOLLO target-module groups,
 layer-wise optimizers, LOMO's model) is transformers' own answer: the handlers of `transformers.trainer_optimizer`,
-the table `Trainer.get_optimizer_cls_and_kwargs` dispatches to. That module imports `training_args`, `trainer_utils`
-and `trainer_pt_utils`, never `transformers.trainer`, and only when an optimizer is built (`import loopkit` stays
-free of HF Trainer's modules). `build_optimizer` adds what `Trainer.create_optimizer` does around the handlers.
+the table `Trainer.get_optimizer_cls_and_kwargs` dispatches to. `build_optimizer` adds what
+`Trainer.create_optimizer` does around the handlers.
+
+Quiet by default: `transformers.trainer_optimizer` and `transformers.optimization` import
+`transformers.trainer_utils`, which imports peft, which imports bitsandbytes (on a machine without its kernels it
+prints warnings at import). So the optimizers of plain torch (`TORCH_HANDLERS`: adamw_torch, adamw_torch_fused, sgd,
+adagrad, rmsprop) and the common schedules (`LOCAL_SCHEDULES`: linear, cosine, constant, constant_with_warmup) are
+built here, exactly as transformers' handlers and `get_scheduler` build them (tests/test_quiet_imports.py compares
+them live); every other value goes through transformers, which imports what that value needs.
 
 What each value needs to run on a machine (a package, a device) is this module's table: transformers says it only
 by failing at `train()`, and loopkit refuses at construction instead, naming what is missing.
@@ -13,6 +19,9 @@ by failing at `train()`, and loopkit refuses at construction instead, naming wha
 from __future__ import annotations
 
 import importlib.util
+import math
+import sys
+from functools import partial
 
 from .args import config_error, plain
 
@@ -102,9 +111,47 @@ def check_low_rank_settings(args, name: str) -> None:
                            "set gradient_accumulation_steps=1, or use the optimizer without '_layerwise'")
 
 
+def parse_optim_args(optim_args: str | None) -> dict[str, str]:
+    """`optim_args` ("a=1,b=2") as a dict (copied from `transformers.trainer_optimizer._parse_optim_args`)."""
+    if not optim_args:
+        return {}
+    return dict(mapping.split("=") for mapping in optim_args.replace(" ", "").split(","))
+
+
+def optim_args_as(optim_args: dict, floats: tuple, flags: tuple = ()) -> dict:
+    """The `optim_args` a torch optimizer's handler reads: `floats` as floats, `flags` as booleans (HF's rule)."""
+    kwargs = {key: float(optim_args[key]) for key in floats if key in optim_args}
+    kwargs.update({key: optim_args[key].lower() in ("true", "1", "yes") for key in flags if key in optim_args})
+    return kwargs
+
+
+def torch_optimizer(args, lr_and_adam: dict) -> tuple:
+    """transformers' handlers for the optimizers of plain torch, spelled out (`TORCH_HANDLERS`)."""
+    import torch
+
+    name, lr = plain(args.optim), {"lr": args.learning_rate}
+    if name in ("adamw_torch", "adamw_torch_fused"):
+        return torch.optim.AdamW, {**lr_and_adam, **({"fused": True} if name == "adamw_torch_fused" else {})}
+    optim_args = parse_optim_args(args.optim_args)
+    if name == "sgd":
+        return torch.optim.SGD, {**lr, **optim_args_as(optim_args, ("momentum", "dampening", "weight_decay"),
+                                                        ("nesterov",))}
+    if name == "adagrad":
+        return torch.optim.Adagrad, {**lr, **optim_args_as(optim_args, ("lr_decay", "weight_decay", "eps"))}
+    return torch.optim.RMSprop, {**lr, **optim_args_as(optim_args, ("momentum", "alpha", "eps", "weight_decay"),
+                                                        ("centered",))}
+
+
+TORCH_HANDLERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop")
+
+
 def optimizer_cls_and_kwargs(args, model=None) -> tuple:
-    """`Trainer.get_optimizer_cls_and_kwargs(args, model)`, through transformers' own handlers."""
-    from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS, OptimizerContext, _parse_optim_args
+    """`Trainer.get_optimizer_cls_and_kwargs(args, model)`: the optimizers of plain torch built here, the others
+    through transformers' own handlers."""
+    lr_and_adam = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
+    if plain(args.optim) in TORCH_HANDLERS:
+        return torch_optimizer(args, lr_and_adam)
+    from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS, OptimizerContext
 
     handler = _OPTIMIZER_HANDLERS.get(plain(args.optim))
     if handler is None:
@@ -112,9 +159,23 @@ def optimizer_cls_and_kwargs(args, model=None) -> tuple:
                            "choose another optim value, or pass optimizer_cls_and_kwargs=(cls, kwargs) to Loop")
     context = OptimizerContext(
         args=args, model=model, optimizer_kwargs={"lr": args.learning_rate},
-        adam_kwargs={"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon},
-        optim_args=_parse_optim_args(args.optim_args))
+        adam_kwargs={"betas": lr_and_adam["betas"], "eps": lr_and_adam["eps"]},
+        optim_args=parse_optim_args(args.optim_args))
     return handler(context)
+
+
+def is_optimizer_factory(cls) -> bool:
+    """A factory called with the model, not an optimizer class (copied from `transformers.trainer_optimizer`)."""
+    import torch
+
+    return not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer))
+
+
+def has_mixed_dtensor(tensors) -> bool:
+    """Whether `tensors` span several device meshes (copied from `transformers.trainer_optimizer`)."""
+    from torch.distributed.tensor import DTensor
+
+    return len({t.device_mesh if isinstance(t, DTensor) else None for t in tensors}) > 1
 
 
 def build_optimizer(args, model, decay_parameter_names, cls_and_kwargs: tuple):
@@ -122,8 +183,6 @@ def build_optimizer(args, model, decay_parameter_names, cls_and_kwargs: tuple):
     `get_optimizer_cls_and_kwargs(args, model)`): decay / no-decay groups of the trainable parameters (one group per
     device mesh when they span several), replaced by the handler's own `params` / `model` / `optimizer_dict` (GaLore
     and APOLLO target groups, LOMO, layer-wise optimizers); a factory is called with the model."""
-    from transformers.trainer_optimizer import has_mixed_dtensor, is_optimizer_factory
-
     decay = set(decay_parameter_names)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
@@ -183,6 +242,66 @@ def backward_kwargs(args, lr_scheduler, optimizer) -> dict:
     return {"learning_rate": optimizer.param_groups[0]["lr"]}
 
 
+# The schedules built here (see the module docstring); the lambdas are copied from `transformers.optimization`.
+def linear_lambda(current_step: int, *, num_warmup_steps: int, num_training_steps: int):
+    if current_step < num_warmup_steps:
+        return float(current_step) / float(max(1, num_warmup_steps))
+    return max(0.0, float(num_training_steps - current_step) / float(max(1, num_training_steps - num_warmup_steps)))
+
+
+def cosine_lambda(current_step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float,
+                  min_lr_rate: float = 0.0):
+    if current_step < num_warmup_steps:
+        return float(current_step) / float(max(1, num_warmup_steps))
+    progress = float(current_step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
+    factor = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))
+    factor = factor * (1 - min_lr_rate) + min_lr_rate
+    return max(0, factor)
+
+
+def constant_lambda(_=None):
+    return 1
+
+
+def constant_with_warmup_lambda(current_step: int, *, num_warmup_steps: int):
+    if current_step < num_warmup_steps:
+        return float(current_step) / float(max(1.0, num_warmup_steps))
+    return 1.0
+
+
+def local_schedule(name: str, warmup: int, total: int):
+    """The LambdaLR multiplier `transformers.optimization.get_scheduler` builds for `name` without scheduler
+    keywords, or None for the types left to it (`LOCAL_SCHEDULES` are built here)."""
+    if name == "linear":
+        return partial(linear_lambda, num_warmup_steps=warmup, num_training_steps=total)
+    if name == "cosine":
+        return partial(cosine_lambda, num_warmup_steps=warmup, num_training_steps=total, num_cycles=0.5)
+    if name == "constant":
+        return constant_lambda
+    if name == "constant_with_warmup":
+        return partial(constant_with_warmup_lambda, num_warmup_steps=warmup)
+    return None
+
+
+LOCAL_SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
+
+
+def build_scheduler(name: str, optimizer, num_warmup_steps: int, num_training_steps: int, kwargs: dict | None):
+    """`transformers.optimization.get_scheduler(name, ...)`: `LOCAL_SCHEDULES` without scheduler keywords built
+    here, the others (with keywords, and for layer-wise optimizers, which need one scheduler per parameter) through
+    transformers."""
+    import torch
+
+    local = not kwargs and type(optimizer).__name__ != "LayerWiseDummyOptimizer"
+    multiplier = local_schedule(name, num_warmup_steps, num_training_steps) if local else None
+    if multiplier is None:
+        from transformers.optimization import get_scheduler
+
+        return get_scheduler(name, optimizer=optimizer, num_warmup_steps=num_warmup_steps,
+                             num_training_steps=num_training_steps, scheduler_specific_kwargs=kwargs)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+
+
 def steps_on_metrics(scheduler) -> bool:
     """`ReduceLROnPlateau` and transformers' `GreedyLR` step on an evaluation metric, not after every optimizer step
     (HF Trainer steps them after each evaluation, with `metric_for_best_model`)."""
@@ -190,7 +309,6 @@ def steps_on_metrics(scheduler) -> bool:
 
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         return True
-    from transformers.optimization import GreedyLR
-
-    return isinstance(scheduler, GreedyLR)
+    optimization = sys.modules.get("transformers.optimization")  # a GreedyLR exists only once it is imported
+    return optimization is not None and isinstance(scheduler, optimization.GreedyLR)
 

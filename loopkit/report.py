@@ -8,21 +8,27 @@ compilations, wherever they fall; counted too, loopkit/compilation.py), data, fo
 (the training logs, where a GPU run waits for its device), callbacks, evaluation, checkpoint, teardown (from the
 end of the last epoch) and the report itself; "other" is what falls between them (the loop's own bookkeeping).
 
-At the end of a run (and when it fails) the teardown stage writes `run_report.json` and `run_report.md` to the
-output folder and prints a one-screen summary. The PNG charts (loss with eval loss, the best checkpoint and resumes;
-the learning rate with its warmup; one axis per evaluation metric; throughput) are drawn after `train()` returns, by
-a background thread (one chart job at a time, in order; the interpreter waits for it before exiting;
-`wait_for_charts()` waits for it explicitly). Without matplotlib the report says how to get them.
+At the end of a run (and when it fails or is interrupted) the teardown stage draws the PNG charts (loss with eval
+loss, the best checkpoint and resumes; the learning rate with its warmup; one axis per evaluation metric;
+throughput), writes `run_report.json` and `run_report.md` to the output folder (each atomically: a temporary file,
+flushed, renamed) and prints a one-screen summary, all before `train()` returns or raises: no thread of loopkit's
+writes into the user's folder afterwards, and every file the summary names exists when it is printed. Drawing is
+timed as part of the "report" phase; `TeardownStage(charts=False)` skips it. Without matplotlib the report says how
+to get the charts.
 
 Slow steps: a step slower than 3x the rolling median and beyond the run's normal spread (median + 5 robust standard
 deviations, from the median absolute deviation), its scheduled evaluation and checkpoint left out. Each names its
 phases, the load average and the process's share of a CPU during it, so a step slowed by other processes on a busy
-machine reads as such; the report also says when the machine was busy over the run (load average above the cores).
+machine reads as such; the report also says when the machine was busy over the run (load average above the cores),
+and, once, when a run on the CPU got far less CPU than torch's threads asked for (`cpu_starvation`): the threads,
+cores, load and CPU share, and how to set fewer threads.
 
 Each checkpoint carries a run record (`run_record()`, under "run_record" in `loopkit_state.json`): the elapsed time
 and phase totals of every stretch of training so far (one per resume), and the metric settings. A resumed run's
-report covers the whole run from it, and `python -m loopkit report RUN_DIR` rebuilds the report of a run killed
-before its teardown from its newest checkpoint. Time a killed run spent after its last checkpoint is in no file.
+report covers the whole run from it. `python -m loopkit report RUN_DIR` prints the run's own report when it covers
+the newest checkpoint (by save numbers, never file times), else rebuilds one from that checkpoint, its status from
+`run_status.json` (how the latest `train()` ended, or "running" if it never did), and writes it beside the run's own
+(`--force`: over it). Time a killed run spent after its last checkpoint is in no file.
 """
 
 from __future__ import annotations
@@ -33,19 +39,22 @@ import os
 import resource
 import statistics
 import sys
-import threading
 import time
 import warnings
 from collections import deque
 
 PHASES = ("setup", "compile", "data", "forward", "backward", "optimizer", "logging", "callbacks", "evaluation",
           "checkpoint", "teardown", "report")
-REPORT_JSON, REPORT_MD = "run_report.json", "run_report.md"
+REPORT_NAME, REBUILT_NAME = "run_report", "run_report.rebuilt"  # .json and .md
+STATUS_JSON = "run_status.json"  # how the latest train() ended (`write_run_status`)
+RUN_ENDS = ("running", "completed", "stopped_early", "interrupted", "failed")
 RUN_RECORD_KEY = "run_record"  # the run record's top-level key in loopkit_state.json
 # A slow step: slower than 3x the running median AND beyond the run's normal spread (median + 5 robust standard
 # deviations, from the median absolute deviation), once 20 steps give a median. A step's scheduled evaluation and
 # checkpoint time is left out: it is expected, not slowness.
 SLOW_FACTOR, SLOW_SPREADS, SLOW_WARMUP = 3.0, 5.0, 20
+# A run starved of CPU: its process got under this share of the cores its torch threads could use, on a busy machine.
+STARVED_SHARE = 0.5
 MAD_TO_SIGMA = 1.4826  # the median absolute deviation of a normal distribution is 0.6745 sigma
 SCHEDULED_PHASES = ("evaluation", "checkpoint")
 TIMELINE_POINTS = 512  # the step timeline (throughput chart) keeps at most about this many points per segment
@@ -171,7 +180,7 @@ class PhaseClock:
         loads = [x for x in (self.load_at_start, load_end) if x is not None]
         return {"cores": cores, "load_average_start": self.load_at_start, "load_average_end": load_end,
                 "cpu_seconds_per_second": round(cpu / wall, 3) if wall > 0 else None,
-                "busy": bool(loads) and max(loads) > cores}
+                "busy": bool(loads) and max(loads) > cores, "torch_threads": torch_threads()}
 
     def segment(self, step: int) -> dict:
         """This stretch of training so far, as the run record stores it. The open background phase counts up to
@@ -263,6 +272,27 @@ def load_average() -> float | None:
         return None
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def cpu_starvation(machine: dict, on_cpu: bool) -> dict | None:
+    """Whether a run on the CPU got far less CPU than torch's threads asked for: several threads, a busy machine
+    (load average above the cores) and under half a core per thread it could run (`STARVED_SHARE`). Its threads
+    then wait for each other on cores other processes hold, and fewer threads run faster. None otherwise (a GPU
+    run's CPU waits for its device; on an idle machine a low share is waiting for something else)."""
+    threads, share = machine.get("torch_threads") or 1, machine.get("cpu_seconds_per_second")
+    if not on_cpu or threads < 2 or share is None or not machine.get("busy"):
+        return None
+    if share >= STARVED_SHARE * min(threads, machine["cores"]):
+        return None
+    load = max(x for x in (machine["load_average_start"], machine["load_average_end"]) if x is not None)
+    return {"torch_threads": threads, "cores": machine["cores"], "load_average": load,
+            "cpu_seconds_per_second": share, "suggested_threads": max(1, int(share))}
+
+
 def peak_host_memory_mb() -> float:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return round(peak / 1024 if sys.platform != "darwin" else peak / 2**20, 1)
@@ -276,26 +306,31 @@ def peak_device_memory_mb() -> float | None:
     return None
 
 
-def build_report(run, status: str, counters: dict, train_metrics: dict | None = None) -> dict:
-    """The report of a live run (called by the teardown stage): `run` is the `RunState`, `counters` the input tokens
-    and samples trained on. Building it is the "report" phase; the time by phase is read right after, so the files
-    written next are the only part of `train()` outside it."""
+def build_report(run, status: str, end: str, counters: dict, train_metrics: dict | None = None,
+                 charts: bool = True) -> dict:
+    """The report of a live run (called by the teardown stage), its charts drawn into the output folder (`charts`):
+    `run` is the `RunState`, `end` how it ended (`RUN_ENDS`), `counters` the input tokens and samples trained on;
+    `saves` records the save number it covers (`is_current`). Building it and drawing the charts
+    is the "report" phase; the time by phase is read right after, so writing the two small report files next is
+    the only part of `train()` outside it."""
     state, clock, args = run.state, run.clock, run.args
     with clock.span("report"):
         evals = [h for h in state.log_history if any(k.startswith("eval_") and k.endswith("_loss") for k in h)]
-        history = list(state.log_history)
+        machine = clock.machine()
         report = RunReport({
-            "status": status, "output_dir": args.output_dir, "global_step": state.global_step,
+            "status": status, "end": end, "output_dir": args.output_dir, "global_step": state.global_step,
             "max_steps": state.max_steps, "epoch": state.epoch, "final_metrics": evals[-1] if evals else {},
             "best_metric": state.best_metric, "metric_for_best_model": args.metric_for_best_model,
             "greater_is_better": args.greater_is_better, "best_checkpoint": state.best_model_checkpoint,
             "train_metrics": train_metrics or {}, "input_tokens": counters["tokens"],
             "peak_host_memory_mb": peak_host_memory_mb(), "peak_device_memory_mb": peak_device_memory_mb(),
-            "slow_steps": clock.slow_steps, "machine": clock.machine(), "log_history": history,
+            "slow_steps": clock.slow_steps, "machine": machine, "log_history": list(state.log_history),
+            "cpu_starved": cpu_starvation(machine, on_cpu=run.accelerator.device.type == "cpu"),
             "best_step": state.best_global_step, "warmup_steps": args.get_warmup_steps(state.max_steps),
-            "interruption": interruption_record(run),
-            "charts": planned_charts({"log_history": history, "segments": clock.segments(state.global_step)}),
+            "interruption": interruption_record(run), "segments": clock.segments(state.global_step),
+            "saves": {"run_id": run.checkpointer.run_id, "save_index": run.checkpointer.next_save_index - 1},
         })
+        report["charts"] = charts_drawn(report, args.output_dir) if charts else []
     clock.enter(None)  # closes the teardown phase: everything up to here is in the totals below
     segments = clock.segments(state.global_step)
     this_run = segments[-1]["seconds"]
@@ -315,8 +350,7 @@ class RunReport(dict):
 
 
 def report_markdown(report: dict) -> str:
-    """The report as Markdown: the summary, time by phase as a table, and the charts (waited for: they are drawn
-    after `train()` returns)."""
+    """The report as Markdown: the summary, time by phase as a table, and the charts."""
     summary = summary_text(report).splitlines()
     lines = [f"**{summary[0]}**", "", *(f"- {line.strip()}" for line in summary[1:]
                                          if not line.strip().startswith(("time by phase", "charts")))]
@@ -326,7 +360,6 @@ def report_markdown(report: dict) -> str:
         lines += [f"| {p} | {s:.2f} | {phases['percent'][p]:.0f} |" for p, s in phases["seconds"].items() if s > 0]
     charts = report.get("charts")
     if isinstance(charts, list) and charts:
-        wait_for_charts()
         lines += [""] + [f"![{c}]({os.path.join(report['output_dir'], c).replace(' ', '%20')})" for c in charts]
     return "\n".join(lines)
 
@@ -517,16 +550,21 @@ def chart_figure(name: str, report: dict):
     return fig
 
 
-def draw_charts(report: dict, folder: str) -> list[str]:
-    """Draw the charts of `report` into `folder` now. Uses matplotlib's object API, never pyplot: no global backend
-    switch in the user's process, no shared figure registry, safe off the main thread. Each PNG appears complete or
-    not at all (written under a temporary name, then renamed)."""
+def draw_charts(report: dict, folder: str, prefix: str = "") -> list[str]:
+    """Draw the charts of `report` into `folder` now (as `prefix` + each chart's name); returns the file names
+    written. Uses matplotlib's object API, never pyplot: no global backend switch in the user's process, no shared
+    figure registry. Each PNG appears complete or not at all (written under a temporary name, then renamed), and a
+    failure or an interruption mid-way leaves no temporary file behind."""
     written = []
     for name in chart_names(report):
-        path = os.path.join(folder, name)
-        chart_figure(name, report).savefig(path + ".tmp", format="png")
-        os.replace(path + ".tmp", path)
-        written.append(name)
+        path = os.path.join(folder, prefix + name)
+        try:
+            chart_figure(name, report).savefig(path + ".tmp", format="png")
+            os.replace(path + ".tmp", path)
+        finally:
+            if os.path.exists(path + ".tmp"):
+                os.remove(path + ".tmp")
+        written.append(prefix + name)
     # matplotlib caches open font files for the life of the process; a training library should not hold them.
     import matplotlib.font_manager
 
@@ -536,61 +574,17 @@ def draw_charts(report: dict, folder: str) -> list[str]:
     return written
 
 
-class ChartQueue:
-    """Chart jobs drawn one at a time, in order, by a background thread that exists only while there is work.
-
-    The thread is not a daemon: the interpreter waits for it at exit, so no chart is lost. One job at a time keeps
-    matplotlib's caches single-threaded; the next `train()` in the process (a hyper-parameter search) only shares
-    the CPU with it. A failed job is a warning, never an exception in the training thread."""
-
-    def __init__(self):
-        self.forget()
-        # A process forked while a job runs would inherit a held lock and no worker: it starts afresh instead.
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self.forget)
-
-    def forget(self) -> None:
-        self.jobs = deque()
-        self.lock = threading.Lock()
-        self.worker = None
-
-    def submit(self, report: dict, folder: str) -> None:
-        with self.lock:
-            self.jobs.append((report, folder))
-            if self.worker is None:
-                self.worker = threading.Thread(target=self.drain, name="loopkit-charts", daemon=False)
-                self.worker.start()
-
-    def drain(self) -> None:
-        while True:
-            with self.lock:
-                if not self.jobs:
-                    self.worker = None
-                    return
-                report, folder = self.jobs.popleft()
-            try:
-                draw_charts(report, folder)
-            except Exception as exc:
-                if not os.path.isdir(folder):
-                    continue  # the run's folder was deleted meanwhile (a temporary run): nobody wants its charts
-                warnings.warn(f"Could not draw the run's charts in {folder}: {type(exc).__name__}: {exc}. "
-                              f"`python -m loopkit report {folder}` draws them again.")
-
-    def wait(self) -> None:
-        while True:
-            with self.lock:
-                worker = self.worker
-            if worker is None:
-                return
-            worker.join()
-
-
-CHARTS = ChartQueue()
-
-
-def wait_for_charts() -> None:
-    """Block until every chart scheduled so far is drawn (the interpreter also waits for them at exit)."""
-    CHARTS.wait()
+def charts_drawn(report: dict, folder: str, prefix: str = "") -> list[str] | str:
+    """The report's "charts" entry after drawing them now: the files written, the sentence saying how to get
+    matplotlib, or what went wrong (a failed chart is a warning, never the run's exception)."""
+    planned = planned_charts(report)
+    if not isinstance(planned, list) or not planned:
+        return planned
+    try:
+        return draw_charts(report, folder, prefix)
+    except Exception as exc:
+        warnings.warn(f"Could not draw the run's charts in {folder}: {type(exc).__name__}: {exc}.")
+        return f"charts not drawn ({type(exc).__name__}: {exc}): python -m loopkit report {folder} draws them"
 
 
 # -- the report's text and files ---------------------------------------------------------------------------------
@@ -662,6 +656,18 @@ def slow_step_lines(report: dict) -> list[str]:
     return lines
 
 
+def starvation_lines(report: dict) -> list[str]:
+    """The one line of a run starved of CPU (`cpu_starvation`): the numbers and what to do."""
+    starved = report.get("cpu_starved")
+    if not starved:
+        return []
+    share, threads, fewer = starved["cpu_seconds_per_second"], starved["torch_threads"], starved["suggested_threads"]
+    return [f"  CPU starved: torch ran {threads} threads on {starved['cores']} cores under a load average of "
+            f"{starved['load_average']}, and the process got {share} CPU-seconds per second ({share / threads:.0%} "
+            f"of what its threads asked for): set fewer threads, OMP_NUM_THREADS={fewer} before Python starts or "
+            f"torch.set_num_threads({fewer})"]
+
+
 def summary_text(report: dict) -> str:
     """The one-screen summary, also the body of run_report.md."""
     lines = [f"loopkit run report: {report['status']}  ({report['output_dir']})", *interruption_lines(report),
@@ -693,7 +699,7 @@ def summary_text(report: dict) -> str:
             f"{a}-{b}" for a, b in phases.get("covers_steps", [])) + ")"
         lines.append(f"  time by phase{covered}: " + ", ".join(f"{p} {s:.2f}s ({phases['percent'][p]:.0f}%)"
                                                      for p, s in phases["seconds"].items() if s > 0))
-    lines += slow_step_lines(report)
+    lines += slow_step_lines(report) + starvation_lines(report)
     charts = report.get("charts")
     if isinstance(charts, list) and charts:
         lines.append("  charts: " + ", ".join(charts))
@@ -702,40 +708,92 @@ def summary_text(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_report(report: dict, folder: str, echo: bool = True) -> dict:
-    """run_report.json, run_report.md and the console summary; the charts go to the background queue."""
+def write_atomically(path: str, text: str) -> None:
+    """`text` into `path`, whole or not at all: written beside it, flushed to disk, then renamed over it (a reader,
+    a crash or a full disk never sees half a file; a failure leaves the previous file and no temporary one)."""
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_report(report: dict, folder: str, echo: bool = True, name: str = REPORT_NAME) -> dict:
+    """`name`.json and `name`.md (each written atomically) and the console summary; the charts are already drawn."""
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, REPORT_JSON), "w") as f:
-        json.dump(report, f, indent=2, default=str)
     text = summary_text(report)
     charts = report.get("charts")
-    with open(os.path.join(folder, REPORT_MD), "w") as f:
-        f.write("```\n" + text + "\n```\n")
-        for chart in charts if isinstance(charts, list) else []:
-            f.write(f"\n![{chart}]({chart})\n")
+    markdown = "```\n" + text + "\n```\n" + "".join(
+        f"\n![{chart}]({chart})\n" for chart in (charts if isinstance(charts, list) else []))
+    write_atomically(os.path.join(folder, name + ".json"), json.dumps(report, indent=2, default=str))
+    write_atomically(os.path.join(folder, name + ".md"), markdown)
     if echo:
         print(text)
-    if isinstance(charts, list) and charts:
-        CHARTS.submit(report, folder)  # last: from here on the drawing competes for the CPU
     return report
 
 
-def report_from_files(run_dir: str) -> dict:
-    """Rebuild the report of a finished or crashed run: its `run_report.json` if that is newer than its most
-    recently saved checkpoint, else that checkpoint's `trainer_state.json` and run record (a run killed before its
-    teardown)."""
-    from .checkpoint import last_checkpoint
+def write_run_status(folder: str, status: dict) -> None:
+    """`run_status.json`: how the latest `train()` in `folder` ended ("running" from its start until its end), for
+    a report rebuilt from a checkpoint (`report_from_files`) to say what the run's own report said."""
+    os.makedirs(folder, exist_ok=True)
+    write_atomically(os.path.join(folder, STATUS_JSON), json.dumps(status, indent=2))
 
-    path = os.path.join(run_dir, REPORT_JSON)
-    newest = last_checkpoint(run_dir)
-    if os.path.isfile(path) and (newest is None or os.path.getmtime(path) >= os.path.getmtime(newest)):
-        with open(path) as f:
-            report = json.load(f)
-        report["charts"] = planned_charts(report)
-        return report
+
+def read_json(path: str) -> dict | None:
+    """A JSON file's object; None when it is missing or unreadable (a file from a run killed mid-write: none of
+    loopkit's, which are written atomically)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def is_current(own: dict, newest) -> bool:
+    """Whether the run's own report covers the newest checkpoint (`newest`: its `CheckpointRecord`), by save
+    numbers (loopkit/checkpoint.py), else by steps: never by file times, which a copy or a restore changes."""
     if newest is None:
-        raise FileNotFoundError(f"{run_dir} holds neither {REPORT_JSON} nor a checkpoint: nothing to report.")
-    return report_from_checkpoint(run_dir, newest)
+        return True
+    saves = own.get("saves") or {}
+    if isinstance(saves.get("save_index"), int) and newest.save_index is not None:
+        return newest.save_index <= saves["save_index"]
+    return own.get("global_step", -1) >= newest.step
+
+
+def rebuilt_status(run_status: dict | None, newest) -> str:
+    """The status of a report rebuilt from checkpoint `newest`: what the run recorded of its end when that
+    checkpoint is its run's, and "incomplete" when that run never reached its end (killed, or the machine went)."""
+    name = os.path.basename(os.path.normpath(newest.path))
+    if run_status is None or run_status.get("run_id") != newest.run_id:
+        return f"incomplete (rebuilt from {name})"
+    if run_status.get("end") == "running":
+        return f"incomplete: the run stopped without reaching its end (killed?), rebuilt from {name}"
+    return f"{run_status['status']} (rebuilt from {name}, step {newest.step})"
+
+
+def report_from_files(run_dir: str, force: bool = False) -> tuple[dict, bool]:
+    """The report of a finished, failed or killed run from its folder, and whether it is the run's own: its
+    `run_report.json` when that covers the newest checkpoint (and not `force`), else a report rebuilt from that
+    checkpoint's `trainer_state.json` and run record, its status from `run_status.json`."""
+    from .checkpoint import checkpoints_by_recency
+
+    own = read_json(os.path.join(run_dir, REPORT_NAME + ".json"))
+    records = checkpoints_by_recency(run_dir)
+    newest = records[-1] if records else None
+    if own is not None and (newest is None or (not force and is_current(own, newest))):
+        return own, True
+    if newest is None:
+        raise FileNotFoundError(f"{run_dir} holds neither {REPORT_NAME}.json nor a checkpoint: nothing to report.")
+    report = report_from_checkpoint(run_dir, newest.path)
+    report["status"] = rebuilt_status(read_json(os.path.join(run_dir, STATUS_JSON)), newest)
+    return report, False
 
 
 def report_from_checkpoint(run_dir: str, checkpoint: str) -> dict:
@@ -763,7 +821,6 @@ def report_from_checkpoint(run_dir: str, checkpoint: str) -> dict:
             "segments": segments, "time_by_phase": time_by_phase(segments), "log_history": history,
             "best_step": state.get("best_global_step"), "slow_steps": [], "interruption": None,
             "compile": compile_record(segments)}
-    report["charts"] = planned_charts(report)
     return report
 
 
@@ -772,8 +829,22 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m loopkit", description="loopkit command-line tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    report_cmd = sub.add_parser("report", help="rebuild the run report (summary, JSON, charts) of RUN_DIR")
+    report_cmd = sub.add_parser("report", help="print the run report of RUN_DIR and draw its charts; rebuild it "
+                                "from the newest checkpoint when the run's own report does not cover it")
     report_cmd.add_argument("run_dir")
+    report_cmd.add_argument("--force", action="store_true", help="rebuild from the newest checkpoint and write "
+                            "over the run's own run_report.* (otherwise a rebuilt report goes beside it)")
     args = parser.parse_args(argv)
-    write_report(report_from_files(args.run_dir), args.run_dir)
-    return 0  # the interpreter waits for the charts before it exits
+    report, own = report_from_files(args.run_dir, args.force)
+    if own:  # the run's own report: printed, its charts drawn again, its files left as the run wrote them
+        report["charts"] = charts_drawn(report, args.run_dir)
+        print(summary_text(report))
+        return 0
+    beside = not args.force and os.path.isfile(os.path.join(args.run_dir, REPORT_NAME + ".json"))
+    name = REBUILT_NAME if beside else REPORT_NAME
+    report["charts"] = charts_drawn(report, args.run_dir, prefix=name + "." if beside else "")
+    write_report(report, args.run_dir, name=name)
+    if beside:
+        print(f"  the run's own {REPORT_NAME}.json covers an earlier stretch and is kept; this rebuilt report is "
+              f"{name}.json (--force writes it over the run's own)")
+    return 0

@@ -40,7 +40,6 @@ def interrupted_then_resumed(out, monkeypatch):
     with pytest.raises(TrainingInterrupted):
         loop([SignalAtStep(signal.SIGINT, 10)]).train()
     loop().train(resume_from_checkpoint=True)
-    report.wait_for_charts()
     return json.load(open(out / "run_report.json"))
 
 

@@ -50,13 +50,14 @@ def test_sigterm_under_a_scheduler_says_what_it_does_saves_and_exits_143(tmp_pat
     assert plan_line(out, "SIGTERM", 3) in printed, printed[-3000:]
     assert printed.index(plan_line(out, "SIGTERM", 3)) < printed.index("'epoch': '0.375'")
     assert f"loopkit run report: interrupted by SIGTERM: saved {out}/checkpoint-3" in printed
-    assert f'resume with: trainer.train(resume_from_checkpoint="{out}/checkpoint-3")' in printed
+    assert f'resume with: train(resume_from_checkpoint="{out}/checkpoint-3") on a Loop built as before' in printed
     assert "after train()" not in printed  # under a scheduler the process ends
     assert checkpoints(out) == ["checkpoint-2", "checkpoint-3"]
     assert checkpoint_problem(str(out / "checkpoint-3")) is None
     report = json.load(open(out / "run_report.json"))
     assert report["interruption"] == {"signal": "SIGTERM", "checkpoint": f"{out}/checkpoint-3", "saved": True,
-                                      "resume": f'trainer.train(resume_from_checkpoint="{out}/checkpoint-3")'}
+                                      "resume": f'train(resume_from_checkpoint="{out}/checkpoint-3") on a Loop '
+                                                'built as before'}
 
 
 
@@ -67,7 +68,7 @@ def test_a_second_ctrl_c_stops_at_once_without_saving_and_keeps_the_previous_che
     assert result.returncode == 1, printed[-3000:]  # an uncaught exception in a script (not under a launcher)
     assert plan_line(out, "SIGINT", 3) in printed
     stopped = f"stopped by a second SIGINT without saving: the newest checkpoint is {out}/checkpoint-2"
-    assert f"TrainingInterrupted: {stopped}; resume: trainer.train(resume_from_checkpoint=" in printed
+    assert f"TrainingInterrupted: {stopped}; resume: train(resume_from_checkpoint=" in printed
     assert f"loopkit run report: {stopped}" in printed
     assert "after train()" not in printed
     # The half-written checkpoint-3 is gone, temporary folder included; checkpoint-2 is whole.

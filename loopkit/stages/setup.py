@@ -25,6 +25,7 @@ import functools
 import inspect
 import os
 import warnings
+import sys
 
 import torch
 
@@ -56,9 +57,10 @@ def ddp_options(args, model) -> dict:
     to True, except for a transformers model with activation checkpointing (which it would break)."""
     find_unused = args.ddp_find_unused_parameters
     if find_unused is None:
-        from transformers import PreTrainedModel
-
-        find_unused = not isinstance(model, PreTrainedModel) or not (
+        # A transformers model exists only once transformers.modeling_utils is imported; importing it here for a
+        # plain module would import transformers' quantizers (and torchao, noisily) for nothing.
+        modeling = sys.modules.get("transformers.modeling_utils")
+        find_unused = modeling is None or not isinstance(model, modeling.PreTrainedModel) or not (
             getattr(model, "is_activation_checkpointing", False) or args.activation_checkpointing)
     options = {"find_unused_parameters": find_unused}
     for name in ("bucket_cap_mb", "broadcast_buffers", "static_graph"):

@@ -50,8 +50,8 @@ from ..args import config_error
 from ..batches import find_batch_size, require_named_batch
 from ..first_batch import check_labels
 from ..guards import NONFINITE_POLICIES, NonFiniteWatch
-from ..optimizers import (backward_kwargs, build_optimizer, optimizer_cls_and_kwargs, steps_on_metrics,
-                          updates_in_backward)
+from ..optimizers import (backward_kwargs, build_optimizer, build_scheduler, optimizer_cls_and_kwargs,
+                          steps_on_metrics, updates_in_backward)
 from .base import Stage, base_model
 
 NO_DECAY_PATTERNS = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)",
@@ -196,15 +196,10 @@ class StepStage(Stage):
         if run.lr_scheduler is None and run.optimizers_given[1] is not None:
             run.lr_scheduler = run.optimizers_given[1]
         if run.lr_scheduler is None:
-            from transformers.optimization import get_scheduler
-
-            run.lr_scheduler = get_scheduler(
+            run.lr_scheduler = build_scheduler(
                 str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
-                optimizer=run.optimizer if optimizer is None else optimizer,
-                num_warmup_steps=args.get_warmup_steps(num_training_steps),
-                num_training_steps=num_training_steps,
-                scheduler_specific_kwargs=args.lr_scheduler_kwargs,
-            )
+                run.optimizer if optimizer is None else optimizer, args.get_warmup_steps(num_training_steps),
+                num_training_steps, args.lr_scheduler_kwargs)
         return run.lr_scheduler
 
     def prepare(self, max_steps: int, checkpoint: str | None) -> None:

@@ -6,9 +6,14 @@ Contract:
   weights when `load_best_model_at_end`, keeps only the best checkpoint when `save_total_limit == 1`, fires
   `on_train_end` and returns a `TrainOutput`.
 * `release()` frees what the run holds on the device (gradients, cached blocks); it also runs when training fails.
+* `run_status.json` in the output folder says how the latest `train()` ended: "running" from `on_train_begin`, then
+  "completed", "stopped_early" (a callback set `should_training_stop`), "interrupted" or "failed", with the status
+  line of the run report, for `python -m loopkit report` to rebuild a report that says what the run's own said.
 * `write_run_report(status, counters, train_metrics)` writes the run report (loopkit/report.py: JSON summary, time
-  by phase, slow steps, charts, a console summary); a failed run gets its report too.
-  `last_report` keeps it (`loop.report` renders it in a notebook).
+  by phase, slow steps, charts, a console summary); a failed or interrupted run gets its report too. Everything is
+  written before it returns, so nothing of the run's is still being written when `train()` returns or raises.
+  `TeardownStage(charts=False)` writes no charts (e.g. for hyper-parameter search trials: drawing them is most of
+  the report's time). `last_report` keeps the report (`loop.report` renders it in a notebook).
 * `export(output_dir, example_inputs, formats)` writes the model in `save_pretrained`, `torch.export` and ONNX
   form, each checked against the live model.
 
@@ -27,7 +32,7 @@ import torch
 
 from ..checkpoint import load_model_weights
 from ..export import export_model
-from ..report import build_report, write_report
+from ..report import STATUS_JSON, build_report, write_report, write_run_status
 from .. import trainer_logging
 from ..state import TrainOutput
 from .base import Stage
@@ -38,6 +43,12 @@ class TeardownStage(Stage):
     """The end of a run."""
 
     last_report = None  # the latest run report (a `RunReport`: `loop.report`), on the main process
+    charts = True  # a subclass that does not call `__init__` keeps the default
+
+    def __init__(self, charts: bool = True):
+        """`charts`: draw the run report's PNG charts (loss, learning rate, evaluation metrics, throughput) into the
+        output folder at the end of each run (`python -m loopkit report RUN_DIR` draws them later too)."""
+        self.charts = charts
 
     def finish_training(self, plan, start_time: float, train_loss: float, steps_run: int) -> TrainOutput:
         run = self.run
@@ -61,16 +72,45 @@ class TeardownStage(Stage):
         run.fire("on_train_end")
         return TrainOutput(state.global_step, train_loss, metrics)
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        """`run_status.json` says "running" until the run's end replaces it: a report rebuilt from a checkpoint
+        then tells a run that never reached its end (killed) from one that did."""
+        if self.run.accelerator.is_main_process:
+            try:
+                write_run_status(args.output_dir, self.status_record("running", "running"))
+            except OSError as exc:
+                warnings.warn(f"Could not write {STATUS_JSON} in {args.output_dir}: {exc}")
+
+    def status_record(self, end: str, status: str) -> dict:
+        state = self.run.state
+        return {"end": end, "status": status, "run_id": self.run.checkpointer.run_id,
+                "global_step": state.global_step, "max_steps": state.max_steps}
+
+    def end_of_run(self, status: str) -> tuple[str, str]:
+        """How the run ended (one of `RUN_ENDS`) and its status line; `status` is the interruption watch's."""
+        state = self.run.state
+        if status.startswith("failed:"):
+            return "failed", status
+        if self.run.preemption.interruption() is not None:
+            return "interrupted", status
+        if state.global_step < state.max_steps:
+            return "stopped_early", (f"stopped early at step {state.global_step} of {state.max_steps} (training was "
+                                     f"told to stop: control.should_training_stop, e.g. by EarlyStoppingCallback)")
+        return "completed", status
+
     def write_run_report(self, status: str, counters: dict, train_metrics: dict | None = None) -> None:
-        """run_report.json / .md, charts and the console summary (loopkit/report.py); main process only. A failure
-        to write it is a warning: it must never hide the run's own outcome. `counters`: the input tokens and
-        samples the run trained on."""
+        """run_report.json / .md, charts, the console summary (loopkit/report.py) and `run_status.json`; main
+        process only. A failure to write them is a warning: it must never hide the run's own outcome. `counters`:
+        the input tokens and samples the run trained on."""
         run = self.run
         run.clock.stop_watching_compilations()
         if not run.accelerator.is_main_process:
             return
         try:
-            self.last_report = write_report(build_report(run, status, counters, train_metrics), run.args.output_dir)
+            end, status = self.end_of_run(status)
+            report = build_report(run, status, end, counters, train_metrics, charts=self.charts)
+            self.last_report = write_report(report, run.args.output_dir)
+            write_run_status(run.args.output_dir, self.status_record(end, status))
         except Exception as exc:
             warnings.warn(f"Could not write the run report: {type(exc).__name__}: {exc}")
 

@@ -9,7 +9,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from loopkit import Loop, LoopArgs
-from loopkit.report import wait_for_charts
 
 
 def open_fds() -> dict:
@@ -46,7 +45,6 @@ def main():
     before = {"fds": open_fds(), "children": children()}
     loop = Loop(model=model, args=args, train_dataset=data, eval_dataset=data[:8])
     loop.train()
-    wait_for_charts()  # drawn in the background after train(); their font files must be closed too
     during = {"tensorboard_files": sum(len(f) for _, _, f in os.walk(os.path.join(out, "runs")))}
     after = {"fds": open_fds(), "children": children()}
     leaked = {fd: target for fd, target in after["fds"].items() if before["fds"].get(fd) != target}
