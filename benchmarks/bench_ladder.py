@@ -41,10 +41,10 @@ PAD_ID = 0  # MiniLM's [PAD]; no text contains it, so non-pad tokens are real to
 # a padded batch of 16 (16 x the mean length), so padding and packing take about as many steps of as many real
 # tokens; max_length truncates the rare longest texts (a packed row never splits one).
 DATASETS = {
-    "reviews": {"label": "Rotten Tomatoes reviews", "num_train": (224, 160, 24), "num_heldout": (128, 96, 8),
+    "reviews": {"label": "Rotten Tomatoes reviews", "num_train": (224, 128, 24), "num_heldout": (128, 64, 8),
                 "max_length": (432, 432, 112), "row_tokens": (432, 432, 112)},
-    "debates": {"label": "2016 presidential debate statements", "num_train": (112, 96, 24),
-                "num_heldout": (64, 64, 8), "max_length": (256, 256, 112), "row_tokens": (848, 848, 112)},
+    "debates": {"label": "2016 presidential debate statements", "num_train": (112, 64, 24),
+                "num_heldout": (64, 32, 8), "max_length": (256, 256, 112), "row_tokens": (848, 848, 112)},
 }
 
 # name -> (label, what it is). Order: the alternation within a round, and the table's rows.
