@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import statistics
 
-from .harness import comparison_row, fmt, median
+from .harness import comparison_row, fmt, median, paired_ratio
 
 MODULE = "benchmarks.bench_ladder"
 TITLE = "Ladder: real tokens/s on Rotten Tomatoes, HF Trainer vs a hand-written loop vs loopkit rung by rung"
@@ -426,10 +426,8 @@ def summarize(settings: dict, replies: dict, title: str) -> dict:
     ratios = {}
     for other in ("hf-default", "hf-best"):
         for name in RUNGS:
-            pairs = [a["tokens_per_second"] / b["tokens_per_second"]
-                     for a, b in zip(replies[name], replies[other])]
-            ratios[f"{name}/{other}"] = {"median": statistics.median(pairs), "min": min(pairs),
-                                         "max": max(pairs), "n": len(pairs)}
+            ratios[f"{name}/{other}"] = paired_ratio([r["tokens_per_second"] for r in replies[name]],
+                                                     [r["tokens_per_second"] for r in replies[other]])
     return {"title": title, "rows": rows, "plan": settings, "runs": replies, "ratios": ratios,
             "loss_check": check, "real_tokens": real_tokens}
 
