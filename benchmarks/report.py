@@ -21,7 +21,8 @@ def with_range(value, samples) -> str:
     values = [v for v in samples or [] if v is not None]
     if len(values) < 2:
         return fmt(value)
-    return f"{fmt(value)} ({fmt(min(values))}-{fmt(max(values))})"
+    low, high = min(values), max(values)
+    return f"{fmt(value)} ({fmt(low)}{' to ' if low < 0 else '-'}{fmt(high)})"  # "-0.6 to 0.4", not "-0.6-0.4"
 
 
 def compared(row: dict) -> dict:
