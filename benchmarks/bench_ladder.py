@@ -421,7 +421,7 @@ def summarize(settings: dict, replies: dict, title: str) -> dict:
     for key, unit in (("tokens_per_second", "real tokens/s"), ("peak_rss_mb", "MB")):
         samples = {name: [r[key] for r in runs] for name, runs in replies.items()}
         rows.append(comparison_row(unit, unit, samples, check, higher_is_better=key == "tokens_per_second"))
-    rows[0]["name"], rows[1]["name"] = "real tokens/s", "peak RSS over the measured steps"
+    rows[0]["name"], rows[1]["name"] = "real tokens/s", "peak RSS over the timed epoch"
     rows[1]["noisy"] = []  # memory: no floor and no timing noise rule
     ratios = {}
     for other in ("hf-default", "hf-best"):
@@ -451,7 +451,7 @@ def rung_table(section: dict) -> list[str]:
         recompiles = sum(r["recompiles_after_warmup"] for r in replies)
         agree = ("NO, no verdict" if noisy else f"yes ({spread:.0%})") if spread is not None else "one round"
         if recompiles:
-            agree += f"; {recompiles} recompiles after warm-up"
+            agree += f"; {recompiles} recompiles in the timed epoch"
         compile_cell = fmt(replies[0]["compile_seconds"]) if name in COMPILED else ""
         lines.append(f"| {label} | {what} | {fmt(row['median'][name])} | "
                      f"{fmt_ratio(ratios[f'{name}/hf-default'])} | {fmt_ratio(ratios[f'{name}/hf-best'])} | "
@@ -489,14 +489,15 @@ def markdown(section: dict) -> str:
     lifetime = any(r["peak_is_lifetime"] for replies in runs.values() for r in replies)
     noun = DATASETS[settings["dataset"]]["label"]
     lines = [f"{settings['num_train']} {noun}, {next(iter(section['real_tokens'].values())):,} real tokens over "
-             f"{settings['epochs']} epochs per contender; Llama {model['num_hidden_layers']} layers, hidden {model['hidden_size']}, vocab "
-             f"{model['vocab_size']:,}; batch {settings['batch_size']} texts or one {settings['row_tokens']}-token "
-             f"packed row; {settings['rounds']} round(s), each contender a fresh process per round; compile backend "
-             f"`{settings['compile_backend']}`; {settings['epochs']} epochs, the first the warm-up, the last timed whole.", ""]
+             f"{settings['epochs']} epochs per contender (the first the warm-up, the last timed whole); Llama "
+             f"{model['num_hidden_layers']} layers, hidden {model['hidden_size']}, vocab {model['vocab_size']:,}; "
+             f"batch {settings['batch_size']} texts or one {settings['row_tokens']}-token packed row; "
+             f"{settings['rounds']} round(s), each contender a fresh process per round; compile backend "
+             f"`{settings['compile_backend']}`.", ""]
     lines += rung_table(section)
     lines += ["", target_line(section)]
     lines += ["", f"Ratios: medians of round-by-round ratios of real tokens/s (min-max). Loss check: {check['detail']}."
-              f" Peak RSS: the whole process over the measured steps"
+              f" Peak RSS: the whole process over the timed epoch"
               f"{' (lifetime peak: this system cannot reset it)' if lifetime else ''}.",
               f"Flattening without `use_cache=False`: two texts in one flattened batch give logits up to "
               f"{fmt(leak['hf-best-cache'])} away from each text run alone (with it: {fmt(leak['hf-best'])})."]

@@ -67,8 +67,9 @@ def comparison_table(rows: list, contenders=CONTENDERS) -> str:
                  "less); for differences (a slowdown, a blocked time: any sign) the median of round-by-round "
                  "differences A - B in the row's unit (below 0 means A's is smaller). Every round must point the same "
                  "way for a verdict. Spread: (max - min) / median of a contender's measured rounds. A row is "
-                 f"noisy when one contender's rounds spread over {NOISE_SPREAD:.0%} of their median, or a contender beats the hand-written loop doing the same work by over "
-                 f"{FLOOR_MARGIN:.0%}.")
+                 f"noisy when one contender's rounds spread over {NOISE_SPREAD:.0%} of their median, when a pair's "
+                 f"rounds point both ways, or when a contender beats the hand-written loop doing the same work by "
+                 f"over {FLOOR_MARGIN:.0%}.")
     return "\n".join(lines)
 
 
