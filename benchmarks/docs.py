@@ -25,15 +25,22 @@ LADDER_RESULTS = "benchmarks/results/quick/results.json"
 PAGES = ("README.md", "docs/performance.md")
 SECTION = re.compile(r"^(?P<indent> *)<!-- generated: (?P<name>[\w-]+) from (?P<file>\S+) -->\n(?P<body>.*?)"
                      r"^(?P=indent)<!-- end generated: (?P=name) -->", re.DOTALL | re.MULTILINE)
-# (benchmark, row index, kind): the summary table's rows, one results row each, labelled with the row's own name.
-# Rows are found by position, which is the same at every size (a quick run's rows differ only in their sizes).
+# (benchmark, what its row's name contains, which of the matching rows, kind): the summary table's rows, one results
+# row each, labelled with the row's own name. Found by name, not position: a quick run has fewer evaluation-memory
+# configurations, and sizes (N, steps) inside the names differ between sizes.
 SUMMARY = (
-    ("overhead", 0, "amount"), ("overhead", 1, "amount"), ("overhead", 2, "amount"),
-    ("startup", 2, "amount"), ("startup", 1, "amount"), ("startup", 4, "amount"),
-    ("eval_memory", 3, "amount"), ("eval_memory", 7, "amount"), ("eval_memory", 1, "amount"),
-    ("eval_memory", 5, "amount"), ("resume", 5, "amount"), ("resume", 1, "amount"),
-    ("checkpoint", 0, "difference"), ("checkpoint", 2, "difference"), ("checkpoint", 3, "difference"),
-    ("checkpoint", 4, "amount"), ("finetune", 0, "amount"),
+    ("overhead", "near-null model", 0, "amount"), ("overhead", "tiny LlamaForCausalLM", 0, "amount"),
+    ("overhead", "setup, imports done", 0, "amount"), ("startup", "the contender's own part", 0, "amount"),
+    ("startup", "process start to end of step 1", 0, "amount"), ("startup", "framework import alone", 0, "amount"),
+    ("eval_memory", "loopkit streaming metrics vs HF argmax", 0, "amount"),
+    ("eval_memory", "loopkit streaming metrics vs HF argmax", 1, "amount"),
+    ("eval_memory", "compute_metrics on full logits", 0, "amount"),
+    ("eval_memory", "compute_metrics on full logits", 1, "amount"),
+    ("resume", "iterable-seekable data", 1, "amount"), ("resume", "map data", 1, "amount"),
+    ("checkpoint", "training blocked by one save", 0, "difference"),
+    ("checkpoint", "training blocked by one save, loopkit async_save=True", 0, "difference"),
+    ("checkpoint", "slower by, loopkit async_save=True", 0, "difference"),
+    ("checkpoint", "checkpoint size", 0, "amount"), ("finetune", "wall time", 0, "amount"),
 )
 
 
@@ -46,8 +53,8 @@ def summary_table(results: dict) -> str:
     samples (so times are compared by ratios and the save's slowdowns by differences)."""
     lines = ["| benchmark | unit | hand-written loop | HF Trainer | loopkit | loopkit vs raw | loopkit vs HF |",
              "|---|---|---|---|---|---|---|"]
-    for benchmark, index, kind in SUMMARY:
-        stored = results["benchmarks"][benchmark]["rows"][index]
+    for benchmark, needle, nth, kind in SUMMARY:
+        stored = [r for r in results["benchmarks"][benchmark]["rows"] if needle in r["name"]][nth]
         row = comparison_row(stored["name"], stored["unit"], stored["samples"], kind=kind)
         cells = [with_range(row["median"][c], row["samples"][c]) if c in row["samples"] else ""
                  for c in ("raw", "hf", "loopkit")]
@@ -99,7 +106,7 @@ def ladder(results: dict) -> str:
                       f"{next(iter(section['real_tokens'].values())):,} real tokens over {plan['epochs']} epochs, "
                       f"batch {plan['batch_size']} or one {plan['row_tokens']}-token packed row, {plan['rounds']} "
                       f"round(s), compile backend `{plan['compile_backend']}`, the last epoch timed whole.", "",
-                  ladder_table(section)]
+                  ladder_table(section), "", f"Loss check: {section['loss_check']['detail']}."]
     return "\n".join(parts)
 
 
@@ -114,7 +121,19 @@ def ladder_headline(results: dict) -> str:
     return "loopkit's packed run with chunked loss: " + "; ".join(ends) + "."
 
 
-GENERATORS = {"summary": summary_table, "ladder": ladder, "ladder-headline": ladder_headline}
+def durations(results: dict) -> str:
+    """How long the run took, in all and per benchmark, with the load it ran under."""
+    env = results["environment"]
+    load = env["load_average"]
+    lines = [f"Size `{env['size']}`, started {env['started_at']}: {fmt(env['seconds'])} s in all, load average (1 min) "
+             f"{fmt(load['start'])} at the start and {fmt(load['end'])} at the end, {env['cpu_count']} CPUs.", "",
+             "| benchmark | seconds |", "|---|---|"]
+    lines += [f"| {name} | {fmt(section['seconds'])} |" for name, section in results["benchmarks"].items()]
+    return "\n".join(lines)
+
+
+GENERATORS = {"summary": summary_table, "ladder": ladder, "ladder-headline": ladder_headline,
+              "durations": durations}
 
 
 def render(text: str) -> str:
