@@ -5,4 +5,4 @@ worker processes and returns a result section), an optional `markdown(section)` 
 worker-side task functions the workers call.
 """
 
-BENCHMARKS = ("overhead", "startup", "eval_memory", "resume", "checkpoint", "finetune", "ladder")
+BENCHMARKS = ("overhead", "startup", "eval_memory", "resume", "checkpoint", "finetune", "ladder", "ladder_debates")

@@ -95,6 +95,13 @@ def run(suite) -> dict:
                                                    async_save=name == ASYNC)
                 if not is_warmup:
                     replies[name].append(reply)
+    return {"title": TITLE, "rows": rows_for(replies), "spec": spec.to_dict(), "runs": runs}
+
+
+def rows_for(replies: dict) -> list[dict]:
+    """The section's rows from the measured rounds (`replies[run][round]`, runs: the contenders, plus loopkit's
+    async run where it was measured)."""
+    runs = list(replies)
     check = merge_checks(*check_runs(replies, "probe_loss", 1e-5, "probe loss after step 3"),
                          *check_runs(replies, "global_step", 0, "optimizer steps"))
     sync_check = check_for_row(check, "loopkit")
@@ -103,23 +110,25 @@ def run(suite) -> dict:
         return {name: [r[key] * scale for r in replies[name]] for name in names}
 
     slower = f"the {FOLLOWING_STEPS} steps after the save, slower by"
+    # both are differences from the steps without a save: near zero, either sign, compared as differences
     rows = [comparison_row("training blocked by one save", "s", samples("blocked"), sync_check,
                            {"gap_without_save": samples("gap_without_save", runs),
                             "usual_step": samples("usual_step", runs),
-                            "following_steps_slower_by": samples("following_steps_slower_by", runs)}),
-            comparison_row(slower, "s", samples("following_steps_slower_by"), sync_check)]
+                            "following_steps_slower_by": samples("following_steps_slower_by", runs)},
+                           kind="difference"),
+            comparison_row(slower, "s", samples("following_steps_slower_by"), sync_check, kind="difference")]
     if ASYNC in replies:
         def with_async(key):  # loopkit's column holds its async run
             return {**samples(key), "loopkit": samples(key, [ASYNC])[ASYNC]}
 
         async_check = check_for_row(check, ASYNC)
         rows.append(comparison_row("training blocked by one save, loopkit async_save=True", "s",
-                                   with_async("blocked"), async_check))
+                                   with_async("blocked"), async_check, kind="difference"))
         rows.append(comparison_row(f"{slower}, loopkit async_save=True", "s",
-                                   with_async("following_steps_slower_by"), async_check))
+                                   with_async("following_steps_slower_by"), async_check, kind="difference"))
     rows.append(comparison_row("checkpoint size", "MB", samples("total_bytes", scale=1 / 2**20), sync_check,
                                {"files": {name: replies[name][-1]["files"] for name in runs}}))
-    return {"title": TITLE, "rows": rows, "spec": spec.to_dict(), "runs": runs}
+    return rows
 
 
 def check_for_row(check: dict, loopkit_run: str) -> dict:

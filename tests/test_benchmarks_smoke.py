@@ -87,13 +87,20 @@ def test_every_other_benchmark_runs_tiny_with_equal_results_and_reports(tmp_path
         suite.cleanup()
     finetune = results["benchmarks"]["finetune"]["rows"][0]["extra"]["accuracy"]
     assert len(set(finetune.values())) == 1 and 0 <= finetune["loopkit"] <= 1
-    ladder = {name: runs[0] for name, runs in results["benchmarks"]["ladder"]["runs"].items()}
-    # every rung trained the same real tokens; the hand-written loop and loopkit's compiled packing trained the same
-    # rows in the same order, so they end at the same loss
-    assert len({run["real_tokens"] for run in ladder.values()}) == 1
-    assert abs(ladder["raw"]["training_loss"] - ladder["loopkit-compile"]["training_loss"]) < 1e-4
-    # HF's flattening recipe: samples attend across the boundary unless use_cache=False
-    assert ladder["hf-best"]["flattened_logits_error"] < 1e-5 < 1e-2 < ladder["hf-best-cache"]["flattened_logits_error"]
+    for dataset, benchmark in (("reviews", "ladder"), ("debates", "ladder_debates")):
+        assert results["benchmarks"][benchmark]["plan"]["dataset"] == dataset
+        ladder = {name: runs[0] for name, runs in results["benchmarks"][benchmark]["runs"].items()}
+        # every rung trained the same real tokens; the hand-written loop and loopkit's compiled packing trained the
+        # same rows in the same order, so they end at the same loss
+        assert len({run["real_tokens"] for run in ladder.values()}) == 1
+        assert abs(ladder["raw"]["training_loss"] - ladder["loopkit-compile"]["training_loss"]) < 1e-4
+        # every rung timed its whole second epoch: all of that epoch's steps, after the first epoch's
+        for run in ladder.values():
+            first, second = run["epoch_steps"]
+            assert second == run["steps"] and 0 < first < second and run["measured_tokens"] < run["real_tokens"]
+        # HF's flattening recipe: samples attend across the boundary unless use_cache=False
+        assert ladder["hf-best"]["flattened_logits_error"] < 1e-5 < 1e-2 < ladder["hf-best-cache"][
+            "flattened_logits_error"]
     write_json(results, tmp_path / "results.json")
     charts = write_charts(results, tmp_path)
     markdown = write_markdown(results, tmp_path / "results.md", charts)

@@ -311,3 +311,43 @@ def test_an_override_under_the_already_scaled_rule_is_never_silent(tmp_path):
         args.output_dir = str(tmp_path / "declared")  # a folder of its own: a rerun next to checkpoints warns
         Loop(model=tiny_bert_classifier(), args=args, train_dataset=six_samples(),
              step=DeclaredPerBatchMean()).train()
+
+
+def test_benchmark_numbers_in_the_docs_are_generated_from_the_committed_results_files():
+    """README.md's and docs/performance.md's benchmark numbers sit in generated sections (issue 22): each one is
+    rendered again here from the results file its section names, and must match the page character for character
+    (`python -m benchmarks.docs` rewrites them after a new run)."""
+    import sys
+
+    if ROOT not in sys.path:  # `benchmarks/` lives in the repository, next to the installed loopkit
+        sys.path.insert(0, ROOT)
+    from benchmarks.docs import PAGES, SECTION, render
+
+    sections = {page: [m["name"] for m in SECTION.finditer(read_page(page))] for page in PAGES}
+    assert sections == {"README.md": ["ladder-headline"],
+                        "docs/performance.md": ["summary", "durations", "durations", "ladder", "ladder-headline"]}
+    for page in PAGES:
+        text = read_page(page)
+        assert render(text) == text, f"{page}: its benchmark numbers differ from the results files"
+
+
+def test_a_quick_run_resolves_every_generated_number_and_the_headline_spans_two_datasets():
+    """The committed quick run (`python -m benchmarks --quick`) has every row the generated sections read, so a
+    fresh quick run can regenerate the docs; the ladder's headline is a range over two datasets with their
+    commands."""
+    import json
+    import sys
+
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from benchmarks.docs import GENERATORS, LADDER_RESULTS, ladder_headline, ladder_sections
+
+    with open(os.path.join(ROOT, LADDER_RESULTS)) as f:
+        quick = json.load(f)
+    assert quick["environment"]["size"] == "quick"
+    for name, generate in GENERATORS.items():
+        assert generate(quick), name
+    assert [section["plan"]["dataset"] for _, section in ladder_sections(quick)] == ["reviews", "debates"]
+    headline = ladder_headline(quick)
+    assert "`python -m benchmarks --only ladder --quick`" in headline
+    assert "`python -m benchmarks --only ladder_debates --quick`" in headline

@@ -163,7 +163,8 @@ def packed_logits_error(model) -> float:
     name = type(base).__name__
     if "position_ids" not in params:
         raise config_error("model", name, "its forward takes no position_ids, so packed samples cannot restart their "
-                           "positions", "pad instead of packing (group_by_length=True keeps the padding low)")
+                           "positions", "pad instead of packing (train_sampling_strategy='group_by_length' keeps the "
+                           "padding low)")
     vocab = getattr(getattr(base, "config", None), "vocab_size", None) or 2
     generator = torch.Generator().manual_seed(0)  # the global RNG is left alone: runs stay reproducible
     first, second = (torch.randint(1, vocab, (n,), generator=generator) for n in (5, 7))
@@ -195,7 +196,8 @@ def check_packing_is_exact(model, tolerance: float = 1e-5) -> None:
                            f"two packed samples give logits up to {error:.3g} away from the same samples run "
                            f"separately (tolerance {tolerance}): its attention crosses sample boundaries (an "
                            f"encoder-only model, or an attention implementation that ignores position_ids)",
-                           "pad instead of packing (group_by_length=True keeps the padding low), or use a decoder "
+                           "pad instead of packing (train_sampling_strategy='group_by_length' keeps the padding "
+                           "low), or use a decoder "
                            "with attn_implementation='sdpa', 'eager' or 'flash_attention_2'")
 
 
