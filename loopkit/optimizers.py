@@ -112,7 +112,7 @@ def check_low_rank_settings(args, name: str) -> None:
 
 
 def parse_optim_args(optim_args: str | None) -> dict[str, str]:
-    """`optim_args` ("a=1,b=2") as a dict (copied from `transformers.trainer_optimizer._parse_optim_args`)."""
+    """`optim_args` ("momentum=0.9,nesterov=True") as a dict (copied from `transformers.trainer_optimizer._parse_optim_args`)."""
     if not optim_args:
         return {}
     return dict(mapping.split("=") for mapping in optim_args.replace(" ", "").split(","))

@@ -397,7 +397,6 @@ class TrainerAPI:
         from pathlib import Path
 
         from .hub import OUTPUT_DIR_IGNORE, hf_api, require_hub
-        from .report import wait_for_charts
 
         self.fire("on_push_begin")
         require_hub("push_to_hub")
@@ -418,7 +417,6 @@ class TrainerAPI:
             tags = [tags] if isinstance(tags, str) else tags
             kwargs["tags"] = tags + [tag for tag in model_tags if tag not in tags]
         self.create_model_card(model_name=model_name, **kwargs)
-        wait_for_charts()  # the run report's charts are drawn into output_dir after train() returns
         return hf_api().upload_folder(repo_id=self.hub_model_id, folder_path=self.args.output_dir,
                                       commit_message=commit_message, token=token, run_as_future=not blocking,
                                       ignore_patterns=OUTPUT_DIR_IGNORE,

@@ -33,6 +33,7 @@ OTHER_PARAMETERS = {
     "average": "scikit-learn's keyword, quoted by loopkit/metrics.py",
     "zero_division": "scikit-learn's keyword, quoted by loopkit/metrics.py",
     "learning_rat": "the misspelling docs/differences.md shows LoopArgs refusing",
+    "gradient_accumulation_kwargs": "a key of accelerator_config (Accelerate's GradientAccumulationPlugin keywords)",
 }
 
 
@@ -68,7 +69,10 @@ def other_api_parameters() -> set[str]:
     from transformers.optimization import Adafactor
     from transformers.trainer_pt_utils import LabelSmoother
 
+    import torch.distributed.checkpoint as dcp
+
     import loopkit
+    import loopkit.data_order
     import loopkit.metrics
     import loopkit.stages
 
@@ -78,7 +82,7 @@ def other_api_parameters() -> set[str]:
     owners += [transformers.Trainer, transformers.Seq2SeqTrainer, transformers.PretrainedConfig,
                transformers.LlamaConfig, transformers.GenerationConfig, transformers.DataCollatorWithFlattening,
                transformers.TrainerCallback, transformers.EarlyStoppingCallback, Adafactor, LabelSmoother,
-               torch.compile, torch.load, torch.utils.data.DataLoader, torch.nn.CrossEntropyLoss,
+               loopkit.data_order.ReadAhead, dcp.load, torch.optim.SGD, torch.compile, torch.load, torch.utils.data.DataLoader, torch.nn.CrossEntropyLoss,
                accelerate.Accelerator, FullyShardedDataParallelPlugin, DeepSpeedPlugin, DataLoaderConfiguration]
     return set().union(*(parameters_of(owner) for owner in owners))
 
