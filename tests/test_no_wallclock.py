@@ -23,8 +23,14 @@ from __future__ import annotations
 import ast
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
-from helpers import PROCESS_WAIT_S
+import pytest
+
+from helpers import PROCESS_WAIT_S, run_process, wait_for
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 CLOCKS = {"time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "process_time",
@@ -237,3 +243,34 @@ def test_the_check_refuses_a_short_timeout_and_allows_the_generous_one():
               "process.wait(timeout=PROCESS_WAIT_S)\n"
               f"process.communicate(timeout={PROCESS_WAIT_S})\n")
     assert [line for _, line, _ in short_timeouts(source)] == [2, 3]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The waits the check points to (helpers.wait_for / run_process): they return the output, or fail saying what they
+# waited for. (This file is the one place a short limit may appear: the scan above skips it.)
+# ---------------------------------------------------------------------------------------------------------------
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
+
+
+def test_the_waits_return_what_the_child_printed():
+    assert run_process([sys.executable, "-c", "print('done')"], "an echo").stdout == "done\n"
+    merged = run_process([sys.executable, "-c", "import sys; print('out', flush=True); sys.exit('err')"], "an exit",
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert merged.returncode == 1 and merged.stdout == "out\nerr\n"
+    process = subprocess.Popen([sys.executable, "-c", "print('launched')"], stdout=subprocess.PIPE, text=True)
+    assert wait_for(process, "a launch") == "launched\n" and process.returncode == 0
+
+
+def test_a_wait_that_expires_kills_the_child_and_says_what_it_waited_for(tmp_path):
+    with pytest.raises(pytest.fail.Exception, match=r"a sleeper was still running after 1 s \(killed\)"):
+        run_process(SLEEPER, "a sleeper", timeout=1)
+    printed = tmp_path / "printed"
+    code = f"import pathlib, time; print('started', flush=True); pathlib.Path({str(printed)!r}).touch(); time.sleep(600)"
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for _ in range(PROCESS_WAIT_S * 100):  # until the child has printed, so its output is in the message
+        if printed.exists() or process.poll() is not None:
+            break
+        time.sleep(0.01)
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)a launch was still running after 1 s \(killed\).*started"):
+        wait_for(process, "a launch", timeout=1)
+    assert process.returncode == -signal.SIGKILL
