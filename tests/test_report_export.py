@@ -62,9 +62,9 @@ def test_run_report_summary_phases_slow_steps_and_charts(tmp_path, capsys, monke
     clock = JumpingClock().install(monkeypatch)
     args = LoopArgs(output_dir=str(tmp_path), max_steps=30, per_device_train_batch_size=4, logging_steps=5,
                     eval_strategy="steps", eval_steps=10, save_steps=15, disable_tqdm=True)
-    slow = SlowAt(25, 1000.0, clock)
+    slow_callback = SlowAt(25, 1000.0, clock)
     loop = Loop(model=tiny_classifier(), args=args, train_dataset=classification_data(),
-                eval_dataset=classification_data(8), callbacks=[slow])
+                eval_dataset=classification_data(8), callbacks=[slow_callback])
     loop.train()
     report.wait_for_charts()
     written = json.load(open(tmp_path / "run_report.json"))
@@ -77,7 +77,7 @@ def test_run_report_summary_phases_slow_steps_and_charts(tmp_path, capsys, monke
         assert seconds[phase] > 0 or phase == "compile", phase
     assert seconds["compile"] == 0 and written["compile"] is None  # nothing compiled (tests/test_compile.py does)
     assert sum(seconds.values()) == pytest.approx(written["total_seconds"], rel=1e-4)
-    assert seconds["callbacks"] >= slow.seconds  # the slow callback's time is where it belongs
+    assert seconds["callbacks"] >= slow_callback.seconds  # the slow callback's time is where it belongs
     slow = [s for s in written["slow_steps"] if s["step"] == 25]
     assert slow and max(slow[0]["phases"], key=slow[0]["phases"].get) == "callbacks"
     assert written["charts"] == list(CHARTS)
