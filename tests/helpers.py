@@ -12,6 +12,8 @@ import csv
 import importlib.util
 import io
 import os
+import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -244,3 +246,66 @@ def small_run(tmp_path, stages=(), **fields):
         stage.bind(run)
     return run
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Child processes and the clock
+# ---------------------------------------------------------------------------------------------------------------
+# How long a test waits for a child process (a script, a torchrun launch) before calling it hung. Generous on purpose:
+# a launch that takes 20 s on a quiet machine takes minutes on a busy one (load 10 on 2 cores), and a limit is only
+# there so that a hung child fails its test with its output instead of hanging the suite.
+PROCESS_WAIT_S = 900
+
+
+def output_tail(text, characters: int = 4000) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return (text or "")[-characters:]
+
+
+def wait_for(process: subprocess.Popen, what: str, timeout: float = PROCESS_WAIT_S) -> str | None:
+    """Wait for `process` (started with `stdout=PIPE` or not) to exit and return its output; if it is still running
+    after `timeout` seconds, kill it and fail the test, saying what it was and what it printed."""
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        pytest.fail(f"{what} was still running after {timeout:g} s (killed); its output ends:\n{output_tail(output)}")
+    return output
+
+
+def run_process(command: list[str], what: str, timeout: float = PROCESS_WAIT_S, **kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run(command, text=True, **kwargs)`, capturing stdout and stderr unless `kwargs` says where stdout
+    goes; a child still running after `timeout` seconds is killed and fails the test, saying what it was and what
+    it printed."""
+    if "stdout" not in kwargs:
+        kwargs["capture_output"] = True
+    try:
+        return subprocess.run(command, text=True, timeout=timeout, **kwargs)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"{what} was still running after {timeout:g} s (killed); its output ends:\n"
+                    f"{output_tail(expired.stdout)}\n{output_tail(expired.stderr)}")
+
+
+class JumpingClock:
+    """`time.perf_counter` plus virtual seconds added by `jump()`: a test makes a chosen phase of a run take a known,
+    large amount of time without sleeping, so what it asserts does not depend on how busy the machine is. Real time
+    still passes (nothing waiting on the clock stalls); a jump dwarfs it."""
+
+    def __init__(self):
+        self.real, self.offset = time.perf_counter, 0.0
+
+    def __call__(self) -> float:
+        return self.real() + self.offset
+
+    def jump(self, seconds: float) -> None:
+        self.offset += seconds
+
+    def install(self, monkeypatch) -> "JumpingClock":
+        """Every clock the run report reads: `time.perf_counter` (phases, segments, callbacks) and the step clock."""
+        from loopkit.report import PhaseClock
+
+        monkeypatch.setattr(time, "perf_counter", self)
+        monkeypatch.setattr(PhaseClock, "wall", staticmethod(self))
+        return self

@@ -25,13 +25,14 @@ from benchmarks.harness import Suite  # noqa: E402
 from benchmarks.report import comparison_table, write_charts, write_json, write_markdown  # noqa: E402
 from benchmarks.spec import CONTENDERS  # noqa: E402
 from benchmarks.worker import call  # noqa: E402
+from helpers import run_process  # noqa: E402
 
 
 def test_the_command_runs_the_per_step_benchmark_and_writes_the_reports(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    finished = subprocess.run([sys.executable, "-m", "benchmarks", "--size", "tiny", "--only", "overhead",
-                               "--out", str(tmp_path)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                              timeout=300)
+    finished = run_process([sys.executable, "-m", "benchmarks", "--size", "tiny", "--only", "overhead",
+                            "--out", str(tmp_path)], "python -m benchmarks --size tiny --only overhead", cwd=REPO_ROOT,
+                           env=env)
     assert finished.returncode == 0, finished.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["environment"]["versions"]["torch"]
@@ -163,9 +164,9 @@ def test_the_gpu_benchmark_fsdp2_variant_dry_runs_on_two_cpu_processes(tmp_path)
     with Accelerate's FSDP2 plugin, the per-rank shard count) on gloo; on a GPU machine the same command without
     `--device cpu --tiny` measures it. Both ranks train the same model: the same logged losses."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    finished = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--device", "cpu", "--tiny", "--fsdp", "2",
-                               "--out", str(tmp_path)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                              timeout=300)
+    finished = run_process([sys.executable, "-m", "benchmarks.gpu", "--device", "cpu", "--tiny", "--fsdp", "2",
+                            "--out", str(tmp_path)], "python -m benchmarks.gpu --device cpu --tiny --fsdp 2",
+                           cwd=REPO_ROOT, env=env)
     assert finished.returncode == 0, (finished.stdout + finished.stderr)[-4000:]
     section = json.loads((tmp_path / "gpu-fsdp-cpu.json").read_text())
     ranks = section["ranks"]

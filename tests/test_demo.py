@@ -6,8 +6,9 @@ It runs as a user runs it, in its own interpreter, and is checked by what it pri
 import json
 import os
 import re
-import subprocess
 import sys
+
+from helpers import run_process
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "finetune_minilm.py")
 
@@ -17,8 +18,8 @@ def test_demo_trains_evaluates_each_epoch_and_keeps_only_the_best_checkpoint(tmp
     # 32 reviews at batch 16: 2 optimizer steps per epoch, 2 epochs, so 2 evaluations and 2 checkpoints are made.
     command = [sys.executable, DEMO, "--train-size", "32", "--val-size", "32", "--test-size", "24", "--epochs", "2",
                "--output-dir", str(output_dir)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    result = run_process(command, "examples/finetune_minilm.py",
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     accuracy = re.search(r"^test accuracy: ([0-9.]+) on (\d+) held-out reviews$", result.stdout, re.MULTILINE)

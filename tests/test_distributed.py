@@ -27,9 +27,10 @@ from loopkit.checkpoint import checkpoint_dirs
 from loopkit.distributed import DistributedSetupError
 from loopkit.stages.setup import SetupStage
 
+from helpers import run_process, wait_for
+
 CHILD_PATH = os.path.join(os.path.dirname(__file__), "scripts", "dist_child.py")
 BIN = os.path.dirname(sys.executable)
-LAUNCH_TIMEOUT = 150
 
 
 def load_child():
@@ -66,13 +67,7 @@ def start_torchrun(out, mode: str) -> subprocess.Popen:
 
 
 def finish(process: subprocess.Popen, what: str = "the 2-process launch") -> str:
-    try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        output, _ = process.communicate()
-        pytest.fail(f"{what} did not finish in {LAUNCH_TIMEOUT} s:\n{output[-4000:]}")
-    return output
+    return wait_for(process, what)
 
 
 def result(folder, name: str, rank: int = 0) -> dict:
@@ -222,8 +217,8 @@ def test_two_processes_without_cpu_mode_are_refused(tmp_path):
     command = [os.path.join(BIN, "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
                "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
                CHILD_PATH, str(tmp_path), "trap"]
-    done = subprocess.run(command, env=child_env(cpu_mode=False), capture_output=True, text=True,
-                          timeout=LAUNCH_TIMEOUT)
+    done = run_process(command, "accelerate launch --multi_gpu without ACCELERATE_USE_CPU",
+                       env=child_env(cpu_mode=False))
     assert done.returncode != 0
     for rank in (0, 1):
         path = tmp_path / f"trap_rank{rank}.txt"

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import regression_data, tiny_regression
+from helpers import regression_data, run_process, tiny_regression
 from loopkit import Loop, LoopArgs, TrainingInterrupted
 from loopkit.checkpoint import checkpoint_problem
 from loopkit.guards import LAUNCHER_ENV, PreemptionWatch, under_launcher
@@ -28,8 +28,8 @@ def run_child(out, mode="", launcher=False):
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     if launcher:
         env["SLURM_JOB_ID"] = "4242"
-    return subprocess.run([sys.executable, CHILD, str(out), mode], env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    return run_process([sys.executable, CHILD, str(out), mode], f"scripts/interrupt_child.py {mode}", env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def checkpoints(out):

@@ -4,13 +4,13 @@ weights as an uninterrupted run."""
 
 import os
 import random
-import subprocess
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import run_process
 from loopkit.checkpoint import checkpoint_dirs, checkpoint_problem
 
 CHILD = os.path.join(os.path.dirname(__file__), "scripts", "train_child.py")
@@ -23,8 +23,8 @@ def run_child(out, *moment, launcher=False):
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")  # tiny matrices: threads only contend
     if launcher:  # as under a scheduler: an interrupted run exits 128 + signal (loopkit/guards.py)
         env["SLURM_JOB_ID"] = "1"
-    return subprocess.run([sys.executable, CHILD, str(out), *map(str, moment)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    return run_process([sys.executable, CHILD, str(out), *map(str, moment)],
+                       f"scripts/train_child.py {' '.join(map(str, moment))}", env=env)
 
 
 def final_weights(out):

@@ -18,7 +18,7 @@ from transformers import BertConfig, BertForMaskedLM, DataCollatorWithFlattening
 from loopkit import Loop, LoopArgs, PackingDataStage
 from loopkit.stages import packing
 
-from helpers import small_run, tiny_llama
+from helpers import small_run, tiny_llama, wait_for
 
 datasets = pytest.importorskip("datasets")
 
@@ -241,7 +241,7 @@ def test_two_processes_train_the_packed_model_of_one_process(tmp_path):
     child = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(child)
     one = child.train(str(tmp_path / "one"))  # the reference, while the launch runs
-    output, _ = launch.communicate(timeout=180)
+    output = wait_for(launch, "the 2-process packing launch")
     assert launch.returncode == 0, output[-3000:]
     expected = {name: p.detach() for name, p in one.model.named_parameters()}
     assert json.loads((tmp_path / "two" / "losses_rank0.json").read_text()) == pytest.approx(

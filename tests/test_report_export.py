@@ -4,10 +4,7 @@ dynamic shapes, and resource release."""
 import json
 import os
 import signal
-import statistics
-import subprocess
 import sys
-import time
 import warnings
 
 import pytest
@@ -15,7 +12,7 @@ import torch
 from transformers import (AutoModelForSequenceClassification, BatchEncoding, BertConfig,
                           BertForSequenceClassification, TrainerCallback)
 
-from helpers import IGNORE_PIN_MEMORY_WARNING, hf_args
+from helpers import IGNORE_PIN_MEMORY_WARNING, PROCESS_WAIT_S, JumpingClock, hf_args, run_process
 from loopkit import Loop, LoopArgs, report
 from loopkit.export import ExportError, export_model
 
@@ -49,19 +46,24 @@ def is_png(path) -> bool:
 
 
 class SlowAt(TrainerCallback):
-    def __init__(self, step, seconds):
-        self.step, self.seconds = step, seconds
+    """Step `step`'s `on_step_end` takes `seconds` on `clock` (a JumpingClock): slow by construction, not by sleeping,
+    so no step of a busy machine's run can look slower."""
+
+    def __init__(self, step, seconds, clock):
+        self.step, self.seconds, self.clock = step, seconds, clock
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
-            time.sleep(self.seconds)
+            self.clock.jump(self.seconds)
 
 
-def test_run_report_summary_phases_slow_steps_and_charts(tmp_path, capsys):
+def test_run_report_summary_phases_slow_steps_and_charts(tmp_path, capsys, monkeypatch):
+    clock = JumpingClock().install(monkeypatch)
     args = LoopArgs(output_dir=str(tmp_path), max_steps=30, per_device_train_batch_size=4, logging_steps=5,
                     eval_strategy="steps", eval_steps=10, save_steps=15, disable_tqdm=True)
+    slow_callback = SlowAt(25, 1000.0, clock)
     loop = Loop(model=tiny_classifier(), args=args, train_dataset=classification_data(),
-                eval_dataset=classification_data(8), callbacks=[SlowAt(25, 0.5)])
+                eval_dataset=classification_data(8), callbacks=[slow_callback])
     loop.train()
     written = json.load(open(tmp_path / "run_report.json"))
     assert written["status"] == "completed" and written["global_step"] == 30
@@ -73,7 +75,7 @@ def test_run_report_summary_phases_slow_steps_and_charts(tmp_path, capsys):
         assert seconds[phase] > 0 or phase == "compile", phase
     assert seconds["compile"] == 0 and written["compile"] is None  # nothing compiled (tests/test_compile.py does)
     assert sum(seconds.values()) == pytest.approx(written["total_seconds"], rel=1e-4)
-    assert seconds["callbacks"] >= 0.5  # the sleeping callback's time is where it belongs
+    assert seconds["callbacks"] >= slow_callback.seconds  # the slow callback's time is where it belongs
     slow = [s for s in written["slow_steps"] if s["step"] == 25]
     assert slow and max(slow[0]["phases"], key=slow[0]["phases"].get) == "callbacks"
     assert written["charts"] == list(CHARTS)
@@ -84,24 +86,18 @@ def test_run_report_summary_phases_slow_steps_and_charts(tmp_path, capsys):
     assert "time by phase" in open(tmp_path / "run_report.md").read()
 
 
-def test_the_report_counts_all_of_train_its_charts_included(tmp_path):
-    """Five train() calls in one process, as in a hyper-parameter search: each report accounts for at least 97% of
-    the wall time around train(), the charts drawn before it returns (in the "report" phase); over the five runs,
-    the median share of "other" is under 5%. Every run's charts are there when its train() returns."""
-    other = []
-    for trial in range(5):
-        loop = small_run(tmp_path / f"trial-{trial}", max_steps=20, learning_rate=1e-4 * (trial + 1))
-        start = time.perf_counter()
-        loop.train()
-        returned = time.perf_counter()
+def test_the_report_counts_all_of_train_and_its_charts_are_there_when_it_returns(tmp_path):
+    """Three train() calls in one process, as in a hyper-parameter search: every run's report and charts are there
+    when its train() returns, the charts drawn in the "report" phase. (That each report counts every second of its
+    train() once: tests/test_report_clock.py, on a deterministic clock; how long the report takes: `python -m
+    benchmarks.report_time`.)"""
+    for trial in range(3):
+        small_run(tmp_path / f"trial-{trial}", max_steps=20, learning_rate=1e-4 * (trial + 1)).train()
         for chart in CHARTS:
             assert is_png(tmp_path / f"trial-{trial}" / chart), (trial, chart)
         written = json.load(open(tmp_path / f"trial-{trial}" / "run_report.json"))
-        assert written["total_seconds"] >= 0.97 * (returned - start), (written["total_seconds"], returned - start)
         seconds = written["time_by_phase"]["seconds"]
-        assert seconds["setup"] > 0 and seconds["logging"] > 0 and seconds["report"] > 0
-        other.append(written["time_by_phase"]["percent"]["other"])
-    assert statistics.median(other) < 5, other
+        assert written["global_step"] == 20 and seconds["setup"] > 0 and seconds["report"] > 0
 
 
 def test_without_matplotlib_the_report_says_how_to_get_charts(tmp_path, monkeypatch, capsys):
@@ -128,9 +124,12 @@ def test_a_crashed_run_reports_its_failure(tmp_path):
 
 
 def bracket(events, step):
-    """When the checkpoint of `step` took its snapshot: after that step's on_step_end, before its on_save."""
-    return (next(e["t"] for e in events if e.get("step_end") == step),
-            next(e["t"] for e in events if e.get("saved") == step))
+    """The seconds the run record of `step`'s checkpoint can hold: its clock starts inside train(), before
+    on_train_begin (the child's times count from just before train()), and it is read after that step's
+    on_step_end, before its on_save. Exact bounds, whatever the machine's load; 1e-6: the record's rounding."""
+    train_begin = next(e["t"] for e in events if "train_begin" in e)
+    return (next(e["t"] for e in events if e.get("step_end") == step) - train_begin - 1e-6,
+            next(e["t"] for e in events if e.get("saved") == step) + 1e-6)
 
 
 def test_killed_run_rebuilt_from_its_run_record_and_resumed_report_covers_the_whole_run(tmp_path):
@@ -141,20 +140,19 @@ def test_killed_run_rebuilt_from_its_run_record_and_resumed_report_covers_the_wh
         sys.path.pop(0)
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, report_child.__file__, str(out), "8"], capture_output=True, text=True,
-                            timeout=300, env=env)  # SIGKILL at step 8: checkpoint-6 is the newest
+    result = run_process([sys.executable, report_child.__file__, str(out), "8"], "the run killed at step 8",
+                         env=env)  # SIGKILL at step 8: checkpoint-6 is the newest
     assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
     killed = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"')]
     # The CLI rebuilds the report from checkpoint-6, charts included.
-    cli = subprocess.run([sys.executable, "-m", "loopkit", "report", str(out)], capture_output=True, text=True,
-                         timeout=120)
+    cli = run_process([sys.executable, "-m", "loopkit", "report", str(out)], "python -m loopkit report")
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert all(is_png(out / chart) for chart in CHARTS)
     rebuilt = json.load(open(out / "run_report.json"))
     earliest, latest = bracket(killed, 6)
     assert rebuilt["status"] == "incomplete: the run stopped without reaching its end (killed?), rebuilt from " \
         "checkpoint-6" and rebuilt["global_step"] == 6
-    assert earliest - 0.01 <= rebuilt["total_seconds"] <= latest, (earliest, rebuilt["total_seconds"], latest)
+    assert earliest <= rebuilt["total_seconds"] <= latest, (earliest, rebuilt["total_seconds"], latest)
     assert rebuilt["metric_for_best_model"] == "eval_loss" and rebuilt["greater_is_better"] is False
     assert sum(rebuilt["time_by_phase"]["seconds"].values()) == pytest.approx(rebuilt["total_seconds"], rel=1e-4)
     assert rebuilt["time_by_phase"]["seconds"]["setup"] > 0
@@ -171,7 +169,7 @@ def test_killed_run_rebuilt_from_its_run_record_and_resumed_report_covers_the_wh
     record = json.load(open(out / "checkpoint-18" / "loopkit_state.json"))["run_record"]
     earliest, latest = bracket(resumed.events, 18)
     assert [(s["from_step"], s["to_step"]) for s in record["segments"]] == [(0, 6), (6, 18)]
-    assert earliest - 0.01 <= record["segments"][1]["seconds"] <= latest
+    assert earliest <= record["segments"][1]["seconds"] <= latest
     assert record["elapsed_seconds"] == pytest.approx(sum(s["seconds"] for s in record["segments"]), abs=1e-5)
 
 
@@ -319,8 +317,8 @@ def test_export_without_onnx_says_how_to_get_it(tmp_path, monkeypatch):
 
 def test_resources_are_released_after_a_run(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, os.path.join(HERE, "scripts", "resources_child.py"), str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, env=env)
+    result = run_process([sys.executable, os.path.join(HERE, "scripts", "resources_child.py"), str(tmp_path)],
+                         "scripts/resources_child.py", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     counts = json.loads(result.stdout.strip().splitlines()[-1])
     assert counts["tensorboard_files"] >= 1  # the writer really ran (and must have been closed)

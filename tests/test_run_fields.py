@@ -26,7 +26,7 @@ from loopkit import Loop, LoopArgs, LoopConfigError, TrainingInterrupted
 from loopkit.checkpoint import checkpoint_problem
 
 from helpers import (IGNORE_PIN_MEMORY_WARNING, TinyRegression, assert_same_weights, hf_args, regression_data,
-                     runners, tiny_llama, tiny_regression)
+                     runners, tiny_llama, tiny_regression, wait_for)
 
 datasets = pytest.importorskip("datasets")
 pytestmark = IGNORE_PIN_MEMORY_WARNING
@@ -303,7 +303,7 @@ def test_ddp_fields_and_save_on_each_node_on_two_nodes(two_nodes):
     the ddp_* fields; with save_on_each_node both nodes hold a complete checkpoint, without it only node 0."""
     tmp_path, nodes = two_nodes
     for index, node in enumerate(nodes):
-        node.wait(timeout=150)
+        wait_for(node, f"the torchrun launch of node {index} (output in {tmp_path / f'launch{index}.log'})")
         assert node.returncode == 0, (tmp_path / f"launch{index}.log").read_text()[-4000:]
     for rank in (0, 1):
         seen = json.load(open(tmp_path / f"ddp_rank{rank}.json"))

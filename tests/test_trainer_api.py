@@ -11,7 +11,6 @@ import json
 import math
 import os
 import re
-import time
 import warnings
 
 import pytest
@@ -275,7 +274,11 @@ def test_set_initial_training_values_refuses_other_args_and_end_ends_accelerate(
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("hub", ["offline_mode", "unreachable_endpoint"])
 def test_push_to_hub_without_a_hub_raises_at_once(tmp_path, monkeypatch, hub):
-    from huggingface_hub import constants
+    import socket
+
+    from huggingface_hub import HfApi, constants
+
+    from loopkit.trainer_api import HUB_TIMEOUT_S
 
     if hub == "offline_mode":
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
@@ -286,10 +289,19 @@ def test_push_to_hub_without_a_hub_raises_at_once(tmp_path, monkeypatch, hub):
         reason = "no connection to 127.0.0.1:9"
     recorder = Recorder()
     loop = build(Loop, tmp_path, "loopkit", callbacks=[recorder])
-    start = time.perf_counter()
+    # "At once": one bounded connection attempt (none offline), and no call to the Hub's API, whose retries wait.
+    attempts, connect = [], socket.create_connection
+
+    def counted_connect(address, timeout, *args):
+        attempts.append((address, timeout))
+        return connect(address, timeout, *args)
+
+    monkeypatch.setattr(socket, "create_connection", counted_connect)
+    for method in ("create_repo", "upload_folder"):
+        monkeypatch.setattr(HfApi, method, lambda *a, **k: pytest.fail("the Hub's API was called"))
     with pytest.raises(ConnectionError, match=rf"push_to_hub: .*not reachable: {reason}.*Fix: .*save_model"):
         loop.push_to_hub()
-    assert time.perf_counter() - start < 10
+    assert attempts == ([] if hub == "offline_mode" else [(("127.0.0.1", 9), HUB_TIMEOUT_S)])
     assert [event[0] for event in recorder.events] == ["on_init_end", "on_push_begin"]  # fired first, as in HF
     with pytest.raises(ConnectionError, match="init_hf_repo"):
         loop.init_hf_repo()

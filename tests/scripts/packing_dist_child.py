@@ -41,6 +41,9 @@ def train(out_dir: str) -> Loop:
     loop = Loop(model, args, train_dataset=samples(), data=PackingDataStage(row_tokens=24, pack="batch"))
     loop.train()
     rank = int(os.environ.get("RANK", "0"))
+    # With save_strategy="no" only rank 0 creates out_dir (for its run report), and on a busy machine rank 1 can
+    # get here first.
+    os.makedirs(out_dir, exist_ok=True)
     save_file({k: v.detach().contiguous() for k, v in loop.model.named_parameters()},
               os.path.join(out_dir, f"weights_rank{rank}.safetensors"))
     with open(os.path.join(out_dir, f"losses_rank{rank}.json"), "w") as f:

@@ -4,8 +4,8 @@ Usage: python report_child.py OUTPUT_DIR KILL_AT_STEP
 
 Trains a tiny BERT classifier for 20 steps (evaluating and saving every 3, `metric_for_best_model="eval_loss"`),
 resuming from the newest checkpoint in OUTPUT_DIR if there is one, and SIGKILLs itself at KILL_AT_STEP's
-`on_step_end`. It prints one JSON line per optimizer step and per save with the seconds since just before
-`train()`, so the test can bracket the time each checkpoint records.
+`on_step_end`. It prints one JSON line at `on_train_begin`, per optimizer step and per save with the seconds since
+just before `train()`, so the test can bracket the time each checkpoint records.
 """
 
 import json
@@ -22,7 +22,7 @@ from loopkit.checkpoint import last_checkpoint
 
 
 class Timeline(TrainerCallback):
-    """Seconds since `start` at each step end and save; SIGKILL at step `kill_at`."""
+    """Seconds since `start` at train begin, each step end and save; SIGKILL at step `kill_at`."""
 
     def __init__(self, kill_at=None):
         self.start, self.kill_at, self.events = None, kill_at, []
@@ -31,6 +31,9 @@ class Timeline(TrainerCallback):
         event["t"] = time.perf_counter() - self.start
         self.events.append(event)
         print(json.dumps(event), flush=True)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.note(train_begin=state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.note(step_end=state.global_step)
