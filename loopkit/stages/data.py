@@ -403,6 +403,7 @@ class DataStage(Stage):
                 iterator._shutdown_workers()
                 base._iterator = None
         self.eval_loaders = {}
+        self.reader = None  # the batch read ahead (workers' shared memory) and the epoch's iterator go with it
 
     def get_test_dataloader(self, test_dataset) -> DataLoader:
         return self.build_dataloader(test_dataset, self.run.args.per_device_eval_batch_size, "test", False)
