@@ -21,7 +21,6 @@ loaders through the `get_eval_dataloader` / `get_test_dataloader` callables in t
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Mapping
 
