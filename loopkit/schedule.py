@@ -1,10 +1,10 @@
 """Between optimizer steps: the running loss, the work counters, and HF's log / evaluate / save schedule.
 
 `Schedule` is a run-level component the `Loop` owns (not a stage): after every optimizer step the loop hands it the
-step stage's `StepResult` and its window (`record`, which passes both to the step observers, loopkit/observers/) and
-then lets it act on what the callbacks asked for in `control` (`after_step`,
-HF's `_maybe_log_save_evaluate`): a train log (the one host sync of the training loop), an evaluation (then the best
-metric and, for `ReduceLROnPlateau` and `GreedyLR`, the scheduler), a checkpoint (then `on_save`).
+step stage's `StepResult` and its window (`record`, which passes both to the step observers, loopkit/observers/),
+then lets it act on what the callbacks asked for in `control` (`after_step`, HF's `_maybe_log_save_evaluate`): a
+train log (the one host sync of the training loop; the observers' keys join it), an evaluation (then the best metric
+and, for `ReduceLROnPlateau` and `GreedyLR`, the scheduler), a checkpoint (then `on_save`).
 
 It writes `state.log_history` through `run.log`, `state.best_metric`, `state.best_global_step`, `state.total_flos`
 and `state.num_input_tokens_seen` (`include_num_input_tokens_seen`: counted on the device or from shapes each step,

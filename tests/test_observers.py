@@ -21,6 +21,7 @@ from helpers import hf_args, minilm_tokenizer, regression_data, rotten_tomatoes,
 from loopkit import Loop, LoopConfigError
 from loopkit.observers import StepObserver
 from loopkit.observers.throughput import Throughput
+from test_docs import readme_inputs  # noqa: F401 (the fixture the docs examples start from)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `benchmarks/` lives in the repository, next to the installed loopkit
@@ -199,3 +200,45 @@ def test_an_object_without_the_two_methods_is_refused_at_construction(tmp_path):
     with pytest.raises(LoopConfigError, match="observers=.*subclass loopkit.observers.StepObserver"):
         Loop(model=tiny_regression(), args=hf_args(tmp_path), train_dataset=regression_data(8),
              observers=[lambda result: None])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# docs/stages.md's step-observer examples (its 4th and 5th ```python blocks)
+# ---------------------------------------------------------------------------------------------------------------
+def test_the_docs_max_grad_norm_is_the_largest_norm_of_the_steps_since_each_log(tmp_path):
+    """Two runs from the same seed: one logs every step (each step's grad_norm), the other every 3 steps with the
+    docs' `MaxGradNorm`, whose `grad_norm_max` must be the largest of those 3 norms."""
+    from test_docs import python_blocks
+
+    namespace = {}
+    exec(python_blocks("docs/stages.md")[3], namespace)
+
+    def run(folder, logging_steps, observers):
+        args = hf_args(tmp_path / folder, per_device_train_batch_size=4, max_steps=6, logging_steps=logging_steps,
+                       save_strategy="no", learning_rate=0.1)
+        loop = Loop(model=tiny_regression(), args=args, train_dataset=regression_data(32), observers=observers)
+        loop.train()
+        return [h for h in loop.state.log_history if "loss" in h]
+
+    each_step = [h["grad_norm"] for h in run("each", 1, [])]
+    observed = run("observed", 3, [namespace["MaxGradNorm"]()])
+    assert [h["step"] for h in observed] == [3, 6]
+    assert len(set(each_step)) == 6  # the norms differ, so the maximum is a real choice
+    for log in observed:
+        assert log["grad_norm_max"] == round(max(each_step[log["step"] - 3:log["step"]]), 4)
+
+
+def test_the_docs_observer_example_runs_after_the_readme_example(readme_inputs, capsys):
+    from test_docs import python_blocks
+
+    (first_example,) = python_blocks("README.md")
+    namespace = dict(readme_inputs)
+    exec(first_example, namespace)
+    capsys.readouterr()
+    exec(python_blocks("docs/stages.md")[3], namespace)
+    exec(python_blocks("docs/stages.md")[4], namespace)
+    logs = [h for h in namespace["loop"].state.log_history if "padding_share" in h]
+    assert [h["step"] for h in logs] == [2, 4, 6, 8]  # 32 reviews in batches of 4: 8 steps, a log every 2
+    assert all(h["real_tokens_per_second"] > 0 and 0 < h["padding_share"] < 1 and h["grad_norm_max"] > 0
+               for h in logs)
+    assert "'padding_share':" in capsys.readouterr().out
