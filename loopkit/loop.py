@@ -48,7 +48,8 @@ class Loop(HFMethods, TrainerAPI):
     """A training run with `transformers.Trainer`'s arguments, methods, attributes and callback events.
 
     Replace `Trainer(` with `Loop(`. Pass `setup=`, `data=`, `step=`, `evaluation=` or `teardown=` to swap a stage.
-    `metrics=[...]` adds streaming evaluation metrics (`loopkit.metrics`), computed batch by batch on the device.
+    `metrics=[...]` adds streaming evaluation metrics (`loopkit.metrics`), computed batch by batch on the device;
+    `observers=[...]` receives each step's result and adds keys to the training logs (`loopkit.observers`).
     """
 
     # With several processes, preemption and non-finite checks agree through one all-reduce every this many
@@ -61,7 +62,7 @@ class Loop(HFMethods, TrainerAPI):
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, model_init=None, compute_loss_func=None, compute_metrics=None,
                  callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
-                 preprocess_logits_for_metrics=None, *, metrics=None, setup: SetupStage | None = None,
+                 preprocess_logits_for_metrics=None, *, metrics=None, observers=None, setup: SetupStage | None = None,
                  data: DataStage | None = None, step: StepStage | None = None,
                  evaluation: EvalStage | None = None, teardown: TeardownStage | None = None):
         args_given, args = args is not None, args if args is not None else LoopArgs()
@@ -103,7 +104,7 @@ class Loop(HFMethods, TrainerAPI):
         run.log, run.compute_loss, run.count_loss_items = self.log, self.compute_loss, self.count_loss_items
         run.compute_loss_context_manager = self.compute_loss_context_manager
         run.get_eval_dataloader, run.get_test_dataloader = self.get_eval_dataloader, self.get_test_dataloader
-        self.schedule = Schedule(run, evaluate=self.evaluate, save=self.save_checkpoint)
+        self.schedule = Schedule(run, evaluate=self.evaluate, save=self.save_checkpoint, observers=observers)
         self.initial_global_step = 0
         if getattr(args, "push_to_hub", False):  # as Trainer.__init__: the repo exists before training
             self.init_hf_repo()
@@ -210,14 +211,17 @@ class Loop(HFMethods, TrainerAPI):
     def run_epoch(self, epoch, plan, resume, ignore_keys_for_eval):
         """One pass over the data: a window of micro-batches per optimizer step, then the log/eval/save schedule."""
         run, windows = self.run, 0
+        asked = time.perf_counter()  # a window's seconds: fetching it and its step, host time (loopkit/observers/)
         for window in self.data.windows(epoch, plan, resume):
             windows += 1
             result = self.step.run_step(window, epoch, plan.steps_in_epoch)
-            self.schedule.record(result)
+            result.seconds = time.perf_counter() - asked
+            self.schedule.record(result, window)
             if result.completed:
                 self.schedule.after_step(ignore_keys_for_eval)
                 self.check_guards()
                 run.clock.step_done(run.state.global_step)
+            asked = time.perf_counter()
             if run.control.should_epoch_stop or run.control.should_training_stop:
                 break
         resumed_here = resume is not None and epoch == resume.epochs_trained and resume.micro_batches_to_skip

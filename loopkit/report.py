@@ -9,9 +9,9 @@ compilations, wherever they fall; counted too, loopkit/compilation.py), data, fo
 end of the last epoch) and the report itself; "other" is what falls between them (the loop's own bookkeeping).
 
 At the end of a run (and when it fails or is interrupted) the teardown stage draws the PNG charts (loss with eval
-loss, the best checkpoint and resumes; the learning rate with its warmup; one axis per evaluation metric;
-throughput), writes `run_report.json` and `run_report.md` to the output folder (each atomically: a temporary file,
-flushed, renamed) and prints a one-screen summary, all before `train()` returns or raises: no thread of loopkit's
+loss, the best checkpoint and resumes; the learning rate with its warmup; one axis per evaluation metric; one per key
+a step observer adds to the training logs, loopkit/observers/; throughput), writes `run_report.json` and
+`run_report.md` to the output folder (each atomically: a temporary file, flushed, renamed) and prints a one-screen summary, all before `train()` returns or raises: no thread of loopkit's
 writes into the user's folder afterwards, and every file the summary names exists when it is printed. Drawing is
 timed as part of the "report" phase; `TeardownStage(charts=False)` skips it. Without matplotlib the report says how
 to get the charts.
@@ -378,8 +378,12 @@ def interruption_record(run) -> dict | None:
 # -- charts ------------------------------------------------------------------------------------------------------
 # Each chart answers one question: is the loss going down, and where is the best checkpoint (loss.png)? What did the
 # learning rate do, warmup included (learning_rate.png)? How did each evaluation metric move (eval_metrics.png, one
-# axis per metric)? Did the speed hold (throughput.png)? Resumes are marked on every chart over steps.
+# axis per metric)? How did each key added to the training logs move (step_metrics.png)? Did the speed hold
+# (throughput.png)? Resumes are marked on every chart over steps.
 EVAL_SKIP = ("_runtime", "_samples_per_second", "_steps_per_second", "_model_preparation_time")
+# The keys of Trainer's own training log (charted elsewhere, or not at all): any other number there is charted.
+TRAINING_LOG_KEYS = ("loss", "grad_norm", "learning_rate", "epoch", "step", "num_input_tokens_seen", "train_runtime",
+                     "train_tokens_per_second")
 
 
 def series(log_history: list, key: str) -> tuple[list, list]:
@@ -392,6 +396,17 @@ def eval_metric_keys(log_history: list) -> list[str]:
     for h in log_history:
         for k, v in h.items():
             if k.startswith("eval_") and not k.endswith(EVAL_SKIP) and isinstance(v, (int, float)) and k not in keys:
+                keys.append(k)
+    return keys
+
+
+def step_metric_keys(log_history: list) -> list[str]:
+    """The numeric keys added to the training logs (those with "loss"): a step observer's, or a `Loop.log`
+    override's."""
+    keys = []
+    for h in log_history:
+        for k, v in h.items() if "loss" in h else ():
+            if k not in TRAINING_LOG_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool) and k not in keys:
                 keys.append(k)
     return keys
 
@@ -422,6 +437,8 @@ def chart_names(report: dict) -> list[str]:
         names.append("learning_rate.png")
     if eval_metric_keys(history):
         names.append("eval_metrics.png")
+    if step_metric_keys(history):
+        names.append("step_metrics.png")
     if throughput(report.get("segments") or [])[0]:
         names.append("throughput.png")
     return names
@@ -483,10 +500,9 @@ def learning_rate_chart(ax, report: dict) -> None:
     ax.set_title("Learning rate")
 
 
-def eval_metric_charts(fig, report: dict) -> None:
+def metric_charts(fig, report: dict, keys: list[str], title: str) -> None:
     """One axis per metric, stacked, sharing the step axis; the best step marked on each."""
     history, best = report["log_history"], report.get("best_step")
-    keys = eval_metric_keys(history)
     axes = fig.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
     for ax, key in zip(axes, keys):
         steps, values = series(history, key)
@@ -500,7 +516,6 @@ def eval_metric_charts(fig, report: dict) -> None:
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
         ax.legend(handles=ax.get_lines()[:1], fontsize="small")
-    title = "Evaluation metrics"
     if best is not None:
         title += f" (dashed: best checkpoint, step {best})"
     axes[0].set_title(title)
@@ -523,20 +538,26 @@ def throughput_chart(ax, report: dict) -> None:
     ax.set_title(title)
 
 
+# The charts of one axis per key: which keys, and the title.
+METRIC_CHARTS = {"eval_metrics.png": (eval_metric_keys, "Evaluation metrics"),
+                 "step_metrics.png": (step_metric_keys, "Added to the training logs (step observers)")}
+
+
 def chart_figure(name: str, report: dict):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    metrics = len(eval_metric_keys(report["log_history"])) if name == "eval_metrics.png" else 1
-    height = max(3.8, 2.0 * metrics + 0.6)
+    keys_of, title = METRIC_CHARTS.get(name, (None, None))
+    keys = keys_of(report["log_history"]) if keys_of is not None else []
+    height = max(3.8, 2.0 * len(keys) + 0.6)
     fig = Figure(figsize=(7.2, height), dpi=100)
     FigureCanvasAgg(fig)
     # Fixed margins (in inches, whatever the height): a layout engine would double the drawing time, and the
     # drawing shares the CPU with the next train() of a hyper-parameter search.
     fig.subplots_adjust(left=0.95 / 7.2, right=0.98, top=1 - 0.4 / height, bottom=0.55 / height, hspace=0.15)
-    if name == "eval_metrics.png":
-        eval_metric_charts(fig, report)
+    if keys_of is not None:
+        metric_charts(fig, report, keys, title)
         fig.axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole (shared axis)
         return fig
     ax = fig.add_subplot()

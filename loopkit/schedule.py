@@ -1,9 +1,10 @@
 """Between optimizer steps: the running loss, the work counters, and HF's log / evaluate / save schedule.
 
 `Schedule` is a run-level component the `Loop` owns (not a stage): after every optimizer step the loop hands it the
-step stage's `StepResult` (`record`) and then lets it act on what the callbacks asked for in `control` (`after_step`,
-HF's `_maybe_log_save_evaluate`): a train log (the one host sync of the training loop), an evaluation (then the best
-metric and, for `ReduceLROnPlateau` and `GreedyLR`, the scheduler), a checkpoint (then `on_save`).
+step stage's `StepResult` and its window (`record`, which passes both to the step observers, loopkit/observers/),
+then lets it act on what the callbacks asked for in `control` (`after_step`, HF's `_maybe_log_save_evaluate`): a
+train log (the one host sync of the training loop; the observers' keys join it), an evaluation (then the best metric
+and, for `ReduceLROnPlateau` and `GreedyLR`, the scheduler), a checkpoint (then `on_save`).
 
 It writes `state.log_history` through `run.log`, `state.best_metric`, `state.best_global_step`, `state.total_flos`
 and `state.num_input_tokens_seen` (`include_num_input_tokens_seen`: counted on the device or from shapes each step,
@@ -22,6 +23,7 @@ import torch
 from .args import MetricNotFoundError, trainer_error
 from .checkpoint import restore_rng_state, rng_state
 from .guards import EvaluationInterrupted
+from .observers import check_observers, observer_logs
 from .optimizers import steps_on_metrics
 
 
@@ -125,9 +127,11 @@ class RunningLoss:
 class Schedule:
     """What happens after each optimizer step: counting, then the log / evaluation / save `control` asks for."""
 
-    def __init__(self, run, evaluate, save):
-        """`evaluate()`: the run's evaluation (`Loop.evaluate`); `save()`: writes a checkpoint of this step."""
+    def __init__(self, run, evaluate, save, observers=None):
+        """`evaluate()`: the run's evaluation (`Loop.evaluate`); `save()`: writes a checkpoint of this step;
+        `observers`: step observers (loopkit/observers/), whose keys join each training log."""
         self.run, self.evaluate, self.save = run, evaluate, save
+        self.observers = check_observers(observers)
         self.running_loss = RunningLoss()
         self.current_flos = 0.0  # this process's FLOPs since the last log or save
         self.tokens_seen = self.samples_seen = 0  # input tokens and samples of this train() call (the report)
@@ -146,8 +150,9 @@ class Schedule:
         self.last_step = None
         self.input_tokens_pending, self.initial_tokens_seen = 0, run.state.num_input_tokens_seen
 
-    def record(self, result) -> None:
-        """A `StepResult`: its losses into the running loss, its work into the counters."""
+    def record(self, result, window) -> None:
+        """A `StepResult`: its losses into the running loss, its work into the counters; it and its `window` to
+        the step observers."""
         step_before = self.run.state.global_step - (1 if result.completed else 0)
         for loss in result.losses:
             self.running_loss.add(loss, step_before)
@@ -157,6 +162,8 @@ class Schedule:
         self.input_tokens_pending = self.input_tokens_pending + result.input_tokens_seen
         if result.completed:
             self.last_step = result
+        for observer in self.observers:
+            observer.on_step(result, window, self.run.state)
 
     def counters(self) -> dict:
         """The input tokens and samples this `train()` call trained on (the run report divides them by time)."""
@@ -213,7 +220,7 @@ class Schedule:
         # torchao's low-bit optimizers keep lr as a (host) tensor; HF logs a float, and state JSON needs one.
         logs["learning_rate"] = lr.item() if isinstance(lr, torch.Tensor) else lr
         self.store_work()
-        run.log(logs, self.start_time)
+        run.log(observer_logs(self.observers, logs, run.state), self.start_time)
 
     def after_step(self, ignore_keys_for_eval=None) -> None:
         """HF's `_maybe_log_save_evaluate`: act on `control.should_log / should_evaluate / should_save`."""

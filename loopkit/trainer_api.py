@@ -151,6 +151,13 @@ class TrainerAPI:
         None before the first `train()` ends and on processes other than the main one."""
         return getattr(self.teardown, "last_report", None)
 
+    def show_wiring(self, file=None) -> None:
+        """loopkit addition: print, for each event in firing order, the stage methods and callbacks that run, the
+        step observers, and where each of HF's overridable methods runs (`loopkit.wiring.wiring_text` returns it)."""
+        from .wiring import wiring_text
+
+        print(wiring_text(self), file=file)
+
     # -- attributes derived from the run --------------------------------------------------------------------------
     @property
     def is_deepspeed_enabled(self) -> bool:

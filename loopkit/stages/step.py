@@ -136,7 +136,8 @@ class StepResult:
     """What one optimizer step produced, handed back to the `Loop`: the micro-batch losses (detached device
     tensors, already scaled for accumulation), the pre-clip gradient norm (a device tensor), the learning rate the
     step used, and the work done (HF's FLOP estimate, input tokens, samples: tensor metadata, no device sync).
-    `completed` is False when a callback stopped training or the epoch inside the window (no optimizer step)."""
+    `completed` is False when a callback stopped training or the epoch inside the window (no optimizer step).
+    `seconds`: the window's host time, fetching it included, which the `Loop` adds (loopkit/observers/)."""
 
     completed: bool
     losses: list = field(default_factory=list)
@@ -146,6 +147,7 @@ class StepResult:
     tokens: int = 0
     samples: int = 0
     input_tokens_seen: torch.Tensor | int = 0  # HF's count for include_num_input_tokens_seen (this process)
+    seconds: float = 0.0
 
 
 class StepStage(Stage):
