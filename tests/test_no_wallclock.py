@@ -41,7 +41,12 @@ UNITTEST_COMPARISONS = {"assertLess", "assertLessEqual", "assertGreater", "asser
 
 # (file relative to tests/, enclosing function, the assertion's source) -> why it may compare a duration to a constant.
 # Empty: every wall-clock assertion the suite had is now a correctness check or a benchmark row.
-ALLOWED: dict[tuple[str, str, str], str] = {}
+ALLOWED: dict[tuple[str, str, str], str] = {
+    # Not a clock read: the CPU share is a measurement the test injects (0.05), and the report must quote it.
+    ("test_cpu_starvation.py", "test_a_starved_run_says_so_once_with_the_numbers_and_the_fix",
+     'assert abs(starved["cpu_seconds_per_second"] - 0.05) < 0.01 and starved["suggested_threads"] == 1'):
+        "an injected CPU share, not a wall-clock duration",
+}
 
 
 def is_constant(node: ast.AST) -> bool:

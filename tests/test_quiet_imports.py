@@ -10,7 +10,6 @@ that module imports by itself, measured in a fresh process."""
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from importlib.util import find_spec
@@ -21,6 +20,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.optimization import get_scheduler
 
 from loopkit.optimizers import LOCAL_SCHEDULES, TORCH_HANDLERS, build_scheduler, optimizer_cls_and_kwargs
+from helpers import run_process
 
 # Imported by transformers' optimizer handlers and schedules (transformers.trainer_utils imports peft, which imports
 # bitsandbytes) and by transformers' model code (its quantizers import torchao).
@@ -74,8 +74,7 @@ CHILD = textwrap.dedent("""
 def modules_seen(hf_model: bool, callbacks_only: bool = False) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
     child = CHILD.format(noisy=NOISY, hf_model=hf_model, callbacks_only=callbacks_only)
-    result = subprocess.run([sys.executable, "-c", child],
-                            capture_output=True, text=True, timeout=300, env=env)
+    result = run_process([sys.executable, "-c", child], "a fresh interpreter building a Loop", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -7,14 +7,13 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 from transformers import EarlyStoppingCallback
 
-from helpers import regression_data, tiny_regression
+from helpers import regression_data, run_process, tiny_regression
 from loopkit import Loop, LoopArgs, TrainingInterrupted, report
 from loopkit.guards import LAUNCHER_ENV
 
@@ -126,8 +125,8 @@ def test_a_sigkilled_resume_is_rebuilt_beside_the_runs_own_report(tmp_path, caps
         interrupted.train()
     before = files(out)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, report_child.__file__, str(out), "8"], capture_output=True, text=True,
-                            timeout=300, env=env)
+    result = run_process([sys.executable, report_child.__file__, str(out), "8"], "the resumed run killed at step 8",
+                         env=env)
     assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
 
     printed = cli(capsys, out)

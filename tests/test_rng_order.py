@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import IGNORE_PIN_MEMORY_WARNING, hf_args, rotten_tomatoes, runners
+from helpers import IGNORE_PIN_MEMORY_WARNING, hf_args, rotten_tomatoes, runners, wait_for
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 from rng_order_child import masked_lm_run  # noqa: E402
@@ -103,7 +103,7 @@ def start_child(out, texts_path, case, mode=None, launcher=False):
 
 
 def finished(child, returncode=0) -> None:
-    output, _ = child.communicate(timeout=300)
+    output = wait_for(child, "the training child")
     assert child.returncode == returncode, output[-3000:]
 
 
