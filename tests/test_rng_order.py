@@ -128,7 +128,7 @@ def test_killed_mid_window_resumes_bit_identical(tmp_path, texts_path, name):
     children = start_child(full, texts_path, case), start_child(killed, texts_path, case, "kill")
     finished(children[0])
     finished(children[1], -9)
-    assert sorted(os.listdir(killed)) == ["checkpoint-1"]  # killed inside window 2, before checkpoint-2
+    assert sorted(name for name in os.listdir(killed) if name.startswith("checkpoint")) == ["checkpoint-1"]  # killed inside window 2
     checkpoint = killed / "checkpoint-1"
     state = json.loads((checkpoint / "loopkit_state.json").read_text())["data"]
     assert state["position"]["micro_batches"] == case["ga"]  # mid-epoch
