@@ -53,8 +53,9 @@ MODEL_FILES = ("config.json", "generation_config.json", "pytorch_model.bin", "mo
                "adapter_config.json", "adapter_model.bin", "adapter_model.safetensors")
 INDEX_FILES = ("pytorch_model.bin.index.json", "model.safetensors.index.json")
 # Trainer's ["_*", "checkpoint-*"], and the folders loopkit's atomic saves and deletions leave beside checkpoints.
-OUTPUT_DIR_IGNORE = ["_*", f"{CHECKPOINT_PREFIX}-*"] + [f"{prefix}{CHECKPOINT_PREFIX}-*"
-                                                        for prefix in LEFTOVER_PREFIXES]
+# run_status.json says whether a train() is still running (for `python -m loopkit report`): local, never uploaded.
+OUTPUT_DIR_IGNORE = ["_*", f"{CHECKPOINT_PREFIX}-*", "run_status.json"] + [f"{prefix}{CHECKPOINT_PREFIX}-*"
+                                                                           for prefix in LEFTOVER_PREFIXES]
 STAGING_PREFIX = "_loopkit-"  # matched by "_*": a folder in output_dir no upload lists
 HUB_TIMEOUT_S = 5.0  # a Hub that does not answer in this time counts as unreachable: nothing hangs on it
 

@@ -31,8 +31,8 @@ SECRET = "hf_loopkitTestTokenNeverWritten"
 # Written by one runner only, on purpose (docs/differences.md): Trainer's pickled arguments; loopkit's stage state
 # and run report.
 HF_ONLY = {"training_args.bin"}
-LOOPKIT_ONLY = {"loopkit_state.json", "run_report.json", "run_report.md", "loss.png", "learning_rate.png",
-                "throughput.png", "eval_metrics.png"}
+LOOPKIT_ONLY = {"loopkit_state.json", "loopkit_tensors.safetensors", "run_report.json", "run_report.md", "loss.png",
+                "learning_rate.png", "throughput.png", "eval_metrics.png"}
 GATE_TIMEOUT_S = 120  # an upload held longer than this means training waited for it: the test fails
 
 
