@@ -1,7 +1,14 @@
-"""`python -m loopkit report RUN_DIR`: rebuild a run's report (see loopkit/report.py)."""
+"""`python -m loopkit report RUN_DIR`: rebuild a run's report (see loopkit/report.py).
+`python -m loopkit convert-dcp SRC DST [--checkpoint]`: a DCPStorage checkpoint as a `save_pretrained` folder or an
+HF-layout checkpoint (see loopkit/storage/dcp.py)."""
 
 import sys
 
-from .report import main
+if sys.argv[1:2] == ["convert-dcp"]:
+    from .storage.dcp import main as convert_main
+
+    sys.exit(convert_main(sys.argv[2:]))
+
+from .report import main  # noqa: E402
 
 sys.exit(main())

@@ -26,7 +26,7 @@ user's own `loop.optimizer = ...` goes through those views; it is the user's wri
 | control                        | HF's `TrainerControl`; `fire` stores what callbacks return  | run.py            |
 | events                         | the callbacks and their dispatch (`loopkit.events`)         | loop.py           |
 | clock                          | time by phase for the run report (`loopkit.report`)         | loop.py           |
-| checkpointer                   | writes, rotates and reads checkpoints (`loopkit.checkpoint`)| loop.py           |
+| checkpointer                   | the checkpoint storage (`loopkit.storage`)                  | loop.py           |
 | preemption                     | SIGTERM/SIGINT watch (`loopkit.guards`)                     | loop.py           |
 | log                            | HF's `Trainer.log` (a `Loop` subclass may override it)      | loop.py           |
 | compute_loss,                  | the step stage's loss methods, for the evaluation stage     | loop.py           |
