@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-from .bench_checkpoint import FOLLOWING_STEPS, SAVE_AFTER_STEP
+from .bench_checkpoint import FOLLOWING_STEPS, SAVE_AFTER_STEP, save_timings
 from .spec import TrainSpec
 
 ONE_PROCESS = ["hf-trainer", "hf-layout", "hf-layout-async", "dcp", "dcp-async"]
@@ -68,15 +68,9 @@ def measure(name: str, output_dir: str) -> dict:
     clock = StepClock(save_at=[SAVE_AFTER_STEP], stop_at=SAVE_AFTER_STEP + FOLLOWING_STEPS)
     result = train("hf" if name == "hf-trainer" else "loopkit", spec(), clock, output_dir,
                    trainer_kwargs=trainer_kwargs(name, sharded))
-    begins, ends = clock.begins, clock.ends  # index k: step k + 1
-    steps = [end - begin for begin, end in zip(begins, ends)]
-    gaps = [begin - end for end, begin in zip(ends, begins[1:])]  # gaps[k]: after step k + 1
-    usual_gap = statistics.median(gaps[1:SAVE_AFTER_STEP - 1])
-    usual_step = statistics.median(steps[1:SAVE_AFTER_STEP])
-    following = steps[SAVE_AFTER_STEP:SAVE_AFTER_STEP + FOLLOWING_STEPS]
-    return {"blocked": gaps[SAVE_AFTER_STEP - 1] - usual_gap, "usual_step": usual_step,
-            "following_steps_slower_by": sum(following) - len(following) * usual_step,
-            "following_relative": (sum(following) - len(following) * usual_step) / (len(following) * usual_step),
+    timings = save_timings(clock)
+    following = FOLLOWING_STEPS * timings["usual_step"]
+    return {**timings, "following_relative": timings["following_steps_slower_by"] / following,
             "global_step": result.global_step,
             "saved": sorted(os.listdir(os.path.join(output_dir, f"checkpoint-{SAVE_AFTER_STEP}")))}
 

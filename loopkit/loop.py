@@ -38,6 +38,7 @@ from .stages.evaluation import EvalStage
 from .stages.setup import SetupStage
 from .stages.step import StepStage
 from .stages.teardown import TeardownStage
+from .storage import run_storage
 from .state import LoopState, restore_callback_states
 
 STAGES = {"setup": SetupStage, "data": DataStage, "step": StepStage, "evaluation": EvalStage,
@@ -99,7 +100,7 @@ class Loop(HFMethods, TrainerAPI):
                               is_world_process_zero=run.accelerator.is_main_process)
         run.preemption = PreemptionWatch(run)
         run.clock = run.events.clock = PhaseClock()  # the run report's time by phase
-        run.checkpointer = checkpoint_storage(storage, self.evaluation.checkpoint_options()).attach(run)
+        run.checkpointer = run_storage(storage, self.evaluation.checkpoint_options()).attach(run)
         # The methods one stage offers another go through the Loop, so a subclass's overrides apply everywhere.
         run.log, run.compute_loss, run.count_loss_items = self.log, self.compute_loss, self.count_loss_items
         run.compute_loss_context_manager = self.compute_loss_context_manager
@@ -294,21 +295,3 @@ class Loop(HFMethods, TrainerAPI):
         the live model on `example_inputs`; returns {format: (path, max |difference|)}."""
         return self.teardown.export(output_dir, example_inputs, formats)
 
-
-def checkpoint_storage(storage, stage_options: dict):
-    """The run's checkpoint storage: `storage`, or the default one with the options `EvalStage` was given (the
-    earlier place of `async_save`, `on_save_error` and `best_total_limit`, still accepted)."""
-    from .storage.base import CheckpointStorage
-    from .storage.hf import HFStorage
-
-    if storage is None:
-        return HFStorage(**stage_options)
-    if not isinstance(storage, CheckpointStorage):
-        raise config_error("storage", storage, "it is not a loopkit.storage.CheckpointStorage",
-                           "pass HFStorage(...), DCPStorage(...) or a subclass of CheckpointStorage")
-    given = {name: value for name, value in stage_options.items() if value != HFStorage().options()[name]}
-    if given:
-        name, value = next(iter(given.items()))
-        raise config_error(name, value, "it was passed to the evaluation stage and a storage was passed too",
-                           f"pass it to the storage: {type(storage).__name__}({name}={value!r})")
-    return storage

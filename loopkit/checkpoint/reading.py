@@ -44,13 +44,11 @@ class Resuming:
             raise ValueError(f"Cannot resume from {resume_from_checkpoint}: {problem}.")
         return resume_from_checkpoint
 
-    @staticmethod
-    def read_trainer_state(checkpoint: str):
+    def read_trainer_state(self, checkpoint: str):
         """The checkpoint's `trainer_state.json` as a `LoopState` (a clear error naming a damaged file)."""
         return read_trainer_state(checkpoint)
 
-    @staticmethod
-    def read_stage_states(checkpoint: str) -> dict:
+    def read_stage_states(self, checkpoint: str) -> dict:
         """The checkpoint's `loopkit_state.json` (each stage's state by name); {} for HF Trainer's folders."""
         return read_stage_states(checkpoint)
 
