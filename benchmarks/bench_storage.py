@@ -9,6 +9,7 @@ median gap before it; slower by = the 8 following steps - 8 x the median step be
 process (a `torchrun` launch for FSDP2), and the contenders alternate round by round (A B C D E, A B C D E, ...).
 
     python -m benchmarks.bench_storage [--rounds 4] [--fsdp-rounds 2] [--out benchmarks/results/storage.json]
+    BENCH_STORAGE_DEVICE=cuda python -m benchmarks.bench_storage ...   # the same on GPUs (2 for FSDP2)
 
 Writes the raw rounds and the summary (median, min-max, the median of the round-by-round ratios to HF Trainer's
 sync save) to `--out`, and prints the rows of docs/performance.md's storage table.
@@ -36,7 +37,8 @@ LABELS = {"hf-trainer": "HF Trainer (sync)", "hf-layout": "loopkit HFStorage, sy
 
 def spec() -> TrainSpec:
     return TrainSpec(model="minilm", num_train=64, seq_len=32, batch_size=4, grad_accum=1, max_steps=20,
-                     learning_rate=5e-5, warmup_steps=2, logging_steps=50)
+                     learning_rate=5e-5, warmup_steps=2, logging_steps=50,
+                     device=os.environ.get("BENCH_STORAGE_DEVICE", "cpu"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -65,7 +67,10 @@ def measure(name: str, output_dir: str) -> dict:
 
     torch.set_num_threads(1)
     sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    clock = StepClock(save_at=[SAVE_AFTER_STEP], stop_at=SAVE_AFTER_STEP + FOLLOWING_STEPS)
+    steps = range(1, SAVE_AFTER_STEP + FOLLOWING_STEPS + 1)
+    on_gpu = spec().device == "cuda"  # the host runs ahead of the device: each measured step ends synchronised
+    clock = StepClock(save_at=[SAVE_AFTER_STEP], stop_at=SAVE_AFTER_STEP + FOLLOWING_STEPS,
+                      sync_at=steps if on_gpu else (), synchronize=torch.cuda.synchronize if on_gpu else None)
     result = train("hf" if name == "hf-trainer" else "loopkit", spec(), clock, output_dir,
                    trainer_kwargs=trainer_kwargs(name, sharded))
     timings = save_timings(clock)
@@ -87,7 +92,8 @@ def measure_in_new_process(name: str, processes: int, scratch: str) -> dict:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env["ACCELERATE_USE_CPU"] = "1"
+        if os.environ.get("BENCH_STORAGE_DEVICE", "cpu") == "cpu":
+            env["ACCELERATE_USE_CPU"] = "1"
         command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", str(processes),
                    "--master_port", str(port), "-m", *module[2:]]
     else:

@@ -103,7 +103,6 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-
 logger = logging.getLogger("loopkit.checkpoint")
 
 

@@ -65,7 +65,6 @@ def load_model_weights(model, checkpoint: str) -> None:
         model.tie_weights()
 
 
-
 def holds_model_weights(path: str) -> bool:
     """Whether the folder holds a file or folder of model weights that Trainer's `_load_from_checkpoint` looks for."""
     names = (WEIGHTS_NAME, "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",

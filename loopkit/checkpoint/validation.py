@@ -46,7 +46,6 @@ def checkpoint_problem(path: str) -> str | None:
     return None
 
 
-
 def warn_if_checkpoint_args_differ(args, state) -> None:
     """Trainer's `compare_trainer_and_checkpoint_args`, in its words and under its logger: a warning naming each of
     the logging, evaluation and save intervals and the per-device batch size that differs from the checkpoint's
@@ -63,7 +62,6 @@ def warn_if_checkpoint_args_differ(args, state) -> None:
             "Warning: The following arguments do not match the ones in the `trainer_state.json` within the "
             "checkpoint directory: " + "".join(f"\n\t{name}: {ours} (from args) != {saved} (from trainer_state.json)"
                                                for name, ours, saved in differences))
-
 
 
 def read_trainer_state(checkpoint: str):

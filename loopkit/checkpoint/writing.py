@@ -110,13 +110,8 @@ class AtomicSaves:
                                                                                       acc.process_index)))
 
     def start_background_write(self, snapshot: Snapshot, push: str | None) -> threading.Thread:
-        """`async_save`: the whole write on a thread (the snapshot holds host copies). One process only: the
-        write's barriers would run beside training's collectives."""
-        if self.run.accelerator.num_processes > 1:
-            from ..args import config_error
-
-            raise config_error("async_save", True, f"{type(self).__name__}'s asynchronous saving supports one "
-                               "process only", "use async_save=False under a distributed launch")
+        """`async_save`: the whole write on a thread (the snapshot holds host copies). One process only (checked
+        by the storage at `start`): the write's barriers would run beside training's collectives."""
         writer = threading.Thread(target=self.write_in_background, args=(snapshot, push), daemon=False)
         writer.start()
         return writer

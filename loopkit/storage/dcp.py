@@ -64,6 +64,15 @@ class DCPStorage(CheckpointStorage):
 
     checkpoint_group = None  # the gloo process group of asynchronous saves (several processes)
 
+    def start(self, resume_from_checkpoint) -> str | None:
+        from ..args import config_error
+        from ..distributed import active_engine
+
+        if active_engine(self.run.accelerator) == "DeepSpeed":
+            raise config_error("storage", "DCPStorage()", "DeepSpeed writes its own checkpoints (`global_step*/`)",
+                               "use the default storage (HFStorage) with DeepSpeed")
+        return super().start(resume_from_checkpoint)
+
     # -- writing --
     def state_to_save(self) -> dict:
         """The model's (and, unless `save_only_model`, the optimizer's) state as DCP saves it: torch's

@@ -26,6 +26,14 @@ class HFStorage(CheckpointStorage):
     """HF Trainer's checkpoint layout (module docstring). `async_save=True`: one process only (the state is copied
     to host memory at the step boundary and written by a background thread)."""
 
+    def start(self, resume_from_checkpoint) -> str | None:
+        if self.async_save and self.run.accelerator.num_processes > 1:
+            from ..args import config_error
+
+            raise config_error("async_save", True, "HFStorage's asynchronous saving supports one process only",
+                               "use DCPStorage(async_save=True) under a distributed launch, or async_save=False")
+        return super().start(resume_from_checkpoint)
+
     def take_snapshot(self, stage_states: dict) -> Snapshot:
         run, acc = self.run, self.run.accelerator
         copy = copy_to_cpu if self.async_save else (lambda x: x)
