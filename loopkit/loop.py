@@ -9,9 +9,10 @@ a whole run in order; each stage is a chapter in `loopkit/stages/`, and what the
     teardown   the summary, best-model loading, the run report            stages/teardown.py
 
 Between optimizer steps the `Schedule` (loopkit/schedule.py) keeps the running loss and does the log / evaluate /
-save that the callbacks ask for; the checkpoint storage (`storage=`, loopkit/storage/) writes and reads checkpoints. HF's
-overridable methods (`compute_loss`, `training_step`, `create_optimizer`, `evaluation_loop`, ...) each belong to
-one stage; overriding one on a `Loop` subclass works exactly as on a `Trainer` subclass (loopkit/hf_methods.py).
+save that the callbacks ask for; the checkpoint storage (`storage=`, loopkit/storage/) writes and reads
+checkpoints. HF's overridable methods (`compute_loss`, `training_step`, `create_optimizer`, `evaluation_loop`, ...)
+each belong to one stage; overriding one on a `Loop` subclass works exactly as on a `Trainer` subclass
+(loopkit/hf_methods.py).
 """
 
 from __future__ import annotations
@@ -294,4 +295,3 @@ class Loop(HFMethods, TrainerAPI):
         """loopkit addition: export the model as "pretrained", "torch_export" and/or "onnx", each checked against
         the live model on `example_inputs`; returns {format: (path, max |difference|)}."""
         return self.teardown.export(output_dir, example_inputs, formats)
-

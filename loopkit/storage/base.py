@@ -39,6 +39,18 @@ from ..checkpoint.rotation import Rotation
 from ..checkpoint.writing import SAVE_ERROR_POLICIES, AtomicSaves, Snapshot
 
 
+def check_options(on_save_error: str, best_total_limit: int | None) -> None:
+    """A clear error, naming the option, for a value no storage takes."""
+    from ..args import config_error
+
+    if on_save_error not in SAVE_ERROR_POLICIES:
+        raise config_error("on_save_error", on_save_error, f"it must be one of {SAVE_ERROR_POLICIES}",
+                           "pick one of those")
+    if best_total_limit is not None and (not isinstance(best_total_limit, int) or best_total_limit < 1):
+        raise config_error("best_total_limit", best_total_limit, "it is the number of best checkpoints to keep",
+                           "pass a positive integer, or None for HF's single protected best")
+
+
 class CheckpointStorage(RunLineage, AtomicSaves, Rotation, Resuming, abc.ABC):
     """Where and how a run's checkpoints are written and read (module docstring). Subclasses implement the layout:
     `take_snapshot`, `write_files`, `load_model_before_prepare`, `load_optimizer_and_scheduler`, `load_best_model`,
@@ -48,14 +60,7 @@ class CheckpointStorage(RunLineage, AtomicSaves, Rotation, Resuming, abc.ABC):
 
     def __init__(self, *, async_save: bool = False, on_save_error: str = "raise",
                  best_total_limit: int | None = None):
-        from ..args import config_error
-
-        if on_save_error not in SAVE_ERROR_POLICIES:
-            raise config_error("on_save_error", on_save_error, f"it must be one of {SAVE_ERROR_POLICIES}",
-                               "pick one of those")
-        if best_total_limit is not None and (not isinstance(best_total_limit, int) or best_total_limit < 1):
-            raise config_error("best_total_limit", best_total_limit, "it is the number of best checkpoints to keep",
-                               "pass a positive integer, or None for HF's single protected best")
+        check_options(on_save_error, best_total_limit)
         self.async_save, self.on_save_error, self.best_total_limit = async_save, on_save_error, best_total_limit
 
     def options(self) -> dict:

@@ -6,7 +6,8 @@ Usage: python dcp_child.py OUT_DIR MODE [ARG ...]
 * kill MOMENT sync|async (one process, no launcher): trains 8 steps saving every 2 and resuming from the newest
   usable checkpoint in OUT_DIR/run; SIGKILLs itself at MOMENT of the save of checkpoint-4: `data` (the shards are
   written, one of them then half truncated), `metadata` (DCP's `.metadata` written, the folder not yet renamed),
-  `rename` (just before the rename). Without MOMENT (`kill - sync`) it runs to the end. Writes OUT_DIR/final.safetensors.
+  `rename` (just before the rename). Without MOMENT (`kill - sync`) it runs to the end. Writes
+  OUT_DIR/final.safetensors.
 * fsdp2 CHECKPOINT (2 processes): `sharded` (FSDP2, synchronous DCP saves every 2 steps), `resumed` (from its
   checkpoint-4, asynchronous saves: 2 -> 2), `from_one` (from CHECKPOINT, a 1-process checkpoint: 1 -> 2).
 * fsdp2-from CHECKPOINT (any number of processes, 4 in the test): `from_two` (2 -> 4).
