@@ -71,6 +71,10 @@ class DCPStorage(CheckpointStorage):
         if active_engine(self.run.accelerator) == "DeepSpeed":
             raise config_error("storage", "DCPStorage()", "DeepSpeed writes its own checkpoints (`global_step*/`)",
                                "use the default storage (HFStorage) with DeepSpeed")
+        if self.run.args.save_on_each_node and self.run.accelerator.num_processes > 1:
+            raise config_error("save_on_each_node", True, "every process of a DCPStorage save writes into one "
+                               "folder (rank 0 its metadata), which needs a disk all nodes see",
+                               "use a shared file system with save_on_each_node=False, or the default storage")
         return super().start(resume_from_checkpoint)
 
     # -- writing --
