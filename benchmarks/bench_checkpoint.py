@@ -46,7 +46,6 @@ def async_save_supported() -> bool:
 def save_once(contender: str, spec: dict, output_dir: str, async_save: bool = False) -> dict:
     import gc
     import os
-    import statistics
 
     from . import workloads
     from .contenders import StepClock, train
@@ -60,19 +59,27 @@ def save_once(contender: str, spec: dict, output_dir: str, async_save: bool = Fa
     clock = StepClock(save_at=[SAVE_AFTER_STEP], stop_at=SAVE_AFTER_STEP + FOLLOWING_STEPS)
     gc.collect()
     result = train(contender, spec, clock, output_dir, trainer_kwargs=trainer_kwargs)  # returns once saves are done
+    folder = os.path.join(output_dir, f"checkpoint-{SAVE_AFTER_STEP}")
+    files = {name: os.path.getsize(os.path.join(folder, name)) for name in sorted(os.listdir(folder))}
+    return {**save_timings(clock), "files": files, "total_bytes": sum(files.values()),
+            "global_step": result.global_step,
+            "probe_loss": workloads.probe_loss(result.model, workloads.heldout_rows(spec, 32))}
+
+
+def save_timings(clock) -> dict:
+    """Blocked time and the following steps' slowdown of the save after step `SAVE_AFTER_STEP` (module docstring),
+    from the clock's step timestamps."""
+    import statistics
+
     begins, ends = clock.begins, clock.ends  # index k: step k + 1
     steps = [end - begin for begin, end in zip(begins, ends)]
     gaps = [begin - end for end, begin in zip(ends, begins[1:])]  # gaps[k]: after step k + 1
     usual_gap = statistics.median(gaps[1:SAVE_AFTER_STEP - 1])
     usual_step = statistics.median(steps[1:SAVE_AFTER_STEP])
     following = steps[SAVE_AFTER_STEP:SAVE_AFTER_STEP + FOLLOWING_STEPS]
-    folder = os.path.join(output_dir, f"checkpoint-{SAVE_AFTER_STEP}")
-    files = {name: os.path.getsize(os.path.join(folder, name)) for name in sorted(os.listdir(folder))}
     return {"blocked": gaps[SAVE_AFTER_STEP - 1] - usual_gap, "gap_with_save": gaps[SAVE_AFTER_STEP - 1],
             "gap_without_save": usual_gap, "usual_step": usual_step,
-            "following_steps_slower_by": sum(following) - len(following) * usual_step,
-            "files": files, "total_bytes": sum(files.values()), "global_step": result.global_step,
-            "probe_loss": workloads.probe_loss(result.model, workloads.heldout_rows(spec, 32))}
+            "following_steps_slower_by": sum(following) - len(following) * usual_step}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

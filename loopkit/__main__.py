@@ -1,8 +1,15 @@
 """`python -m loopkit report RUN_DIR [--force]`: print a run's report and draw its charts, rebuilt from its newest
-checkpoint when the run's own report does not cover it (see loopkit/report.py)."""
+checkpoint when the run's own report does not cover it (see loopkit/report.py).
+`python -m loopkit convert-dcp SRC DST [--checkpoint]`: a DCPStorage checkpoint as a `save_pretrained` folder or an
+HF-layout checkpoint (see loopkit/storage/dcp.py)."""
 
 import sys
 
-from .report import main
+if sys.argv[1:2] == ["convert-dcp"]:
+    from .storage.dcp import main as convert_main
+
+    sys.exit(convert_main(sys.argv[2:]))
+
+from .report import main  # noqa: E402
 
 sys.exit(main())

@@ -20,7 +20,7 @@ FSDP and DeepSpeed are configured as with HF Trainer (`TrainingArguments(fsdp=..
 file with DeepSpeed). FSDP2 runs on GPUs and, through `shard_on_cpu_processes`, on CPU processes (gloo): the same
 Accelerate path, which is how the CPU test suite proves it (tests/test_fsdp.py). Checkpoints then hold the model and
 the optimizer through Accelerate's FSDP functions or the DeepSpeed engine (`save_engine_state`, `load_engine_model`,
-`load_optimizer_state`, used by loopkit/checkpoint.py), as HF Trainer does; with FSDP's SHARDED_STATE_DICT each rank
+`load_optimizer_state`, used by loopkit/storage/hf.py), as HF Trainer does; with FSDP's SHARDED_STATE_DICT each rank
 writes its shards (`pytorch_model_fsdp_0/`, `optimizer_0/`), and such a checkpoint resumes at any number of
 processes, sharded or not, as does an ordinary one in a sharded run. Sharded folders are read by loopkit, with
 Accelerate's options, through loopkit/dcp_reading.py: torch's own reader, which Accelerate's `load_fsdp_*` build,

@@ -149,8 +149,8 @@ def move_into(staging: str, output_dir: str) -> None:
 
 class HubPush:
     """One `Loop`'s pushes: the repo, the uploads in flight (futures, with the folder each reads), and the rules
-    above. Owned by the `Checkpointer`, which calls `begin_push` when a save starts, `push_checkpoint` once the
-    folder is complete, and asks `uploading(folder)` before rotation deletes one."""
+    above. Owned by the checkpoint storage (loopkit/storage/), which calls `begin_push` when a save starts,
+    `push_checkpoint` once the folder is complete, and asks `uploading(folder)` before rotation deletes one."""
 
     def __init__(self, run):
         self.run = run

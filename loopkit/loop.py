@@ -9,9 +9,10 @@ a whole run in order; each stage is a chapter in `loopkit/stages/`, and what the
     teardown   the summary, best-model loading, the run report            stages/teardown.py
 
 Between optimizer steps the `Schedule` (loopkit/schedule.py) keeps the running loss and does the log / evaluate /
-save that the callbacks ask for; the `Checkpointer` (loopkit/checkpoint.py) writes and reads checkpoints. HF's
-overridable methods (`compute_loss`, `training_step`, `create_optimizer`, `evaluation_loop`, ...) each belong to
-one stage; overriding one on a `Loop` subclass works exactly as on a `Trainer` subclass (loopkit/hf_methods.py).
+save that the callbacks ask for; the checkpoint storage (`storage=`, loopkit/storage/) writes and reads
+checkpoints. HF's overridable methods (`compute_loss`, `training_step`, `create_optimizer`, `evaluation_loop`, ...)
+each belong to one stage; overriding one on a `Loop` subclass works exactly as on a `Trainer` subclass
+(loopkit/hf_methods.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import warnings
 
 from . import trainer_logging
 from .args import LoopArgs, check_args, check_inputs, config_error, take_accumulation_steps
-from .checkpoint import Checkpointer, warn_if_checkpoint_args_differ
+from .checkpoint import warn_if_checkpoint_args_differ
 from .distributed import release_earlier_run
 from .events import EventHandler, default_callbacks
 from .guards import PreemptionWatch, preemption_agreed, with_batch_size_search
@@ -38,6 +39,7 @@ from .stages.evaluation import EvalStage
 from .stages.setup import SetupStage
 from .stages.step import StepStage
 from .stages.teardown import TeardownStage
+from .storage import run_storage
 from .state import LoopState, restore_callback_states
 
 STAGES = {"setup": SetupStage, "data": DataStage, "step": StepStage, "evaluation": EvalStage,
@@ -50,6 +52,7 @@ class Loop(HFMethods, TrainerAPI):
     Replace `Trainer(` with `Loop(`. Pass `setup=`, `data=`, `step=`, `evaluation=` or `teardown=` to swap a stage.
     `metrics=[...]` adds streaming evaluation metrics (`loopkit.metrics`), computed batch by batch on the device;
     `observers=[...]` receives each step's result and adds keys to the training logs (`loopkit.observers`).
+    `storage=` picks how checkpoints are stored (`loopkit.storage`: `HFStorage()`, the default, or `DCPStorage()`).
     """
 
     # With several processes, preemption and non-finite checks agree through one all-reduce every this many
@@ -64,7 +67,7 @@ class Loop(HFMethods, TrainerAPI):
                  callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
                  preprocess_logits_for_metrics=None, *, metrics=None, observers=None, setup: SetupStage | None = None,
                  data: DataStage | None = None, step: StepStage | None = None,
-                 evaluation: EvalStage | None = None, teardown: TeardownStage | None = None):
+                 evaluation: EvalStage | None = None, teardown: TeardownStage | None = None, storage=None):
         args_given, args = args is not None, args if args is not None else LoopArgs()
         take_accumulation_steps(args)  # accelerator_config's num_steps, as Trainer takes it
         check_args(args)
@@ -99,7 +102,7 @@ class Loop(HFMethods, TrainerAPI):
                               is_world_process_zero=run.accelerator.is_main_process)
         run.preemption = PreemptionWatch(run)
         run.clock = run.events.clock = PhaseClock()  # the run report's time by phase
-        run.checkpointer = Checkpointer(run, **self.evaluation.checkpoint_options())
+        run.checkpointer = run_storage(storage, self.evaluation.checkpoint_options()).attach(run)
         # The methods one stage offers another go through the Loop, so a subclass's overrides apply everywhere.
         run.log, run.compute_loss, run.count_loss_items = self.log, self.compute_loss, self.count_loss_items
         run.compute_loss_context_manager = self.compute_loss_context_manager
@@ -291,8 +294,3 @@ class Loop(HFMethods, TrainerAPI):
         logs.update(self.schedule.token_logs(start_time))  # include_num_input_tokens_seen
         state.log_history.append({**logs, "step": state.global_step})
         self.run.fire("on_log", logs=logs)
-
-    def export(self, output_dir: str, example_inputs: dict, formats=("pretrained",)) -> dict:
-        """loopkit addition: export the model as "pretrained", "torch_export" and/or "onnx", each checked against
-        the live model on `example_inputs`; returns {format: (path, max |difference|)}."""
-        return self.teardown.export(output_dir, example_inputs, formats)

@@ -26,7 +26,7 @@ user's own `loop.optimizer = ...` goes through those views; it is the user's wri
 | control                        | HF's `TrainerControl`; `fire` stores what callbacks return  | run.py            |
 | events                         | the callbacks and their dispatch (`loopkit.events`)         | loop.py           |
 | clock                          | time by phase for the run report (`loopkit.report`)         | loop.py           |
-| checkpointer                   | writes, rotates and reads checkpoints (`loopkit.checkpoint`)| loop.py           |
+| checkpointer                   | the checkpoint storage (`loopkit.storage`)                  | loop.py           |
 | preemption                     | SIGTERM/SIGINT watch (`loopkit.guards`)                     | loop.py           |
 | log                            | HF's `Trainer.log` (a `Loop` subclass may override it)      | loop.py           |
 | compute_loss,                  | the step stage's loss methods, for the evaluation stage     | loop.py           |
@@ -57,7 +57,7 @@ the loop sets `should_training_stop` when a guard or a failed save stops the run
 | log_history                                        | loop.py (`Loop.log`, the run's `log`)                 |
 | best_metric, best_global_step, total_flos          | schedule.py                                           |
 | num_input_tokens_seen                              | schedule.py (summed over processes at logs and saves) |
-| best_model_checkpoint                              | checkpoint.py                                         |
+| best_model_checkpoint                              | checkpoint/writing.py (the storage's `save`)          |
 | stateful_callbacks                                 | state.py (`record_callback_states`: start, each save) |
 | max_steps, num_train_epochs, is_hyper_param_search,| loop.py (when a `train()` begins)                     |
 |   trial_params, trial_name, is_local_process_zero, |                                                       |

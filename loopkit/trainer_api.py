@@ -341,6 +341,11 @@ class TrainerAPI:
         if getattr(self.args, "push_to_hub", False) and not _internal_call:  # as Trainer: a user's save pushes
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
+    def export(self, output_dir: str, example_inputs: dict, formats=("pretrained",)) -> dict:
+        """loopkit addition: export the model as "pretrained", "torch_export" and/or "onnx", each checked against
+        the live model on `example_inputs`; returns {format: (path, max |difference|)}."""
+        return self.teardown.export(output_dir, example_inputs, formats)
+
     def save_state(self) -> None:
         """`output_dir/trainer_state.json` (HF's `save_state`)."""
         if not self.is_world_process_zero():

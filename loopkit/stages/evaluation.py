@@ -7,8 +7,8 @@ Contract:
   labels are kept only when `compute_metrics` needs them or for `predict` (`PredictionStore`). Streaming metrics
   (`Loop(metrics=[...])`, `loopkit.metrics`) see every batch's logits on the device and keep only running sums.
 * `checkpoint_options()`: how checkpoints are written (`async_save`, `on_save_error`, `best_total_limit`); the
-  `Loop` hands them to the run's `Checkpointer`, which writes and rotates them. When to log, evaluate and save is
-  the `Schedule`'s business (loopkit/schedule.py), not this stage's.
+  `Loop` hands them to the default checkpoint storage (their place is the storage: `loopkit.storage`). When to
+  log, evaluate and save is the `Schedule`'s business (loopkit/schedule.py), not this stage's.
 
 Reads `run.args`, `run.accelerator`, `run.model`, `run.model_wrapped`, `run.optimizer`, `run.label_names`,
 `run.metrics`, `run.compute_metrics`, `run.preprocess_logits_for_metrics`, `run.compute_loss`,
@@ -127,15 +127,16 @@ class EvalStage(Stage):
     then keeps the `save_total_limit` newest checkpoints plus the k best, and the end of training deletes nothing
     more. Without it, HF's rule applies: `save_total_limit` counts every checkpoint, the newest and the best are
     protected, and with a limit of 1 only the best survives the end of training. `async_save` and `on_save_error`:
-    see `loopkit.checkpoint.Checkpointer`.
+    see `loopkit.storage.CheckpointStorage`.
+
+    The three options belong to the checkpoint storage (`Loop(..., storage=HFStorage(async_save=True))`); given
+    here, they are handed to the default storage (with a storage passed too, the `Loop` asks to move them there).
     """
 
     def __init__(self, best_total_limit: int | None = None, async_save: bool = False, on_save_error: str = "raise"):
-        if best_total_limit is not None and (not isinstance(best_total_limit, int) or best_total_limit < 1):
-            from ..args import config_error
+        from ..storage.base import check_options
 
-            raise config_error("best_total_limit", best_total_limit, "it is the number of best checkpoints to keep",
-                               "pass a positive integer, or None for HF's single protected best")
+        check_options(on_save_error, best_total_limit)  # the storage's rules: the options end up there
         self.options = dict(best_total_limit=best_total_limit, async_save=async_save, on_save_error=on_save_error)
         self.prepared_for_eval = None  # (model, the model prepared for evaluation) before any training
         self.model_preparation_time = None
@@ -154,7 +155,7 @@ class EvalStage(Stage):
         return super().bind(run)
 
     def checkpoint_options(self) -> dict:
-        """Keyword arguments for the run's `Checkpointer`."""
+        """The checkpoint options given to this stage, for the default storage (`loopkit.storage.HFStorage`)."""
         return dict(self.options)
 
     # -- evaluate / predict --

@@ -30,10 +30,9 @@ import sys
 import torch
 
 from ..args import config_error
-from ..checkpoint import load_model_weights
 from ..compilation import should_watch
-from ..distributed import (active_engine, check_engines_active, check_launch, engine_plugins,
-                           model_loads_after_prepare, requested_engines, shard_on_cpu_processes)
+from ..distributed import (active_engine, check_engines_active, check_launch, engine_plugins, requested_engines,
+                           shard_on_cpu_processes)
 from .. import trainer_logging
 from ..memory import MemoryTracker
 from .base import Stage, base_model
@@ -224,8 +223,8 @@ class SetupStage(Stage):
         self.add_training_hooks()
         checkpoint = run.checkpointer.start(resume_from_checkpoint)  # also: which run the coming saves belong to
         trainer_logging.log_loading_checkpoint(checkpoint)
-        if checkpoint is not None and not model_loads_after_prepare(run.accelerator, checkpoint):
-            load_model_weights(run.model, checkpoint)  # whole: sharded (if FSDP runs) by `prepare`
+        if checkpoint is not None:
+            run.checkpointer.load_model_before_prepare(run.model, checkpoint)
         return checkpoint
 
     def add_training_hooks(self) -> None:

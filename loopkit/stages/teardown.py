@@ -30,7 +30,6 @@ import warnings
 
 import torch
 
-from ..checkpoint import load_model_weights
 from ..export import export_model
 from ..report import STATUS_JSON, build_report, write_report, write_run_status
 from .. import trainer_logging
@@ -64,7 +63,7 @@ class TeardownStage(Stage):
         run.checkpointer.wait()  # an asynchronous save still in flight
         if run.args.load_best_model_at_end and state.best_model_checkpoint is not None:
             trainer_logging.log_loading_best_model(state)
-            load_model_weights(run.accelerator.unwrap_model(run.model_wrapped), state.best_model_checkpoint)
+            run.checkpointer.load_best_model(state.best_model_checkpoint)
         if not run.preemption.requested:  # an interrupted run keeps the checkpoint it resumes from
             kept = run.checkpointer.own_checkpoints()
             run.checkpointer.keep_only_best()

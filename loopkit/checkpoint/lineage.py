@@ -1,0 +1,212 @@
+"""Which run wrote each checkpoint folder, and in what order: the names of the HF layout, the folder records, and
+the run ids (see loopkit/checkpoint/__init__.py's docstring, "Reruns")."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+
+CHECKPOINT_PREFIX = "checkpoint"
+CHECKPOINT_RE = re.compile(r"^" + CHECKPOINT_PREFIX + r"-(\d+)$")
+TRAINER_STATE_NAME = "trainer_state.json"
+LOOPKIT_STATE_NAME = "loopkit_state.json"
+WEIGHTS_NAME = "model.safetensors"
+OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME = "optimizer.pt", "scheduler.pt", "scaler.pt"
+RECORD_KEY = "checkpoint"  # the entry of `loopkit_state.json` that says which run wrote the checkpoint, and when
+LEFTOVER_PREFIXES = (".tmp-", ".old-", ".deleting-")  # a killed save's, replace's or rotation's folders
+
+
+def checkpoint_dirs(output_dir: str) -> list[str]:
+    """Complete checkpoint folders under `output_dir`, in step order."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match = CHECKPOINT_RE.match(name)
+        path = os.path.join(output_dir, name)
+        if match and os.path.isdir(path):
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """Who wrote a checkpoint folder and when, as it records it (see the module docstring)."""
+
+    path: str
+    step: int
+    run_id: str | None  # None: not recorded (HF Trainer's folder, or loopkit's before run ids)
+    save_index: int | None
+    saved_at: str | None  # UTC time of the save, for messages only
+    mtime: float
+
+    def recency(self) -> tuple:
+        """Sort key, oldest first: numbered saves after unnumbered ones, which go by folder mtime, then step."""
+        if self.save_index is not None:
+            return (1, self.save_index, 0.0, self.step)
+        return (0, 0, self.mtime, self.step)
+
+    def describe(self) -> str:
+        name = os.path.basename(self.path)
+        if self.run_id is None:
+            return f"{name} (no run recorded: HF Trainer's, or loopkit's before run ids)"
+        return f"{name} (run {self.run_id}, save #{self.save_index}, {self.saved_at})"
+
+
+def read_record(path: str) -> CheckpointRecord:
+    """The record of checkpoint folder `path`; a missing or unreadable one counts as not recorded."""
+    match = CHECKPOINT_RE.match(os.path.basename(os.path.normpath(path)))
+    entry = {}
+    try:
+        with open(os.path.join(path, LOOPKIT_STATE_NAME), encoding="utf-8") as f:
+            entry = json.load(f).get(RECORD_KEY) or {}
+    except (OSError, ValueError, AttributeError):
+        pass  # HF Trainer's folder, or a damaged file (resolve() names that one if it is picked)
+    run_id, save_index = entry.get("run_id"), entry.get("save_index")
+    recorded = isinstance(run_id, str) and isinstance(save_index, int)
+    return CheckpointRecord(path=path, step=int(match.group(1)) if match else -1,
+                            run_id=run_id if recorded else None, save_index=save_index if recorded else None,
+                            saved_at=entry.get("saved_at") if recorded else None, mtime=os.path.getmtime(path))
+
+
+def checkpoints_by_recency(output_dir: str) -> list[CheckpointRecord]:
+    """The checkpoint folders under `output_dir`, least recently saved first."""
+    return sorted((read_record(path) for path in checkpoint_dirs(output_dir)), key=CheckpointRecord.recency)
+
+
+def last_checkpoint(output_dir: str) -> str | None:
+    """The most recently saved checkpoint folder under `output_dir` (not the highest step: see the module
+    docstring)."""
+    records = checkpoints_by_recency(output_dir)
+    return records[-1].path if records else None
+
+
+def set_aside_path(record: CheckpointRecord) -> str:
+    """Where another run's checkpoint goes when this run saves the same step: beside it, under a name that is no
+    checkpoint's (so neither rotation nor `resume_from_checkpoint=True` sees it)."""
+    base = f"{os.path.normpath(record.path)}-of-run-{record.run_id or 'unrecorded'}"
+    path, n = base, 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+logger = logging.getLogger("loopkit.checkpoint")
+
+
+class RunLineage:
+    """The part of a checkpoint storage that knows which run it saves for (`run_id`, `next_save_index`): set at
+    each `train()` by `start`, written into every checkpoint by `record`, and used to keep other runs' folders."""
+
+    run_id: str | None = None
+    next_save_index = 1
+
+    def start(self, resume_from_checkpoint) -> str | None:
+        """The start of a `train()`: remove a killed save's leftovers, resolve the checkpoint to resume from, and
+        set the run the coming saves belong to (the checkpoint's when resuming, else a new one). Says what it found:
+        a fresh run next to other runs' checkpoints warns; `resume_from_checkpoint=True` names its pick. Returns
+        the checkpoint path or None."""
+        self.remove_leftovers()
+        records = checkpoints_by_recency(self.run.args.output_dir)
+        checkpoint = self.resolve(resume_from_checkpoint)
+        previous_run = self.run_id
+        resumed = read_record(checkpoint) if checkpoint is not None else None
+        self.begin_run((resumed.run_id if resumed is not None else None) or new_run_id(), records)
+        if self.run.accelerator.is_main_process:
+            if checkpoint is None:
+                self.report_other_runs(records)
+            elif resume_from_checkpoint is True:
+                self.report_resume_pick(resumed, records, previous_run)
+        return checkpoint
+
+    def begin_run(self, run_id: str, records: list[CheckpointRecord]) -> None:
+        """Saves from now on belong to `run_id` and are numbered after every checkpoint in `records`. With several
+        processes the main process's id is taken by all (a fresh id differs by rank; `save` compares it on each)."""
+        if self.run.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            run_id = broadcast_object_list([run_id], from_process=0)[0]
+        self.run_id = run_id
+        self.next_save_index = 1 + max((r.save_index for r in records if r.save_index is not None), default=0)
+
+    def report_other_runs(self, records: list[CheckpointRecord]) -> None:
+        """A fresh run into an `output_dir` that holds checkpoints: say whose they are and what happens to them."""
+        if not records:
+            return
+        found = ", ".join(r.describe() for r in records)
+        warnings.warn(
+            f"output_dir={self.run.args.output_dir!r} already holds checkpoints of another run: {found}. This fresh "
+            f"run (run {self.run_id}) keeps them: rotation (save_total_limit) deletes only this run's checkpoints, "
+            f"and a save at the same step renames the other one to <name>-of-run-<id>. resume_from_checkpoint=True "
+            f"takes the most recently saved checkpoint, whichever run wrote it. Use a new output_dir to keep runs "
+            f"apart, or resume_from_checkpoint=True to continue the other run.")
+
+    def report_resume_pick(self, picked: CheckpointRecord, records: list[CheckpointRecord],
+                           previous_run: str | None) -> None:
+        """`resume_from_checkpoint=True`: name the checkpoint; warn when another run's is picked or passed over."""
+        others = [r for r in records if r.run_id != picked.run_id]  # unrecorded ones: only next to recorded ones
+        message = (f"resume_from_checkpoint=True: resuming from {picked.describe()}, the most recently saved "
+                   f"complete checkpoint in output_dir={self.run.args.output_dir!r}.")
+        if previous_run is not None and picked.run_id != previous_run:
+            message += f" It belongs to another run than this Loop's previous train() (run {previous_run})."
+        elif not others:
+            logger.info(message)
+            return
+        if others:
+            message += (f" Not picked, from other runs: {', '.join(r.describe() for r in others)}. Pass "
+                        f"resume_from_checkpoint=<folder> to resume one of those.")
+        warnings.warn(message)
+
+    def record(self) -> dict:
+        """The next save's entry in `loopkit_state.json`: its run and save number."""
+        if self.run_id is None:  # a save outside train(): a run of its own
+            self.begin_run(new_run_id(), checkpoints_by_recency(self.run.args.output_dir))
+        entry = {"run_id": self.run_id, "save_index": self.next_save_index,
+                 "saved_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        self.next_save_index += 1
+        return entry
+
+    def remove_leftovers(self) -> None:
+        """Folders a killed save or rotation left behind (never complete checkpoints): removed at train start."""
+        run_dir = self.run.args.output_dir
+        if not self.writes_files or not os.path.isdir(run_dir):
+            return
+        for entry in os.listdir(run_dir):
+            if entry.startswith(LEFTOVER_PREFIXES) and CHECKPOINT_RE.match(entry.split("-", 1)[1]):
+                shutil.rmtree(os.path.join(run_dir, entry), ignore_errors=True)
+
+    def own_checkpoints(self) -> list[str]:
+        """This run's checkpoint folders in `output_dir`, least recently saved first."""
+        records = checkpoints_by_recency(self.run.args.output_dir)
+        return [r.path for r in records if r.run_id is not None and r.run_id == self.run_id]
+
+    def is_own(self, path: str) -> bool:
+        return self.run_id is not None and read_record(path).run_id == self.run_id
+
+    def replace_existing(self, final: str, tmp: str) -> None:
+        """A save at a step whose folder exists. This run's own (a re-save after a resume) is swapped and dropped;
+        another run's, or an unrecorded one, is renamed to a name that is not a checkpoint's, never deleted."""
+        record = read_record(final)
+        own = record.run_id is not None and record.run_id == self.run_id
+        name = os.path.basename(final)
+        aside = os.path.join(os.path.dirname(final), f".old-{name}") if own else set_aside_path(record)
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        if own:
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            warnings.warn(f"This run (run {self.run_id}) saved {name}, where {record.describe()} "
+                          f"was: that one is kept as {aside} (pass it to resume_from_checkpoint to resume it).")
+

@@ -1,0 +1,73 @@
+"""The model's files in `save_pretrained` layout (or a bare `model.safetensors`), written and read back."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ..distributed import (FSDP_MODEL_FOLDER, active_engine, engine_checkpoint_present, load_sharded_model,
+                           sharded_model_saved)
+from .lineage import WEIGHTS_NAME
+
+
+def save_model_files(model, accelerator, output_dir: str, processing_class=None, state_dict=None,
+                     writer: bool | None = None) -> None:
+    """Weights (+ config) in `save_pretrained` layout when the model has it, else a bare `model.safetensors`.
+    `state_dict` (host copies taken earlier) is written instead of the live weights when given. `writer`: whether
+    this process writes (default: the main process; `save_on_each_node`: each node's first)."""
+    writer = accelerator.is_main_process if writer is None else writer
+    os.makedirs(output_dir, exist_ok=True)
+    if state_dict is None and active_engine(accelerator) is not None:
+        # FSDP / DeepSpeed: the whole model, gathered from the shards (a collective: every process calls this).
+        state_dict = accelerator.get_state_dict(model)
+        if not accelerator.is_main_process:
+            return
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if hasattr(unwrapped, "save_pretrained"):
+        unwrapped.save_pretrained(output_dir, is_main_process=writer, state_dict=state_dict)
+    elif writer:
+        from safetensors.torch import save_file
+
+        state = {k: v.contiguous() for k, v in (state_dict or unwrapped.state_dict()).items()}
+        save_file(state, os.path.join(output_dir, WEIGHTS_NAME), metadata={"format": "pt"})
+    if processing_class is not None and writer and hasattr(processing_class, "save_pretrained"):
+        processing_class.save_pretrained(output_dir)
+
+
+def load_model_weights(model, checkpoint: str) -> None:
+    """Load `model.safetensors` (or sharded safetensors / PEFT adapters) into `model`, non-strictly as HF does; from
+    a sharded FSDP checkpoint (no `model.safetensors`), its `pytorch_model_fsdp_0/` folder."""
+    from safetensors.torch import load_file
+
+    adapter = os.path.join(checkpoint, "adapter_model.safetensors")
+    if os.path.isfile(adapter) and hasattr(model, "load_adapter"):
+        model.load_adapter(checkpoint, getattr(model, "active_adapter", "default"), is_trainable=True)
+        return
+    single = os.path.join(checkpoint, WEIGHTS_NAME)
+    index = os.path.join(checkpoint, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        files = [single]
+    elif os.path.isfile(index):
+        with open(index) as f:
+            files = sorted({os.path.join(checkpoint, v) for v in json.load(f)["weight_map"].values()})
+    elif sharded_model_saved(checkpoint):
+        return load_sharded_model(model, os.path.join(checkpoint, FSDP_MODEL_FOLDER))
+    else:
+        raise FileNotFoundError(f"No {WEIGHTS_NAME} in {checkpoint}: it is not a complete checkpoint.")
+    state = {}
+    for path in files:
+        try:
+            state.update(load_file(path))
+        except Exception as exc:
+            raise RuntimeError(f"{path} is corrupt or truncated ({exc}).") from exc
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys and hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def holds_model_weights(path: str) -> bool:
+    """Whether the folder holds a file or folder of model weights that Trainer's `_load_from_checkpoint` looks for."""
+    names = (WEIGHTS_NAME, "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+             "adapter_model.safetensors", "adapter_model.bin")
+    return any(os.path.isfile(os.path.join(path, name)) for name in names) or engine_checkpoint_present(path)
+

@@ -1,0 +1,94 @@
+"""`HFStorage`, the default checkpoint storage: HF Trainer's layout, which HF Trainer resumes and loopkit resumes
+from HF Trainer's (loopkit/checkpoint/__init__.py describes the folder and its guarantees).
+
+`model.safetensors` (+ `config.json` through `save_pretrained`), `optimizer.pt`, `scheduler.pt`, `scaler.pt`,
+`rng_state[_<rank>].pth`, `trainer_state.json`, `loopkit_state.json`; under FSDP and DeepSpeed, Accelerate's folders
+(`pytorch_model_fsdp_0/`, `optimizer_0/`, `global_step*/`: loopkit/distributed.py), read through loopkit's reader
+that unpickles nothing it did not write (loopkit/dcp_reading.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+from .. import checkpoint as files  # the file operations, looked up at call time (the kill tests wrap them there)
+from ..checkpoint.durable import EarlyFlush, FlushWhileWriting, safe_torch_load
+from ..checkpoint.lineage import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME
+from ..checkpoint.model_files import holds_model_weights, load_model_weights
+from ..checkpoint.validation import checkpoint_problem
+from ..checkpoint.writing import Snapshot, copy_to_cpu
+from ..distributed import (active_engine, full_state_dict_saved, load_engine_model, load_optimizer_state,
+                           model_loads_after_prepare, save_engine_state)
+from .base import CheckpointStorage
+
+
+class HFStorage(CheckpointStorage):
+    """HF Trainer's checkpoint layout (module docstring). `async_save=True`: one process only (the state is copied
+    to host memory at the step boundary and written by a background thread)."""
+
+    def start(self, resume_from_checkpoint) -> str | None:
+        if self.async_save and self.run.accelerator.num_processes > 1:
+            from ..args import config_error
+
+            raise config_error("async_save", True, "HFStorage's asynchronous saving supports one process only",
+                               "use DCPStorage(async_save=True) under a distributed launch, or async_save=False")
+        return super().start(resume_from_checkpoint)
+
+    def take_snapshot(self, stage_states: dict) -> Snapshot:
+        run, acc = self.run, self.run.accelerator
+        copy = copy_to_cpu if self.async_save else (lambda x: x)
+        unwrapped = acc.unwrap_model(run.model_wrapped, keep_torch_compile=False)
+        sharded = active_engine(acc) is not None  # FSDP / DeepSpeed: the optimizer is written by their own path
+        with_optimizer = not run.args.save_only_model and self.writes_files and not sharded
+        return self.common_snapshot(
+            stage_states, model_state=copy(unwrapped.state_dict()) if self.async_save else None,
+            optimizer=copy(run.optimizer.state_dict()) if with_optimizer else None)
+
+    def write_files(self, snapshot: Snapshot, folder: str) -> None:
+        run, acc = self.run, self.run.accelerator
+        early = EarlyFlush(folder)
+        try:
+            if full_state_dict_saved(acc):  # all but FSDP's SHARDED_STATE_DICT: one model.safetensors
+                files.save_model_files(run.model_wrapped, acc, folder, run.processing_class,
+                                       state_dict=snapshot.model_state, writer=self.writes_files)
+            if active_engine(acc) is not None:  # FSDP / DeepSpeed: Accelerate's paths, on every process
+                save_engine_state(run, folder, with_optimizer=not run.args.save_only_model)
+            early.flush_new_files()  # the weights reach the disk while the optimizer state is serialised
+            if snapshot.optimizer is not None:
+                path = os.path.join(folder, OPTIMIZER_NAME)
+                with FlushWhileWriting(path):
+                    files.save_state_file(snapshot.optimizer, path)
+            self.write_common_files(snapshot, folder)
+        finally:
+            early.wait()
+
+    def load_model_before_prepare(self, model, checkpoint: str) -> None:
+        if not model_loads_after_prepare(self.run.accelerator, checkpoint):
+            load_model_weights(model, checkpoint)  # whole: sharded (if FSDP runs) by `prepare`
+
+    def load_optimizer_and_scheduler(self, checkpoint: str) -> None:
+        """After `prepare`, on every process: a sharded model's shards, then (as HF: when the checkpoint has a
+        scheduler, i.e. not `save_only_model`) the optimizer in whichever layout it was saved, and the scheduler."""
+        run = self.run
+        sched_path = os.path.join(checkpoint, SCHEDULER_NAME)
+        load_engine_model(run, checkpoint)
+        if os.path.isfile(sched_path) and load_optimizer_state(run, checkpoint):
+            run.lr_scheduler.load_state_dict(safe_torch_load(sched_path))
+        scaler_path = os.path.join(checkpoint, SCALER_NAME)
+        if os.path.isfile(scaler_path) and run.accelerator.scaler is not None:
+            run.accelerator.scaler.load_state_dict(safe_torch_load(scaler_path))
+
+    def load_best_model(self, checkpoint: str) -> None:
+        run = self.run
+        load_model_weights(run.accelerator.unwrap_model(run.model_wrapped), checkpoint)
+
+    def holds_model_weights(self, path: str) -> bool:
+        return holds_model_weights(path)
+
+    def checkpoint_problem(self, path: str) -> str | None:
+        return checkpoint_problem(path)
+
+
+def Checkpointer(run, **options) -> HFStorage:
+    """The default storage attached to `run`: loopkit's earlier name for `HFStorage(**options).attach(run)`."""
+    return HFStorage(**options).attach(run)
