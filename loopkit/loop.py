@@ -20,7 +20,8 @@ import time
 import warnings
 
 from . import trainer_logging
-from .args import LoopArgs, check_args, check_inputs, config_error, take_accumulation_steps
+from .args import LoopArgs, check_args, check_inputs
+from .errors import config_error
 from .checkpoint import Checkpointer, warn_if_checkpoint_args_differ
 from .distributed import release_earlier_run
 from .events import EventHandler, default_callbacks
@@ -30,18 +31,18 @@ from .hub import quiet_hub_progress
 from .trainer_api import TrainerAPI
 from .metrics import check_metrics
 from .notebook import default_progress_callback
-from .report import RUN_RECORD_KEY, PhaseClock, run_record
+from .phases import PhaseClock
+from .report import RUN_RECORD_KEY, run_record
 from .run import RunState
 from .schedule import Schedule, running_loss_state
 from .stages.data import DataStage, find_labels
 from .stages.evaluation import EvalStage
-from .stages.setup import SetupStage
+from .stages.setup import SetupStage, take_accumulation_steps
 from .stages.step import StepStage
 from .stages.teardown import TeardownStage
 from .state import LoopState, restore_callback_states
 
-STAGES = {"setup": SetupStage, "data": DataStage, "step": StepStage, "evaluation": EvalStage,
-          "teardown": TeardownStage}
+STAGES = {"setup": SetupStage, "data": DataStage, "step": StepStage, "evaluation": EvalStage, "teardown": TeardownStage}
 
 
 class Loop(HFMethods, TrainerAPI):

@@ -23,7 +23,7 @@ import math
 import sys
 from functools import partial
 
-from .args import config_error, plain
+from .errors import config_error, plain
 
 PLAIN_TORCH = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
 BITSANDBYTES = ("adamw_bnb_8bit", "adamw_8bit", "ademamix", "ademamix_8bit", "lion_8bit", "lion_32bit",

@@ -37,13 +37,15 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
-from ..args import config_error, nearest, plain
+from ..args import plain
+from ..errors import config_error, nearest
 from ..batches import has_length, without_columns
 from ..checkpoint import restore_rng_state
 from ..data_order import (LengthGroupedOrder, PositionSeededDataset, ReadAhead, WorkerSeeding, batch_from_state,
                           batch_state, collator_generators, generator_state, is_seekable, sample_lengths,
                           set_generator_state)
 from ..distributed import prepare_iterable_train_loader
+from ..packing import exact_flattening
 from .base import Stage, base_model
 
 
@@ -170,9 +172,7 @@ class DataStage(Stage):
     def resolve_collator(self):
         run = self.run
         if run.data_collator is not None:
-            from .packing import exact_flattening  # HF's flattening collator: checked, and use_cache=False
-
-            return exact_flattening(run.data_collator, run.model)
+            return exact_flattening(run.data_collator, run.model)  # HF's flattening collator: checked, exact
         pc = run.processing_class
         if pc is not None and callable(getattr(pc, "pad", None)) and hasattr(pc, "model_input_names"):
             from transformers.data.data_collator import DataCollatorWithPadding

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..args import config_error
+from ..errors import config_error
 from ..batches import find_batch_size, require_named_batch
 from ..first_batch import check_labels
 from ..guards import NONFINITE_POLICIES, NonFiniteWatch
