@@ -28,11 +28,12 @@ import torch
 
 from ..batches import (carries_labels, concat_padded, find_batch_size, has_length, nested_detach, plain_metrics,
                        shallow_copy, to_numpy)
+from ..errors import config_error
 from ..guards import EvaluationInterrupted
 from ..metrics import BatchOutputs, compute_all, real_rows, reset_all, update_all, warn_no_rows
 from .. import trainer_logging
-from ..state import EvalLoopOutput, EvalPrediction, PredictionOutput
 from ..phases import speed_metrics
+from ..state import EvalLoopOutput, EvalPrediction, PredictionOutput
 from .base import Stage
 
 
@@ -119,8 +120,6 @@ class EvalStage(Stage):
 
     def __init__(self, best_total_limit: int | None = None, async_save: bool = False, on_save_error: str = "raise"):
         if best_total_limit is not None and (not isinstance(best_total_limit, int) or best_total_limit < 1):
-            from ..errors import config_error
-
             raise config_error("best_total_limit", best_total_limit, "it is the number of best checkpoints to keep",
                                "pass a positive integer, or None for HF's single protected best")
         self.options = dict(best_total_limit=best_total_limit, async_save=async_save, on_save_error=on_save_error)
@@ -133,8 +132,6 @@ class EvalStage(Stage):
 
     def bind(self, run) -> "EvalStage":
         if getattr(run.args, "predict_with_generate", False) and not self.generates:
-            from ..errors import config_error
-
             raise config_error("predict_with_generate", True, f"the evaluation stage {type(self).__name__} does "
                                "not generate", "replace Loop( with Seq2SeqLoop( (as Seq2SeqTrainer), or pass "
                                "evaluation=Seq2SeqEvalStage()")
