@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Loop": "loopkit.loop",
     "LoopArgs": "loopkit.args",
-    "LoopConfigError": "loopkit.args",
+    "LoopConfigError": "loopkit.errors",
     "LoopState": "loopkit.state",
     "LoopControl": "loopkit.state",
     "EvalPrediction": "loopkit.state",

@@ -8,7 +8,6 @@ same attribute names, so the rest of loopkit never asks which one it got.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import importlib.util
 import inspect
@@ -18,39 +17,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class LoopConfigError(ValueError):
-    """A configuration value loopkit cannot run with. The message names the field, the value and the fix."""
-
-
-class UnknownArgumentError(LoopConfigError, TypeError):
-    """A keyword `LoopArgs` has no field for (a `TypeError` too, as Python's own error for it is)."""
-
-
-class MetricNotFoundError(LoopConfigError, KeyError):
-    """`metric_for_best_model` names a metric the evaluation did not return (a `KeyError`, as Trainer raises)."""
-
-
-def config_error(field_name: str, value: Any, problem: str, fix: str) -> LoopConfigError:
-    return LoopConfigError(f"{field_name}={value!r}: {problem}. Fix: {fix}.")
-
-
-def trainer_error(trainer_message: str, field_name: str, value: Any, problem: str, fix: str,
-                  kind: type = LoopConfigError) -> LoopConfigError:
-    """The error Trainer raises in the same situation: its exception type (`LoopConfigError` is a `ValueError`;
-    `kind` for another) and its message, then loopkit's field, value, problem and fix, so that code matching
-    either finds its words."""
-    return kind(f"{trainer_message} ({field_name}={value!r}: {problem}. Fix: {fix}.)")
-
-
-def nearest(name: str, candidates, n: int = 1) -> list[str]:
-    """The (up to `n`) candidates closest to a misspelt `name` (difflib), closest first; [] when none is close."""
-    return difflib.get_close_matches(name, sorted(candidates), n=n, cutoff=0.75)
-
-
-def plain(value: Any) -> Any:
-    """The plain value of a str-enum (`IntervalStrategy.STEPS` -> "steps"); anything else unchanged."""
-    return getattr(value, "value", value)
+# LoopConfigError, MetricNotFoundError, trainer_error and plain are importable from here too (loopkit.args, as before).
+from .errors import (LoopConfigError, MetricNotFoundError, UnknownArgumentError, config_error,  # noqa: F401
+                     nearest, plain, trainer_error)
+from .optimizers import check_optim
 
 
 @dataclass
@@ -454,34 +424,9 @@ def check_args(args) -> None:
         raise config_error("save_strategy", "best", "saving the best checkpoint needs a metric to compare",
                            "set metric_for_best_model, e.g. 'loss' or 'accuracy'")
     check_best_model_schedule(args)
-    from .optimizers import check_optim  # it imports this module
-
     check_optim(args)
     if not isinstance(args, LoopArgs) and dataclasses.is_dataclass(args):
         check_unsupported_fields(args)
-
-
-def take_accumulation_steps(args) -> None:
-    """`accelerator_config`'s `gradient_accumulation_kwargs={"num_steps": n}`, as Trainer's
-    `create_accelerator_and_postprocess` takes it at construction: `gradient_accumulation_steps` becomes n (and
-    `num_steps` 1 in that dict, in place, as there), unless `gradient_accumulation_steps` is above 1 too."""
-    if args.accelerator_config is None:
-        return
-    from .stages.setup import resolve_accelerator_config  # it imports this module
-
-    kwargs = resolve_accelerator_config(args.accelerator_config).gradient_accumulation_kwargs
-    if not kwargs or "num_steps" not in kwargs:
-        return
-    if args.gradient_accumulation_steps > 1:
-        raise trainer_error(
-            "The `AcceleratorConfig`'s `num_steps` is set but `gradient_accumulation_steps` is greater than 1 in the "
-            "passed `TrainingArguments`If using the passed `AcceleratorConfig` is desired, do not set the "
-            "`TrainingArguments` `gradient_accumulation_steps`.",
-            "accelerator_config", {"gradient_accumulation_kwargs": dict(kwargs)},
-            f"num_steps is a second gradient-accumulation setting next to gradient_accumulation_steps="
-            f"{args.gradient_accumulation_steps}", "drop num_steps, or leave gradient_accumulation_steps at 1")
-    args.gradient_accumulation_steps = kwargs["num_steps"]
-    kwargs["num_steps"] = 1
 
 
 def check_training_options(args) -> None:

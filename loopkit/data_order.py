@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
-from .args import config_error
+from .errors import config_error
 
 
 def derived_seed(*parts: int) -> int:

@@ -110,7 +110,7 @@ def engine_plugins(args, fsdp_plugin=None, deepspeed_plugin=None) -> dict:
     setup stage, else the ones `TrainingArguments` built from `fsdp` / `fsdp_config` / `deepspeed` (HF Trainer's
     `FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)` and `args.deepspeed_plugin`). Only what is set is
     returned, so a run without them passes nothing and Accelerate falls back to the launcher's environment."""
-    from .args import config_error
+    from .errors import config_error
 
     plugin_args = getattr(args, "fsdp_plugin_args", None)
     if fsdp_plugin is not None and plugin_args:
@@ -138,7 +138,7 @@ def engine_plugins(args, fsdp_plugin=None, deepspeed_plugin=None) -> dict:
 
 def check_fsdp_version(plugin) -> None:
     """loopkit builds the optimizer before `accelerator.prepare` wraps the model, which is right for FSDP2 only."""
-    from .args import config_error
+    from .errors import config_error
 
     if getattr(plugin, "fsdp_version", 2) != 2:
         raise config_error("fsdp_config['version']", plugin.fsdp_version, "loopkit supports FSDP2 only (FSDP1 is "

@@ -60,7 +60,7 @@ class EventHandler:
         self.callbacks = []
         self.stages = list(stages)
         self.run = run  # the `RunState` whose objects HF's `on_<event>` / `call_event` calls pass to callbacks
-        self.clock = None  # a report.PhaseClock: callback time is counted under "callbacks"
+        self.clock = None  # a phases.PhaseClock: callback time is counted under "callbacks"
         for cb in callbacks:
             self.add_callback(cb)
         self._rebuild()  # the stages' listeners, with no callback at all

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .args import config_error
+from .errors import config_error
 from .stages.base import base_model
 
 TOKEN_LABEL_HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration")

@@ -12,7 +12,7 @@ state (`loopkit/run.py`); assigning one (a user's script or callback may) writes
 
 from __future__ import annotations
 
-from .args import config_error
+from .errors import config_error
 
 # method -> the stage that owns it (the `Loop` attribute the stage is found under)
 OWNERS = {

@@ -257,3 +257,65 @@ class HubPush:
                         "minutes.")
             futures.wait([job for _, _, job in self.jobs])
         self.forget_done()
+
+
+# The Loop's own Hub methods (`create_model_card`, `push_to_hub`: thin calls into these).
+def write_model_card(loop, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
+                     tasks=None, dataset_tags=None, dataset=None, dataset_args=None) -> None:
+    """`Loop.create_model_card`: `output_dir/README.md`, drafted by transformers' `TrainingSummary` from the run."""
+    if not loop.is_world_process_zero():
+        return
+    from transformers import TrainingArguments
+    from transformers.modelcard import TrainingSummary
+
+    if not isinstance(loop.args, TrainingArguments):
+        raise TypeError(f"create_model_card reads a transformers.TrainingArguments, and this Loop has "
+                        f"{type(loop.args).__name__}. Fix: build the Loop with TrainingArguments(...).")
+    path = os.path.join(loop.args.output_dir, "README.md")
+    is_peft_library = False
+    if os.path.exists(path):
+        from huggingface_hub import ModelCard
+
+        card = ModelCard.load(path)
+        is_peft_library = card.data.get("library_name") == "peft"
+        if tags is not None and card.data.tags is not None:
+            tags = [tags] if isinstance(tags, str) else tags
+            tags += [tag for tag in card.data.tags if tag not in tags]
+    summary = TrainingSummary.from_trainer(loop, language=language, license=license, tags=tags,
+                                           model_name=model_name, finetuned_from=finetuned_from, tasks=tasks,
+                                           dataset_tags=dataset_tags, dataset=dataset, dataset_args=dataset_args)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(summary.to_model_card())
+    if is_peft_library:
+        loop.accelerator.unwrap_model(loop.model).create_or_update_model_card(loop.args.output_dir)
+
+
+def push_output_dir(loop, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs):
+    """`Loop.push_to_hub`: save the model and processing class to `output_dir` and upload it, after the push in
+    progress has finished. An unreachable Hub raises `ConnectionError` at once, after `on_push_begin` (which
+    fires first, as in HF)."""
+    loop.fire("on_push_begin")
+    require_hub("push_to_hub")
+    model_name = kwargs.pop("model_name", None)
+    if model_name is None and loop.is_world_process_zero():
+        hub_model_id = getattr(loop.args, "hub_model_id", None)
+        model_name = Path(loop.args.output_dir).name if hub_model_id is None else hub_model_id.split("/")[-1]
+    token = token if token is not None else getattr(loop.args, "hub_token", None)
+    if loop.hub_model_id is None:
+        loop.init_hf_repo(token=token, private=private)
+    loop.run.checkpointer.hub.wait()  # before saving into output_dir, which an upload in flight may be reading
+    loop.save_model(_internal_call=True)
+    if not loop.is_world_process_zero():
+        return None
+    model_tags = getattr(loop.model, "model_tags", None)
+    if model_tags is not None:
+        tags = kwargs.get("tags") or []
+        tags = [tags] if isinstance(tags, str) else tags
+        kwargs["tags"] = tags + [tag for tag in model_tags if tag not in tags]
+    loop.create_model_card(model_name=model_name, **kwargs)  # a subclass's override, as Trainer calls it
+    return hf_api().upload_folder(repo_id=loop.hub_model_id, folder_path=loop.args.output_dir,
+                                  commit_message=commit_message, token=token, run_as_future=not blocking,
+                                  ignore_patterns=OUTPUT_DIR_IGNORE,
+                                  revision=revision if revision is not None else getattr(loop.args,
+                                                                                         "hub_revision", None))

@@ -21,8 +21,10 @@ import time
 import warnings
 
 from . import trainer_logging
-from .args import LoopArgs, check_args, check_inputs, config_error, take_accumulation_steps
+from .args import LoopArgs, check_args, check_inputs
+from .errors import config_error
 from .checkpoint import warn_if_checkpoint_args_differ
+from .columns import find_labels
 from .distributed import release_earlier_run
 from .events import EventHandler, default_callbacks
 from .guards import PreemptionWatch, preemption_agreed, with_batch_size_search
@@ -31,12 +33,13 @@ from .hub import quiet_hub_progress
 from .trainer_api import TrainerAPI
 from .metrics import check_metrics
 from .notebook import default_progress_callback
-from .report import RUN_RECORD_KEY, PhaseClock, run_record
+from .phases import PhaseClock
+from .report import RUN_RECORD_KEY, run_record
 from .run import RunState
 from .schedule import Schedule, running_loss_state
-from .stages.data import DataStage, find_labels
+from .stages.data import DataStage
 from .stages.evaluation import EvalStage
-from .stages.setup import SetupStage
+from .stages.setup import SetupStage, take_accumulation_steps
 from .stages.step import StepStage
 from .stages.teardown import TeardownStage
 from .storage import run_storage
@@ -88,7 +91,6 @@ class Loop(HFMethods, TrainerAPI):
         for stage in self.stages:
             stage.bind(run)
         bind_overrides(self, classes)
-
         self.setup.build(model)  # seeds, Accelerate, the model
         trainer_logging.start(args, run.accelerator, args_given, train_dataset)  # verbosity, Trainer's notes
         run.metrics = check_metrics(metrics, run.accelerator.num_processes)

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import sys
 from functools import partial
 
-from .args import config_error, plain
+from .errors import config_error, plain
 
 PLAIN_TORCH = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
 BITSANDBYTES = ("adamw_bnb_8bit", "adamw_8bit", "ademamix", "ademamix_8bit", "lion_8bit", "lion_32bit",
@@ -178,6 +179,25 @@ def has_mixed_dtensor(tensors) -> bool:
     return len({t.device_mesh if isinstance(t, DTensor) else None for t in tensors}) > 1
 
 
+NO_DECAY_PATTERNS = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)",
+                                               r"_norm(?:$|\.)")]
+
+
+def decay_parameter_names(module) -> list[str]:
+    """HF's `get_decay_parameter_names`: parameters outside `nn.LayerNorm` whose name has no bias/norm pattern.
+    Embeddings are decayed."""
+    from torch import nn
+
+    result = []
+    for name, child in module.named_children():
+        if isinstance(child, nn.LayerNorm):
+            continue
+        result += [f"{name}.{n}" for n in decay_parameter_names(child)
+                   if not any(p.search(f"{name}.{n}".lower()) for p in NO_DECAY_PATTERNS)]
+    result += [k for k in module._parameters if not any(p.search(k.lower()) for p in NO_DECAY_PATTERNS)]
+    return result
+
+
 def build_optimizer(args, model, decay_parameter_names, cls_and_kwargs: tuple):
     """`Trainer.create_optimizer`'s optimizer from `cls_and_kwargs` (Loop's `optimizer_cls_and_kwargs`, or else
     `get_optimizer_cls_and_kwargs(args, model)`): decay / no-decay groups of the trainable parameters (one group per
@@ -312,3 +332,23 @@ def steps_on_metrics(scheduler) -> bool:
     optimization = sys.modules.get("transformers.optimization")  # a GreedyLR exists only once it is imported
     return optimization is not None and isinstance(scheduler, optimization.GreedyLR)
 
+
+def add_param_group(optimizer, scheduler, params, **group_options) -> None:
+    """Add newly trainable parameters to `optimizer` and extend `scheduler` to cover the new group.
+
+    For parameters frozen before the optimizer was built (so it does not hold them), e.g. progressive
+    unfreezing. A plain `optimizer.add_param_group` breaks `LambdaLR`, which keeps one lambda per group.
+    """
+    group = {"params": list(params), **group_options}
+    group.setdefault("weight_decay", 0.0)
+    optimizer.add_param_group(group)
+    new = optimizer.param_groups[-1]
+    new.setdefault("initial_lr", new["lr"])
+    if hasattr(scheduler, "lr_lambdas"):
+        scheduler.lr_lambdas.append(scheduler.lr_lambdas[0])
+    if hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs.append(new["initial_lr"])
+        factor = scheduler.lr_lambdas[-1](scheduler.last_epoch) if hasattr(scheduler, "lr_lambdas") else 1.0
+        new["lr"] = new["initial_lr"] * factor
+        if hasattr(scheduler, "_last_lr"):
+            scheduler._last_lr.append(new["lr"])

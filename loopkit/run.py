@@ -25,7 +25,7 @@ user's own `loop.optimizer = ...` goes through those views; it is the user's wri
 | state                          | HF's `TrainerState` (`loopkit.state`)                       | loop.py           |
 | control                        | HF's `TrainerControl`; `fire` stores what callbacks return  | run.py            |
 | events                         | the callbacks and their dispatch (`loopkit.events`)         | loop.py           |
-| clock                          | time by phase for the run report (`loopkit.report`)         | loop.py           |
+| clock                          | time by phase for the run report (`loopkit.phases`)         | loop.py           |
 | checkpointer                   | the checkpoint storage (`loopkit.storage`)                  | loop.py           |
 | preemption                     | SIGTERM/SIGINT watch (`loopkit.guards`)                     | loop.py           |
 | log                            | HF's `Trainer.log` (a `Loop` subclass may override it)      | loop.py           |

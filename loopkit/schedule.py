@@ -20,11 +20,12 @@ import math
 
 import torch
 
-from .args import MetricNotFoundError, trainer_error
+from .errors import MetricNotFoundError, trainer_error
 from .checkpoint import restore_rng_state, rng_state
 from .guards import EvaluationInterrupted
 from .observers import check_observers, observer_logs
 from .optimizers import steps_on_metrics
+from .phases import speed_metrics
 
 
 # Micro-batch losses kept for the NaN/Inf filter are stacked into one tensor per this many (bounded memory when logs
@@ -203,8 +204,6 @@ class Schedule:
             return {}
         logs = {"num_input_tokens_seen": run.state.num_input_tokens_seen}
         if start_time is not None:
-            from .stages.evaluation import speed_metrics
-
             tokens = run.state.num_input_tokens_seen - self.initial_tokens_seen
             logs.update(speed_metrics("train", start_time, num_tokens=tokens))
         return logs

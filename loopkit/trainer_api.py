@@ -1,7 +1,8 @@
 """`TrainerAPI`: the rest of `transformers.Trainer` 5.x's public methods and attributes, as a mixin `Loop` inherits.
 
 Everything here reads the run through `Loop`'s public attributes (`args`, `model`, `optimizer`, `state`,
-`accelerator`, `callback_handler`, the stages, ...). Small pieces of `transformers.trainer_pt_utils` and
+`accelerator`, `callback_handler`, the stages, ...). The Hub methods are thin calls into loopkit/hub.py and
+`hyperparameter_search` into loopkit/search.py. Small pieces of `transformers.trainer_pt_utils` and
 `transformers.trainer_utils` are copied (each says so): those are `transformers.trainer*` modules, which
 `import loopkit` must not load.
 
@@ -17,16 +18,12 @@ HF's overridable hooks, and where loopkit calls them:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import datetime
-import importlib.util
 import json
 import os
-import warnings
-from typing import Any, NamedTuple
+from typing import Any
 
-from .args import config_error
 from .trainer_logging import log_model_save
 
 # Trainer hooks loopkit does not call, and what a subclass overrides instead.
@@ -36,35 +33,6 @@ HOOKS_TO_OVERRIDE_ELSEWHERE = {
     "set_initial_training_values": "DataStage.plan(dataloader) (the epoch and step arithmetic; pass "
                                    "data=YourDataStage())",
 }
-
-class BestRun(NamedTuple):
-    """What `hyperparameter_search` returns (copied from `transformers.trainer_utils.BestRun`)."""
-
-    run_id: str
-    objective: float | list[float]
-    hyperparameters: dict[str, Any]
-    run_summary: Any | None = None
-
-
-def default_compute_objective(metrics: dict[str, float]) -> float:
-    """The eval loss if there are no other metrics, else their sum (copied from `transformers.trainer_utils`)."""
-    metrics = copy.deepcopy(metrics)
-    loss = metrics.pop("eval_loss", None)
-    metrics.pop("epoch", None)
-    for key in [m for m in metrics if m.endswith("_runtime") or m.endswith("_per_second")]:
-        metrics.pop(key)
-    return loss if len(metrics) == 0 else sum(metrics.values())
-
-
-def default_hp_space_optuna(trial) -> dict[str, float]:
-    """Copied from `transformers.trainer_utils.default_hp_space_optuna`."""
-    return {
-        "learning_rate": trial.suggest_float("learning_rate", 1e-6, 1e-4, log=True),
-        "num_train_epochs": trial.suggest_int("num_train_epochs", 1, 5),
-        "seed": trial.suggest_int("seed", 1, 40),
-        "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size", [4, 8, 16, 32, 64]),
-    }
-
 
 def secs_to_timedelta(secs: float) -> str:
     """hh:mm:ss.msec (copied from `transformers.trainer_pt_utils._secs2timedelta`)."""
@@ -85,25 +53,6 @@ def metrics_format(metrics: dict[str, float]) -> dict[str, float]:
         elif isinstance(value, float):
             formatted[key] = round(value, 4)
     return formatted
-
-
-class HyperparameterObjective:
-    """During a search: the objective of each evaluation in training, reported to the trial (HF's
-    `_report_to_hp_search`); a trial the sampler prunes stops with `optuna.TrialPruned`."""
-
-    def __init__(self, loop, trial):
-        self.loop, self.trial = loop, trial
-
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        loop = self.loop
-        loop.objective = loop.compute_objective(dict(metrics))
-        study = getattr(self.trial, "study", None)
-        if study is not None and not study._is_multi_objective():
-            self.trial.report(loop.objective, state.global_step)
-            if self.trial.should_prune():
-                import optuna
-
-                raise optuna.TrialPruned()
 
 
 class TrainerAPI:
@@ -374,134 +323,33 @@ class TrainerAPI:
 
     def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
                           tasks=None, dataset_tags=None, dataset=None, dataset_args=None) -> None:
-        """`output_dir/README.md`, drafted by transformers' `TrainingSummary` from this run."""
-        if not self.is_world_process_zero():
-            return
-        from transformers import TrainingArguments
-        from transformers.modelcard import TrainingSummary
+        """`output_dir/README.md`, drafted by transformers' `TrainingSummary` from this run (loopkit/hub.py)."""
+        from .hub import write_model_card
 
-        if not isinstance(self.args, TrainingArguments):
-            raise TypeError(f"create_model_card reads a transformers.TrainingArguments, and this Loop has "
-                            f"{type(self.args).__name__}. Fix: build the Loop with TrainingArguments(...).")
-        path = os.path.join(self.args.output_dir, "README.md")
-        is_peft_library = False
-        if os.path.exists(path):
-            from huggingface_hub import ModelCard
-
-            card = ModelCard.load(path)
-            is_peft_library = card.data.get("library_name") == "peft"
-            if tags is not None and card.data.tags is not None:
-                tags = [tags] if isinstance(tags, str) else tags
-                tags += [tag for tag in card.data.tags if tag not in tags]
-        summary = TrainingSummary.from_trainer(self, language=language, license=license, tags=tags,
-                                               model_name=model_name, finetuned_from=finetuned_from, tasks=tasks,
-                                               dataset_tags=dataset_tags, dataset=dataset, dataset_args=dataset_args)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(summary.to_model_card())
-        if is_peft_library:
-            self.accelerator.unwrap_model(self.model).create_or_update_model_card(self.args.output_dir)
+        write_model_card(self, language=language, license=license, tags=tags, model_name=model_name,
+                         finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags, dataset=dataset,
+                         dataset_args=dataset_args)
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs):
         """Save the model and processing class to `output_dir` and upload it (HF's `push_to_hub`), after the push in
         progress has finished. An unreachable Hub raises `ConnectionError` at once, after `on_push_begin` (which
-        fires first, as in HF)."""
-        from pathlib import Path
+        fires first, as in HF). loopkit/hub.py does it."""
+        from .hub import push_output_dir
 
-        from .hub import OUTPUT_DIR_IGNORE, hf_api, require_hub
+        return push_output_dir(self, commit_message=commit_message, blocking=blocking, token=token,
+                               revision=revision, private=private, **kwargs)
 
-        self.fire("on_push_begin")
-        require_hub("push_to_hub")
-        model_name = kwargs.pop("model_name", None)
-        if model_name is None and self.is_world_process_zero():
-            hub_model_id = getattr(self.args, "hub_model_id", None)
-            model_name = Path(self.args.output_dir).name if hub_model_id is None else hub_model_id.split("/")[-1]
-        token = token if token is not None else getattr(self.args, "hub_token", None)
-        if self.hub_model_id is None:
-            self.init_hf_repo(token=token, private=private)
-        self.run.checkpointer.hub.wait()  # before saving into output_dir, which an upload in flight may be reading
-        self.save_model(_internal_call=True)
-        if not self.is_world_process_zero():
-            return None
-        model_tags = getattr(self.model, "model_tags", None)
-        if model_tags is not None:
-            tags = kwargs.get("tags") or []
-            tags = [tags] if isinstance(tags, str) else tags
-            kwargs["tags"] = tags + [tag for tag in model_tags if tag not in tags]
-        self.create_model_card(model_name=model_name, **kwargs)
-        return hf_api().upload_folder(repo_id=self.hub_model_id, folder_path=self.args.output_dir,
-                                      commit_message=commit_message, token=token, run_as_future=not blocking,
-                                      ignore_patterns=OUTPUT_DIR_IGNORE,
-                                      revision=revision if revision is not None else getattr(self.args,
-                                                                                             "hub_revision", None))
-
-    # -- hyper-parameter search ------------------------------------------------------------------------------------
+    # -- hyper-parameter search (loopkit/search.py) -----------------------------------------------------------------
     def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,
                               direction: str | list[str] = "minimize", backend=None, hp_name=None, **kwargs):
-        """HF's search with the optuna backend: each trial sets `hp_space(trial)` on `args`, trains a new model from
-        `model_init(trial)` and is scored by `compute_objective` of its last evaluation (an `evaluate()` after
-        training if none ran). Extra keywords go to `optuna.create_study` (`timeout`, `n_jobs`, `gc_after_trial`,
-        `catch` to `study.optimize`). Returns a `BestRun` (a list of them for several directions)."""
-        backend = str(getattr(backend, "value", backend) or "optuna")
-        if backend != "optuna":
-            raise config_error("backend", backend, "loopkit runs the optuna backend only", "pip install optuna and "
-                               "use backend='optuna', or drive that backend yourself with model_init and "
-                               "train(trial=...)")
-        if importlib.util.find_spec("optuna") is None:
-            raise ImportError("hyperparameter_search runs optuna, which is not installed. Fix: pip install optuna.")
-        if self.model_init is None:
-            raise RuntimeError("To use hyperparameter search, you need to pass your model through a model_init "
-                               "function: each trial trains a new model. Fix: Loop(model_init=..., ...).")
-        self.hp_space = default_hp_space_optuna if hp_space is None else hp_space
-        self.hp_name, self.hp_search_backend = hp_name, "optuna"
-        self.compute_objective = default_compute_objective if compute_objective is None else compute_objective
-        try:
-            return self.run_optuna_search(n_trials, direction, **kwargs)
-        finally:
-            self.hp_search_backend = None
+        """HF's search with the optuna backend (loopkit/search.py): each trial sets `hp_space(trial)` on `args`,
+        trains a new model from `model_init(trial)` and is scored by `compute_objective` of its last evaluation.
+        Returns a `BestRun` (a list of them for several directions)."""
+        from .search import hyperparameter_search
 
-    def run_optuna_search(self, n_trials: int, direction, **kwargs):
-        """HF's `run_hp_search_optuna`, one process."""
-        import optuna
-
-        optimize_kwargs = {key: kwargs.pop(key) for key in ("timeout", "n_jobs", "gc_after_trial", "catch")
-                           if key in kwargs}
-        several = isinstance(direction, list)
-        study = optuna.create_study(direction=None if several else direction,
-                                    directions=direction if several else None, **kwargs)
-        study.optimize(self.run_trial, n_trials=n_trials, **optimize_kwargs)
-        if several:
-            return [BestRun(str(best.number), best.values, best.params) for best in study.best_trials]
-        best = study.best_trial
-        return BestRun(str(best.number), best.value, best.params)
-
-    def run_trial(self, trial) -> float:
-        """One trial, its checkpoints in `output_dir/run-<number>` (or `hp_name(trial)`) as in HF."""
-        self.apply_trial_params(self.hp_space(trial))
-        self.objective = None
-        reporter = HyperparameterObjective(self, trial)
-        self.add_callback(reporter)
-        output_dir = self.args.output_dir
-        self.args.output_dir = os.path.join(output_dir, self.hp_name(trial) if self.hp_name is not None
-                                            else f"run-{trial.number}")
-        try:
-            self.train(trial=trial)
-        finally:
-            self.remove_callback(reporter)
-            self.args.output_dir = output_dir
-        if self.objective is None:  # no evaluation during training
-            self.objective = self.compute_objective(self.evaluate())
-        return self.objective
-
-    def apply_trial_params(self, params: dict) -> None:
-        """Set a trial's values on `args`, cast to each field's type (HF's `_hp_search_setup`)."""
-        for key, value in params.items():
-            if not hasattr(self.args, key):
-                warnings.warn(f"hyperparameter_search: the search space sets {key!r}, which is no field of "
-                              f"{type(self.args).__name__}; it is ignored.")
-                continue
-            old = getattr(self.args, key)
-            setattr(self.args, key, type(old)(value) if old is not None else value)
+        return hyperparameter_search(self, hp_space, compute_objective, n_trials, direction, backend, hp_name,
+                                     **kwargs)
 
 
-__all__ = ["TrainerAPI", "BestRun", "default_compute_objective", "metrics_format"]
+__all__ = ["TrainerAPI", "metrics_format"]

@@ -231,7 +231,7 @@ def small_run(tmp_path, stages=(), **fields):
     from loopkit.checkpoint import Checkpointer
     from loopkit.events import EventHandler
     from loopkit.guards import PreemptionWatch
-    from loopkit.report import PhaseClock
+    from loopkit.phases import PhaseClock
     from loopkit.run import RunState
     from loopkit.state import LoopState
 
@@ -304,7 +304,7 @@ class JumpingClock:
 
     def install(self, monkeypatch) -> "JumpingClock":
         """Every clock the run report reads: `time.perf_counter` (phases, segments, callbacks) and the step clock."""
-        from loopkit.report import PhaseClock
+        from loopkit.phases import PhaseClock
 
         monkeypatch.setattr(time, "perf_counter", self)
         monkeypatch.setattr(PhaseClock, "wall", staticmethod(self))

@@ -11,7 +11,7 @@ import pytest
 from matplotlib.colors import to_rgba
 
 from helpers import regression_data, tiny_regression
-from loopkit import Loop, LoopArgs, TrainingInterrupted, report
+from loopkit import Loop, LoopArgs, TrainingInterrupted, phases, report
 from loopkit.guards import LAUNCHER_ENV
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0] + "/scripts")
@@ -99,7 +99,7 @@ def test_each_chart_shows_what_the_run_did(tmp_path, monkeypatch):
 
 def clock_with(durations, cpu_share=None, slow_cpu_share=None, slow_at=()):
     """A PhaseClock fed step durations (seconds) through fake wall and CPU clocks."""
-    clock = report.PhaseClock()
+    clock = phases.PhaseClock()
     wall, cpu = [0.0], [0.0]
     clock.wall, clock.cpu = (lambda: wall[0]), (lambda: cpu[0])
     clock.reset()
@@ -112,7 +112,7 @@ def clock_with(durations, cpu_share=None, slow_cpu_share=None, slow_at=()):
 
 
 def test_slow_steps_are_those_beyond_the_runs_normal_spread(monkeypatch):
-    monkeypatch.setattr(report, "load_average", lambda: 0.5)
+    monkeypatch.setattr(phases, "load_average", lambda: 0.5)
     # A run whose steps normally vary from 10 to 50 ms (median 30, MAD 10): a 95 ms step, over 3x the median, is
     # within its spread (30 + 5 x 1.4826 x 10 = 104 ms); a 300 ms step is not.
     broad = [0.010, 0.020, 0.030, 0.040, 0.050] * 40
@@ -129,7 +129,7 @@ def test_slow_steps_are_those_beyond_the_runs_normal_spread(monkeypatch):
 
 def test_slow_steps_say_when_the_machine_was_busy_or_the_process_waited(monkeypatch):
     steady = [0.010] * 100 + [0.100] * 5 + [0.010] * 50 + [0.100] + [0.010] * 20
-    monkeypatch.setattr(report, "load_average", lambda: 64.0)
+    monkeypatch.setattr(phases, "load_average", lambda: 64.0)
     monkeypatch.setattr(report.os, "cpu_count", lambda: 2)
     busy = clock_with(steady)
     assert [s["step"] for s in busy.slow_steps] == [101, 102, 103, 104, 105, 156]
@@ -141,7 +141,7 @@ def test_slow_steps_say_when_the_machine_was_busy_or_the_process_waited(monkeypa
     assert text[-1].endswith("6 of 6 slow steps came while it was busy")
 
     # An idle machine, and the process ran 10% of the slow step (usually all of it): it was waiting.
-    monkeypatch.setattr(report, "load_average", lambda: 0.3)
+    monkeypatch.setattr(phases, "load_average", lambda: 0.3)
     idle = clock_with(steady, slow_cpu_share=0.1, slow_at={156})
     line = report.slow_step_lines({"slow_steps": idle.slow_steps, "machine": idle.machine()})[-1]
     assert line.startswith("  slow step 156:") and line.endswith("the process was waiting (it used 10% of a CPU, "

@@ -8,7 +8,7 @@ import time
 import torch
 
 from helpers import regression_data, tiny_regression
-from loopkit import Loop, LoopArgs, report
+from loopkit import Loop, LoopArgs, phases, report
 
 
 def run(out):
@@ -21,10 +21,10 @@ def run(out):
 def test_a_starved_run_says_so_once_with_the_numbers_and_the_fix(tmp_path, monkeypatch, capsys):
     # 4 torch threads on 2 cores, load average 6.5, and the process got 0.05 CPU-seconds per wall second.
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    monkeypatch.setattr(report, "load_average", lambda: 6.5)
+    monkeypatch.setattr(phases, "load_average", lambda: 6.5)
     monkeypatch.setattr(report.os, "cpu_count", lambda: 2)
     started = time.perf_counter()
-    monkeypatch.setattr(report.PhaseClock, "cpu", staticmethod(lambda: 0.05 * (time.perf_counter() - started)))
+    monkeypatch.setattr(phases.PhaseClock, "cpu", staticmethod(lambda: 0.05 * (time.perf_counter() - started)))
     written, markdown = run(tmp_path)
     printed = capsys.readouterr().out
     assert printed.count("CPU starved") == 1 and markdown.count("CPU starved") == 1, printed

@@ -1,4 +1,4 @@
-"""Bad input fails early and clearly (acceptance item 6), and `args` hides nothing.
+"""Bad input fails early and clearly, and `args` hides nothing.
 
 Each case checks that loopkit refuses at construction (or at the first training step, when only the model's output
 can tell) with a `LoopConfigError`/`ValueError` whose message names the field, the value and the fix. Then: `LoopArgs`

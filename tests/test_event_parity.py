@@ -2,8 +2,8 @@
 `global_step`, `epoch`, control flags and logged keys under `Loop` as under HF `Trainer` (run live here).
 
 Configurations: the six of transformers' own `tests/trainer/test_trainer_callback.py::test_event_flow` (64 samples,
-batch 8, 3 epochs), the two recorded sequences of the facts file (section 1.3 (a) with a following `evaluate()` and
-`predict()`, section 1.4 (b)), `eval_on_start`, and 5.x's forced final evaluation.
+batch 8, 3 epochs), sequences (a) (with a following `evaluate()` and `predict()`) and (b) below, `eval_on_start`, and
+5.x's forced final evaluation.
 """
 
 import json
@@ -25,10 +25,10 @@ HF_CALLBACK_TEST_CONFIGS = {
     "everything": {"logging_steps": 3, "save_steps": 10, "eval_steps": 5, "eval_strategy": "steps"},
 }
 
-# Facts file 1.3 (a): 32 train samples, GA 2, logs/evals every 2 steps, a save at 4, stop at 4 (mid-epoch).
+# Sequence (a): 32 train samples, GA 2, logs/evals every 2 steps, a save at 4, stop at 4 (mid-epoch).
 SEQUENCE_A = dict(max_steps=4, gradient_accumulation_steps=2, logging_steps=2, eval_strategy="steps", eval_steps=2,
                   save_steps=4, per_device_train_batch_size=2, per_device_eval_batch_size=2)
-# Facts file 1.4 (b): 2 epochs of 4 steps, everything per epoch.
+# Sequence (b): 2 epochs of 4 steps, everything per epoch.
 SEQUENCE_B = dict(num_train_epochs=2, eval_strategy="epoch", save_strategy="epoch", logging_strategy="epoch",
                   per_device_train_batch_size=2, per_device_eval_batch_size=2)
 

@@ -29,7 +29,7 @@ def scripted_metric(scores):
 
 
 def test_early_stopping_callback_stops_where_trainer_stops(tmp_path):
-    """Facts file 5.4: scores .1 .5 .3 .2 .4 every 2 steps, patience 2: stop at step 8, best checkpoint-4 loaded."""
+    """HF's best-model tracking: scores .1 .5 .3 .2 .4 every 2 steps, patience 2: stop at step 8, best checkpoint-4 loaded."""
     runs = {}
     for name, runner in runners():
         recorder = Recorder()

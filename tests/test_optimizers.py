@@ -19,7 +19,7 @@ from helpers import IGNORE_PIN_MEMORY_WARNING, hf_args, lm_data, tiny_llama
 from loopkit import Loop, LoopArgs
 from loopkit.args import LoopConfigError
 from loopkit.optimizers import build_optimizer, optimizer_cls_and_kwargs
-from loopkit.stages.step import decay_parameter_names
+from loopkit.optimizers import decay_parameter_names
 
 pytestmark = [IGNORE_PIN_MEMORY_WARNING,
               # bitsandbytes on a CPU says its paged optimizers fall back to ordinary memory (as under Trainer).

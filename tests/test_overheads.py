@@ -15,7 +15,7 @@ import torch
 
 from loopkit.batches import without_columns
 from loopkit.schedule import UNSETTLED_RUN, RunningLoss
-from loopkit.stages.data import RemoveColumnsCollator
+from loopkit.columns import RemoveColumnsCollator
 
 
 class OneProcess:

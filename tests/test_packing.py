@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import BertConfig, BertForMaskedLM, DataCollatorWithFlattening
 
 from loopkit import Loop, LoopArgs, PackingDataStage
-from loopkit.stages import packing
+from loopkit import packing
 
 from helpers import small_run, tiny_llama, wait_for
 

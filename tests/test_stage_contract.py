@@ -12,6 +12,7 @@ from torch import nn
 import loopkit
 from loopkit import Loop, LoopArgs, LoopConfigError, StepStage
 from loopkit.events import EventHandler
+from loopkit.hf_methods import RUN_VIEWS
 from loopkit.run import RunState
 from loopkit.stages.data import DataStage, Window
 from loopkit.stages.evaluation import EvalStage
@@ -165,9 +166,30 @@ def is_state(node) -> bool:
         (isinstance(node, ast.Attribute) and node.attr == "state" and is_run(node.value))
 
 
+LOOP_CLASSES = {"Loop", "HFMethods", "TrainerAPI", "Seq2SeqLoop"}  # where `self` is a Loop
+
+
+def loop_selves(tree) -> set[int]:
+    """The ids of the `self` names inside the Loop's own classes (their writes go through its attribute views)."""
+    selves = set()
+    for cls in ast.walk(tree):
+        if isinstance(cls, ast.ClassDef) and (cls.name in LOOP_CLASSES or
+                                              any(getattr(b, "id", None) in LOOP_CLASSES for b in cls.bases)):
+            selves |= {id(n) for n in ast.walk(cls) if isinstance(n, ast.Name) and n.id == "self"}
+    return selves
+
+
+def is_loop(node, selves: set[int]) -> bool:
+    """A `Loop`: `self` in its classes, or a name `loop` (a function handed the Loop, e.g. loopkit/search.py)."""
+    return isinstance(node, ast.Name) and (node.id == "loop" or id(node) in selves)
+
+
 def actual_writers() -> tuple[dict, dict]:
+    """Who writes each run-state and state field: through `run.<field>`, and through the Loop's attribute views
+    (`self.is_in_train = True` in the Loop, `loop.model = ...`)."""
     run_fields, state_fields = {}, {}
     for rel, tree in source_files():
+        selves = loop_selves(tree)
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "RunState":
                 for keyword in node.keywords:
@@ -175,9 +197,13 @@ def actual_writers() -> tuple[dict, dict]:
             if not isinstance(node, (ast.Assign, ast.AugAssign)):
                 continue
             for target in assignment_targets(node):
-                if isinstance(target, ast.Attribute) and is_run(target.value):
+                if not isinstance(target, ast.Attribute):
+                    continue
+                if is_run(target.value) or (target.attr in RUN_VIEWS and is_loop(target.value, selves)):
                     run_fields.setdefault(target.attr, set()).add(rel)
-                if isinstance(target, ast.Attribute) and is_state(target.value):
+                view = target.value
+                if is_state(view) or (isinstance(view, ast.Attribute) and view.attr == "state" and
+                                      is_loop(view.value, selves)):
                     state_fields.setdefault(target.attr, set()).add(rel)
     return run_fields, state_fields
 
@@ -197,6 +223,19 @@ def test_every_shared_field_has_its_declared_single_writer():
         assert files == {state_declared[field]}, f"state.{field} is written in {sorted(files)}, declared: " \
                                                  f"{state_declared[field]}"
     assert run_actual["optimizer"] == {"stages/step.py"} and state_actual["global_step"] == {"stages/step.py"}
+    assert run_actual["is_in_train"] == {"loop.py"}  # written only as `self.is_in_train`: a view write is seen
+
+
+def test_writes_through_the_loops_attribute_views_are_seen():
+    """A write through a view (`self.model = ...` in the Loop's classes, `loop.optimizer = ...` in a function handed
+    the Loop) counts as a write of the run-state field, wherever it is."""
+    code = ("class Loop(HFMethods):\n    def f(self):\n        self.model = None\n"
+            "def g(loop):\n    loop.optimizer = None\n\n\nclass Stage:\n    def h(self):\n        self.model = None\n")
+    tree = ast.parse(code)
+    selves = loop_selves(tree)
+    targets = [t for node in ast.walk(tree) if isinstance(node, ast.Assign) for t in assignment_targets(node)]
+    seen = sorted(t.attr for t in targets if t.attr in RUN_VIEWS and is_loop(t.value, selves))
+    assert seen == ["model", "optimizer"]  # the stage's own `self.model` is no view
 
 
 def test_no_function_in_loopkit_is_over_60_lines_and_loop_py_is_under_300():

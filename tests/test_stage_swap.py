@@ -1,4 +1,4 @@
-"""Each of the five stages replaced by a subclass of a few lines, and the change takes effect (acceptance item 4).
+"""Each of the five stages replaced by a subclass of a few lines, and the change takes effect.
 
 Every test runs the default stage and the subclass from the same seed and weights, and checks the difference the
 subclass must make (and only where it must make it), so a subclass that is ignored fails the test.

@@ -30,7 +30,7 @@ is a complete observer: real tokens per second and the padding share.
 
 from __future__ import annotations
 
-from ..args import config_error
+from ..errors import config_error
 
 
 class StepObserver:

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..args import config_error
+from ..errors import config_error
 from .base import base_model
 from .step import StepStage, is_causal_lm
 

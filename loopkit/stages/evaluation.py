@@ -28,25 +28,13 @@ import torch
 
 from ..batches import (carries_labels, concat_padded, find_batch_size, has_length, nested_detach, plain_metrics,
                        shallow_copy, to_numpy)
+from ..errors import config_error
 from ..guards import EvaluationInterrupted
 from ..metrics import BatchOutputs, compute_all, real_rows, reset_all, update_all, warn_no_rows
 from .. import trainer_logging
+from ..phases import speed_metrics
 from ..state import EvalLoopOutput, EvalPrediction, PredictionOutput
 from .base import Stage
-
-
-def speed_metrics(split: str, start_time: float, num_samples=None, num_steps=None, num_tokens=None) -> dict:
-    runtime = time.time() - start_time
-    result = {f"{split}_runtime": round(runtime, 4)}
-    if runtime == 0:
-        return result
-    if num_samples is not None:
-        result[f"{split}_samples_per_second"] = round(num_samples / runtime, 3)
-    if num_steps is not None:
-        result[f"{split}_steps_per_second"] = round(num_steps / runtime, 3)
-    if num_tokens is not None:
-        result[f"{split}_tokens_per_second"] = round(num_tokens / runtime, 3)
-    return result
 
 
 def with_prefix(key: str, prefix: str) -> str:
@@ -147,8 +135,6 @@ class EvalStage(Stage):
 
     def bind(self, run) -> "EvalStage":
         if getattr(run.args, "predict_with_generate", False) and not self.generates:
-            from ..args import config_error
-
             raise config_error("predict_with_generate", True, f"the evaluation stage {type(self).__name__} does "
                                "not generate", "replace Loop( with Seq2SeqLoop( (as Seq2SeqTrainer), or pass "
                                "evaluation=Seq2SeqEvalStage()")

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from ..args import config_error
+from ..errors import config_error
 from .evaluation import EvalStage
 
 

@@ -36,6 +36,7 @@ from ..distributed import (active_engine, check_engines_active, check_launch, en
 from .. import trainer_logging
 from ..memory import MemoryTracker
 from .base import Stage, base_model
+from ..errors import trainer_error
 
 
 def seed_everything(seed: int, full_determinism: bool = False) -> None:
@@ -93,7 +94,7 @@ def accelerator_options(args):
     options = config.to_dict()
     options.pop("use_configured_state", None)  # TrainingArguments hands it to AcceleratorState, as loopkit's do
     accumulation_kwargs = dict(options.pop("gradient_accumulation_kwargs") or {})
-    # Its num_steps became gradient_accumulation_steps when the Loop was built (loopkit.args.take_accumulation_steps).
+    # Its num_steps became gradient_accumulation_steps when the Loop was built (take_accumulation_steps, below).
     accumulation_kwargs.pop("num_steps", None)
     loader_keys = ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler", "non_blocking")
     dataloader_config = DataLoaderConfiguration(**{key: options.pop(key) for key in loader_keys},
@@ -271,3 +272,24 @@ def label_smoother(args, model):
     from transformers.trainer_pt_utils import LabelSmoother
 
     return LabelSmoother(epsilon=args.label_smoothing_factor)
+
+
+def take_accumulation_steps(args) -> None:
+    """`accelerator_config`'s `gradient_accumulation_kwargs={"num_steps": n}`, as Trainer's
+    `create_accelerator_and_postprocess` takes it at construction: `gradient_accumulation_steps` becomes n (and
+    `num_steps` 1 in that dict, in place, as there), unless `gradient_accumulation_steps` is above 1 too."""
+    if args.accelerator_config is None:
+        return
+    kwargs = resolve_accelerator_config(args.accelerator_config).gradient_accumulation_kwargs
+    if not kwargs or "num_steps" not in kwargs:
+        return
+    if args.gradient_accumulation_steps > 1:
+        raise trainer_error(
+            "The `AcceleratorConfig`'s `num_steps` is set but `gradient_accumulation_steps` is greater than 1 in the "
+            "passed `TrainingArguments`If using the passed `AcceleratorConfig` is desired, do not set the "
+            "`TrainingArguments` `gradient_accumulation_steps`.",
+            "accelerator_config", {"gradient_accumulation_kwargs": dict(kwargs)},
+            f"num_steps is a second gradient-accumulation setting next to gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps}", "drop num_steps, or leave gradient_accumulation_steps at 1")
+    args.gradient_accumulation_steps = kwargs["num_steps"]
+    kwargs["num_steps"] = 1

@@ -1,13 +1,14 @@
 """Stage 3, step: one optimizer step over an accumulation window.
 
-Contract (HF Trainer 5.24 semantics, facts file sections 1.2 and 4):
+Contract (HF Trainer 5.24 semantics: when each event fires; loss, gradients, optimizer and scheduler):
 * `create_optimizer(model=None)`, `create_scheduler(num_training_steps, optimizer=None)`: HF's defaults (AdamW with
-  decay / no-decay groups, `get_scheduler(lr_scheduler_type)` with warmup); `Loop` exposes both under those names.
+  decay / no-decay groups, `get_scheduler(lr_scheduler_type)` with warmup), built by loopkit/optimizers.py; `Loop`
+  exposes both under those names.
 * `prepare(max_steps, checkpoint)`: optimizer, `accelerator.prepare`, scheduler, and optimizer/scheduler state of a
   resumed run.
 * `compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None)` and
   `training_step(model, inputs, num_items_in_batch=None)` with HF's signatures and loss scaling.
-* `run(window, epoch, steps_in_epoch) -> StepResult`: `on_step_begin` -> forward/backward per micro-batch
+* `run_step(window, epoch, steps_in_epoch) -> StepResult`: `on_step_begin` -> forward/backward per micro-batch
   (`on_substep_end` between) -> `on_gradients_ready` -> clip -> `on_pre_optimizer_step` -> `optimizer.step()` ->
   `on_optimizer_step` -> `lr_scheduler.step()` -> `zero_grad` -> `global_step += 1` -> `on_step_end`.
 
@@ -38,38 +39,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
-from ..args import config_error
+from ..errors import config_error, plain
 from ..batches import find_batch_size, require_named_batch
 from ..first_batch import check_labels
 from ..guards import NONFINITE_POLICIES, NonFiniteWatch
-from ..optimizers import (backward_kwargs, build_optimizer, build_scheduler, optimizer_cls_and_kwargs,
-                          steps_on_metrics, updates_in_backward)
+from ..optimizers import (add_param_group, backward_kwargs, build_optimizer, build_scheduler, decay_parameter_names,
+                          optimizer_cls_and_kwargs, steps_on_metrics, updates_in_backward)
 from .base import Stage, base_model
-
-NO_DECAY_PATTERNS = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)",
-                                               r"_norm(?:$|\.)")]
-
-
-def decay_parameter_names(module: nn.Module) -> list[str]:
-    """HF's `get_decay_parameter_names`: parameters outside `nn.LayerNorm` whose name has no bias/norm pattern.
-    Embeddings are decayed."""
-    result = []
-    for name, child in module.named_children():
-        if isinstance(child, nn.LayerNorm):
-            continue
-        result += [f"{name}.{n}" for n in decay_parameter_names(child)
-                   if not any(p.search(f"{name}.{n}".lower()) for p in NO_DECAY_PATTERNS)]
-    result += [k for k in module._parameters if not any(p.search(k.lower()) for p in NO_DECAY_PATTERNS)]
-    return result
-
 
 def is_causal_lm(model) -> bool:
     """Causal LMs shift labels inside their loss, so their token count is `labels[..., 1:]`. Unlike HF Trainer
@@ -199,7 +181,7 @@ class StepStage(Stage):
             run.lr_scheduler = run.optimizers_given[1]
         if run.lr_scheduler is None:
             run.lr_scheduler = build_scheduler(
-                str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+                str(plain(args.lr_scheduler_type)),
                 run.optimizer if optimizer is None else optimizer, args.get_warmup_steps(num_training_steps),
                 num_training_steps, args.lr_scheduler_kwargs)
         return run.lr_scheduler
@@ -498,28 +480,12 @@ class StepStage(Stage):
         return watch.policy == "stop"
 
     def add_param_group(self, params, **group_options) -> None:
-        """Add newly trainable parameters to the optimizer and extend the scheduler to cover the new group.
-
-        For parameters frozen before the optimizer was built (so it does not hold them), e.g. progressive
-        unfreezing. A plain `optimizer.add_param_group` breaks `LambdaLR`, which keeps one lambda per group.
-        """
+        """Add newly trainable parameters to the optimizer and extend the scheduler to cover the new group
+        (loopkit/optimizers.py: `add_param_group`), e.g. for progressive unfreezing."""
         run = self.run
         if run.optimizer is None:
             raise config_error("optimizer", None, "there is no optimizer yet", "call this from on_train_begin or later")
-        group = {"params": list(params), **group_options}
-        group.setdefault("weight_decay", 0.0)
-        run.optimizer.add_param_group(group)
-        new = run.optimizer.param_groups[-1]
-        new.setdefault("initial_lr", new["lr"])
-        scheduler = run.lr_scheduler
-        if hasattr(scheduler, "lr_lambdas"):
-            scheduler.lr_lambdas.append(scheduler.lr_lambdas[0])
-        if hasattr(scheduler, "base_lrs"):
-            scheduler.base_lrs.append(new["initial_lr"])
-            factor = scheduler.lr_lambdas[-1](scheduler.last_epoch) if hasattr(scheduler, "lr_lambdas") else 1.0
-            new["lr"] = new["initial_lr"] * factor
-            if hasattr(scheduler, "_last_lr"):
-                scheduler._last_lr.append(new["lr"])
+        add_param_group(run.optimizer, run.lr_scheduler, params, **group_options)
 
 
 def model_loss(outputs, inputs) -> torch.Tensor:

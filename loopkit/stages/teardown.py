@@ -35,7 +35,7 @@ from ..report import STATUS_JSON, build_report, write_report, write_run_status
 from .. import trainer_logging
 from ..state import TrainOutput
 from .base import Stage
-from .evaluation import speed_metrics
+from ..phases import speed_metrics
 
 
 class TeardownStage(Stage):
