@@ -27,7 +27,7 @@ _EXPORTS = {
     "Seq2SeqLoop": "loopkit.seq2seq",
     "Seq2SeqEvalStage": "loopkit.stages.seq2seq",
     "EVENTS": "loopkit.events",
-    "Checkpointer": "loopkit.checkpoint",
+    "Checkpointer": "loopkit.storage.hf",
     "CheckpointStorage": "loopkit.storage",
     "HFStorage": "loopkit.storage",
     "DCPStorage": "loopkit.storage",

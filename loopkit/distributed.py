@@ -296,7 +296,8 @@ def load_optimizer_state(run, checkpoint: str) -> bool:
     sharded (`optimizer_0/`, read by `read_dcp`) into a sharded run with Accelerate's options or into an unsharded
     one (torch's distributed checkpoint reshards), whole (`optimizer.pt`) into an unsharded run or, cut into this rank's
     shards, into a sharded one. Returns whether it loaded one."""
-    from .checkpoint import OPTIMIZER_NAME, safe_torch_load
+    from .checkpoint.durable import safe_torch_load
+    from .checkpoint.lineage import OPTIMIZER_NAME
 
     acc, engine = run.accelerator, active_engine(run.accelerator)
     if engine == "DeepSpeed":

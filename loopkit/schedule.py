@@ -26,6 +26,7 @@ from .guards import EvaluationInterrupted
 from .observers import check_observers, observer_logs
 from .optimizers import steps_on_metrics
 from .phases import speed_metrics
+from .state import best_metric_key
 
 
 # Micro-batch losses kept for the NaN/Inf filter are stacked into one tensor per this many (bounded memory when logs
@@ -319,8 +320,3 @@ def metric_not_found(args, key: str, metrics: dict, trainer_advice: str) -> KeyE
         "produce", "name one of those metrics (without or with the eval_ prefix), or return it from compute_metrics",
         kind=MetricNotFoundError)
 
-
-def best_metric_key(args) -> str:
-    """`eval_<metric_for_best_model>` (HF adds the prefix unless it is there)."""
-    name = args.metric_for_best_model
-    return name if name.startswith("eval_") else f"eval_{name}"

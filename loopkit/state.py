@@ -183,3 +183,9 @@ class EvalPrediction:
 
     def __len__(self):
         return len(self.elements)
+
+
+def best_metric_key(args) -> str:
+    """`eval_<metric_for_best_model>` (HF adds the prefix unless it is there)."""
+    name = args.metric_for_best_model
+    return name if name.startswith("eval_") else f"eval_{name}"

@@ -228,7 +228,7 @@ def small_run(tmp_path, stages=(), **fields):
     from accelerate import Accelerator
 
     from loopkit import LoopArgs
-    from loopkit.checkpoint import Checkpointer
+    from loopkit.storage.hf import Checkpointer
     from loopkit.events import EventHandler
     from loopkit.guards import PreemptionWatch
     from loopkit.phases import PhaseClock

@@ -44,10 +44,3 @@ from .rng import read_rng_file, restore_rng_state, rng_file_name, rng_state, sav
 from .validation import checkpoint_problem, read_stage_states, read_trainer_state, warn_if_checkpoint_args_differ
 from .writing import SAVE_ERROR_POLICIES, Snapshot, copy_to_cpu
 
-
-def __getattr__(name):
-    if name == "Checkpointer":  # loopkit's earlier name for the default storage (imported late: it imports this)
-        from ..storage.hf import Checkpointer
-
-        return Checkpointer
-    raise AttributeError(f"module 'loopkit.checkpoint' has no attribute {name!r}")

@@ -7,6 +7,7 @@ import os
 import shutil
 
 from .lineage import CHECKPOINT_RE
+from ..state import best_metric_key
 
 
 class Rotation:
@@ -25,8 +26,6 @@ class Rotation:
     def checkpoint_scores(self, dirs: list[str]) -> dict[str, float]:
         """`metric_for_best_model` of each checkpoint folder in `dirs` whose step was evaluated (from `log_history`,
         which resumes with the run); non-finite values are left out."""
-        from ..schedule import best_metric_key
-
         args = self.run.args
         if args.metric_for_best_model is None:
             return {}
