@@ -30,6 +30,7 @@ from loopkit.storage import DCPStorage
 from loopkit.storage.dcp import DCP_FOLDER, convert, read_whole_state
 from test_distributed import BIN, child_env, free_port, worst_relative_difference
 from test_distributed import finish as finish_launch
+from helpers import run_process
 
 CHILD = os.path.join(os.path.dirname(__file__), "scripts", "dcp_child.py")
 sys.path.insert(0, os.path.dirname(CHILD))
@@ -67,8 +68,9 @@ def test_layout_holds_one_dcp_folder_and_the_hf_states(one_process):
     assert [os.path.basename(d) for d in checkpoint_dirs(run_dir)] == ["checkpoint-2", "checkpoint-4",
                                                                         "checkpoint-6", "checkpoint-8"]
     files = sorted(os.listdir(os.path.join(run_dir, "checkpoint-4")))
-    assert files == ["config.json", DCP_FOLDER, "loopkit_state.json", "rng_state.pth", "scheduler.pt",
-                     "trainer_state.json"]
+    # loopkit_tensors.safetensors: the batch read ahead at this mid-epoch step (loopkit/checkpoint/stage_tensors.py)
+    assert files == ["config.json", DCP_FOLDER, "loopkit_state.json", "loopkit_tensors.safetensors", "rng_state.pth",
+                     "scheduler.pt", "trainer_state.json"]
     assert ".metadata" in os.listdir(os.path.join(run_dir, "checkpoint-4", DCP_FOLDER))
     assert not [n for n in os.listdir(run_dir) if n.startswith(".")], "a temporary folder was left"
 
@@ -135,8 +137,8 @@ def test_convert_to_save_pretrained_and_to_a_checkpoint_hf_trainer_resumes(tmp_p
     checkpoint = os.path.join(out, "plain", "checkpoint-4")
     saved = read_whole_state(checkpoint)
     pretrained = os.path.join(tmp_path, "pretrained")
-    result = subprocess.run([sys.executable, "-m", "loopkit", "convert-dcp", checkpoint, pretrained],
-                            env=child_env(cpu_mode=False), capture_output=True, text=True, timeout=300)
+    result = run_process([sys.executable, "-m", "loopkit", "convert-dcp", checkpoint, pretrained],
+                         "python -m loopkit convert-dcp", env=child_env(cpu_mode=False))
     assert result.returncode == 0, result.stderr[-3000:]
     model = LlamaForCausalLM.from_pretrained(pretrained)
     assert_equal_tensors({k: v for k, v in model.state_dict().items()}, saved["model"], "save_pretrained folder")
@@ -167,8 +169,8 @@ def test_convert_to_save_pretrained_and_to_a_checkpoint_hf_trainer_resumes(tmp_p
 # ---------------------------------------------------------------------------------------------------------------
 def run_child(out, *arguments):
     env = dict(child_env(cpu_mode=False), PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, CHILD, str(out), "kill", *arguments], env=env, capture_output=True,
-                          text=True, timeout=300)
+    return run_process([sys.executable, CHILD, str(out), "kill", *arguments], "the DCP child killed during a save",
+                       env=env)
 
 
 @pytest.fixture(scope="module")
