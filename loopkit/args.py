@@ -60,6 +60,9 @@ class LoopArgs:
     logging_steps: float = 500
     logging_first_step: bool = False
     logging_nan_inf_filter: bool = True
+    log_level: str = "passive"  # transformers' verbosity on the process(es) that log, set when the Loop is built
+    log_level_replica: str = "warning"  # ... on the other processes
+    log_on_each_node: bool = True  # the main process of each node logs (False: process 0 only)
     report_to: Any = "none"
     run_name: str | None = None
     disable_tqdm: bool | None = None
@@ -268,8 +271,6 @@ DICT_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "activati
 INERT_FIELDS = frozenset({
     # read by scripts (examples/run_*.py), never by Trainer
     "do_train", "do_eval", "do_predict", "resume_from_checkpoint",
-    # logging verbosity and where logs go in multi-node runs: what is printed, not what is trained
-    "log_level", "log_level_replica", "log_on_each_node",
     # read by HF's own integration callbacks (trackio), which loopkit builds from the same args
     "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
     # applied by TrainingArguments.__post_init__ (the process group through its `device`, and TF32 backends)

@@ -159,3 +159,23 @@ def test_no_hub_token_in_logs_report_or_checkpoints(tmp_path, capfd):
     for path in files:
         with open(path, "rb") as f:
             assert secret.encode() not in f.read(), path
+
+
+@pytest.mark.parametrize("log_level", ["info", "error"])
+def test_loopargs_log_level_sets_the_verbosity_as_trainingarguments_does(tmp_path, log_level):
+    """`LoopArgs` has Trainer's three logging fields, with its defaults, and they act as TrainingArguments' do."""
+    from transformers.utils import logging as hf_logging
+
+    from loopkit import LoopArgs
+
+    verbosity = {}
+    saved = hf_logging.get_verbosity()
+    try:
+        for name, args in (("hf", hf_args(tmp_path / "hf", log_level=log_level)),
+                           ("loopkit", LoopArgs(output_dir=str(tmp_path / "loopkit"), log_level=log_level))):
+            hf_logging.set_verbosity_warning()
+            Loop(model=tiny_regression(), args=args)
+            verbosity[name] = hf_logging.get_verbosity()
+    finally:
+        hf_logging.set_verbosity(saved)
+    assert verbosity["loopkit"] == verbosity["hf"] == hf_logging.get_log_levels_dict()[log_level]
