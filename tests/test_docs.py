@@ -326,7 +326,8 @@ def test_benchmark_numbers_in_the_docs_are_generated_from_the_committed_results_
 
     sections = {page: [m["name"] for m in SECTION.finditer(read_page(page))] for page in PAGES}
     assert sections == {"README.md": ["ladder-headline"],
-                        "docs/performance.md": ["summary", "durations", "durations", "ladder", "ladder-headline"]}
+                        "docs/performance.md": ["summary", "durations", "durations", "durations", "ladder",
+                                                "ladder-headline"]}
     for page in PAGES:
         text = read_page(page)
         assert render(text) == text, f"{page}: its benchmark numbers differ from the results files"
