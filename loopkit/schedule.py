@@ -23,7 +23,7 @@ import torch
 from .errors import MetricNotFoundError, trainer_error
 from .checkpoint import restore_rng_state, rng_state
 from .guards import EvaluationInterrupted
-from .observers import check_observers, observer_logs
+from .observers import check_observers, observer_logs, start_observers
 from .optimizers import steps_on_metrics
 from .phases import speed_metrics
 from .state import best_metric_key
@@ -151,6 +151,7 @@ class Schedule:
         self.tokens_seen = self.samples_seen = 0
         self.last_step = None
         self.input_tokens_pending, self.initial_tokens_seen = 0, run.state.num_input_tokens_seen
+        start_observers(self.observers, run.state)
 
     def record(self, result, window) -> None:
         """A `StepResult`: its losses into the running loss, its work into the counters; it and its `window` to

@@ -241,3 +241,40 @@ def test_the_docs_observer_example_runs_after_the_readme_example(readme_inputs, 
     assert all(h["real_tokens_per_second"] > 0 and 0 < h["padding_share"] < 1 and h["grad_norm_max"] > 0
                for h in logs)
     assert "'padding_share':" in capsys.readouterr().out
+
+
+class WindowsSinceLog(StepObserver):
+    """Counts the windows since the last training log (what a rate's numerator and denominator accumulate)."""
+
+    def __init__(self):
+        self.windows = 0
+
+    def start(self, state):
+        self.windows = 0
+
+    def on_step(self, result, window, state):
+        self.windows += 1
+
+    def logs(self, state):
+        windows, self.windows = self.windows, 0
+        return {"windows_since_log": windows}
+
+
+def test_a_second_train_logs_only_its_own_windows(tmp_path):
+    """The first train() ends one window after its last log; the second train()'s first log must not count it (it
+    did on 9208d82: 3 windows at step 2)."""
+    counting, throughput = WindowsSinceLog(), Throughput()
+    args = hf_args(tmp_path, per_device_train_batch_size=4, max_steps=3, logging_steps=2, save_strategy="no")
+    loop = Loop(model=tiny_regression(), args=args, train_dataset=regression_data(32),
+                observers=[counting, throughput])
+    loop.train()
+    assert counting.windows == 1 and throughput.seconds > 0  # step 3 was after the last log
+    loop.train()
+    assert [h["windows_since_log"] for h in loop.state.log_history if "loss" in h] == [2]
+
+
+def test_throughput_start_forgets_what_was_accumulated():
+    throughput = Throughput()
+    throughput.tokens, throughput.padding, throughput.seconds = 10, torch.tensor(4), 0.5
+    throughput.start(None)
+    assert throughput.logs(None) == {"real_tokens_per_second": 0.0, "padding_share": 0.0}

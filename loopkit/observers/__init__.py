@@ -8,6 +8,8 @@ them):
   gradient norm, learning rate, FLOPs, tokens, samples, `seconds`, `completed`) and HF's `state`. Called before the
   step's log, evaluation and save. It runs at every step: accumulate, and keep values on the device (add tensors,
   never `.item()`), so it costs a few additions and no device sync.
+* `start(state)` (optional; `StepObserver`'s does nothing): when a `train()` begins, before its first step: forget
+  what an earlier `train()` accumulated after its last log, so a log counts only its own `train()`'s windows.
 * `logs(state) -> dict`: at each training log (every `logging_steps`), the keys to add to it: read and reduce what
   was accumulated (this is where a value is read back from the device), and start accumulating afresh.
 
@@ -36,6 +38,9 @@ from ..errors import config_error
 class StepObserver:
     """Receives each optimizer step's result; adds keys to the training logs (see the module docstring)."""
 
+    def start(self, state) -> None:
+        """When a `train()` begins: drop what was accumulated since the last log of an earlier `train()`."""
+
     def on_step(self, result, window, state) -> None:
         """After each window's step: accumulate (device tensors stay on the device)."""
 
@@ -52,6 +57,14 @@ def check_observers(observers) -> list:
             raise config_error("observers", observer, "it has no on_step(result, window, state) and logs(state) "
                                "methods", "subclass loopkit.observers.StepObserver and pass an instance")
     return observers
+
+
+def start_observers(observers, state) -> None:
+    """A `train()` begins: each observer that has `start` forgets what it accumulated before."""
+    for observer in observers:
+        start = getattr(observer, "start", None)
+        if callable(start):
+            start(state)
 
 
 def observer_logs(observers, logs: dict, state) -> dict:

@@ -12,6 +12,9 @@ class Throughput(StepObserver):
     seconds since the last log; `padding_share`: the padding's share of those tokens. This process's windows."""
 
     def __init__(self):
+        self.start(None)
+
+    def start(self, state) -> None:
         self.tokens, self.padding, self.seconds = 0, 0, 0.0
 
     def on_step(self, result, window, state) -> None:
@@ -23,6 +26,6 @@ class Throughput(StepObserver):
 
     def logs(self, state) -> dict:
         padding, tokens, seconds = int(self.padding), self.tokens, self.seconds  # int(): the one device read
-        self.tokens, self.padding, self.seconds = 0, 0, 0.0
+        self.start(state)
         return {"real_tokens_per_second": round((tokens - padding) / seconds, 3) if seconds else 0.0,
                 "padding_share": round(padding / tokens, 4) if tokens else 0.0}
