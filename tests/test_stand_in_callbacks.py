@@ -102,3 +102,12 @@ def test_a_callback_reading_the_list_mid_training_finds_hfs_classes_and_the_run_
                                  ["Peeker", False, False, False], ["ProgressCallback", False, False, True]]
     assert trainer["bar"][0] == ["open", 6, True] and trainer["bar"][-1] == ["close"]
     assert_as_trainer(loop, trainer)
+
+
+def test_a_report_to_integration_makes_every_default_hfs_class_from_the_start():
+    """The integration's module imports HF's callback module after the progress bar was made: that stand-in becomes
+    HF's class at once, and the list is Trainer's."""
+    found = child("integration")
+    assert found["loop"] == found["trainer"]
+    assert found["trainer"] == [HF + "DefaultFlowCallback", "transformers.integrations.integration_utils."
+                                "TensorBoardCallback", "__main__.Recorder", HF + "ProgressCallback"]

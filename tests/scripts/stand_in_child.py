@@ -6,6 +6,7 @@ Nothing here imports a `transformers.trainer*` module before the Loops that must
 `LoopArgs`, then imports HF's `Trainer` and runs the same configuration again on `Loop` (now with HF's classes) and on
 `Trainer`:
 * `runs`: events, control flags, log history, printed lines and progress-bar calls, per configuration;
+* `integration`: a `report_to` integration, which imports HF's callback module while the Loop is built;
 * `handles`: what user code finds after `from transformers import DefaultFlowCallback, ...` (isinstance, class
   equality, add / pop / remove traces), and a run whose callback reads `callback_handler.callbacks` mid-training.
 """
@@ -226,6 +227,19 @@ def handles() -> dict:
     return found
 
 
+def integration() -> dict:
+    """A `report_to` integration imports HF's callback module while the Loop is built (after its progress callback
+    was made): every default is then HF's class from the start, as on Trainer."""
+    with tempfile.TemporaryDirectory() as out:
+        fields = dict(output_dir=out, report_to="tensorboard", disable_tqdm=False)
+        built = loop(LoopArgs(**fields), [Recorder])
+        from transformers import TrainingArguments
+
+        hf = trainer(TrainingArguments(**fields), [Recorder])
+        return {name: [f"{type(cb).__module__}.{type(cb).__name__}" for cb in callbacks] for name, callbacks in
+                (("loop", built.callback_handler.callback_objects), ("trainer", hf.callback_handler.callbacks))}
+
+
 def isinstance_grid(runner, classes) -> list:
     from transformers import DefaultFlowCallback
 
@@ -237,4 +251,4 @@ if __name__ == "__main__":
     import loopkit.default_callbacks
 
     loopkit.default_callbacks.tqdm = RecordingBar  # what the stand-in progress bars are drawn with
-    print(json.dumps({"runs": runs, "handles": handles}[sys.argv[1]]()))
+    print(json.dumps({"runs": runs, "handles": handles, "integration": integration}[sys.argv[1]]()))
