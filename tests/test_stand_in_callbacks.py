@@ -1,12 +1,12 @@
 """loopkit's quiet stand-ins for HF's default callbacks (loopkit/default_callbacks.py) do exactly what HF's classes do,
 and become HF's classes as soon as user code can see them.
 
-In a fresh interpreter (tests/scripts/stand_in_child.py) that has imported no `transformers.trainer*` module, `Loop`s
-built with `LoopArgs` get the stand-ins; the same configurations then run on `Loop` with HF's classes and on HF
-`Trainer` (live), and the three must agree on every event, control flag, log, printed line and progress-bar call (the
-log history with Trainer: to float32 precision, see `assert_as_trainer`). Then what user code finds after `from
-transformers import DefaultFlowCallback, ...` (isinstance, class equality, add / pop / remove) must be what it finds
-on `Trainer`, also when a callback looks mid-training.
+In a fresh interpreter (tests/scripts/stand_in_child.py) that has not imported `transformers.trainer_utils` (nor HF's
+callback module), `Loop`s built with `LoopArgs` get the stand-ins; the same configurations then run on `Loop` with
+HF's classes and on HF `Trainer` (live), and the three must agree on every event, control flag, log, printed line and
+progress-bar call (the log history with Trainer: to float32 precision, see `assert_as_trainer`). Then what user code
+finds after `from transformers import DefaultFlowCallback, ...` (isinstance, class equality, add / pop / remove) must
+be what it finds on `Trainer`, also when a callback looks mid-training.
 """
 
 import json

@@ -1,10 +1,10 @@
 """A fresh interpreter's run for tests/test_stand_in_callbacks.py: `python stand_in_child.py WHAT TESTS_FOLDER` prints
 one JSON line.
 
-Nothing here imports a `transformers.trainer*` module before the Loops that must get loopkit's stand-ins are built
-(tests/helpers.py imports `Trainer`, so nothing of it is imported here either). Each part first runs `Loop`s with
-`LoopArgs`, then imports HF's `Trainer` and runs the same configuration again on `Loop` (now with HF's classes) and on
-`Trainer`:
+Nothing here imports `transformers.trainer_utils` (or HF's callback module, which imports it) before the Loops that
+must get loopkit's stand-ins are built (tests/helpers.py imports `Trainer`, so nothing of it is imported here either).
+Each part first runs `Loop`s with `LoopArgs`, then imports HF's `Trainer` and runs the same configuration again on
+`Loop` (now with HF's classes) and on `Trainer`:
 * `runs`: events, control flags, log history, printed lines and progress-bar calls, per configuration;
 * `integration`: a `report_to` integration, which imports HF's callback module while the Loop is built;
 * `handles`: what user code finds after `from transformers import DefaultFlowCallback, ...` (isinstance, class
