@@ -9,11 +9,16 @@ finds after `from transformers import DefaultFlowCallback, ...` (isinstance, cla
 be what it finds on `Trainer`, also when a callback looks mid-training.
 """
 
+import inspect
 import json
 import os
 import sys
 
 import pytest
+import transformers.trainer_callback as hf_callbacks
+
+import loopkit.default_callbacks as default_callbacks
+from loopkit.events import HF_EVENTS, is_noop
 
 from helpers import run_process
 
@@ -111,3 +116,20 @@ def test_a_report_to_integration_makes_every_default_hfs_class_from_the_start():
     assert found["loop"] == found["trainer"]
     assert found["trainer"] == [HF + "DefaultFlowCallback", "transformers.integrations.integration_utils."
                                 "TensorBoardCallback", "__main__.Recorder", HF + "ProgressCallback"]
+
+
+def parameters(method) -> list[tuple]:
+    """A signature as (name, kind, default) per parameter: what a caller relies on (HF annotates, loopkit not)."""
+    return [(p.name, p.kind, p.default) for p in inspect.signature(method).parameters.values()]
+
+
+@pytest.mark.parametrize("name", sorted(default_callbacks.STAND_INS))
+def test_each_stand_in_has_hfs_attributes_and_event_methods(name):
+    """What `become_hf_class` relies on: a new stand-in has the attributes a new HF instance has, and handles the
+    events HF's class handles, with the same signatures (HF's other events are `TrainerCallback`'s no-ops)."""
+    ours, theirs = default_callbacks.STAND_INS[name](), getattr(hf_callbacks, name)()
+    assert vars(ours) == vars(theirs)
+    handled = [event for event in HF_EVENTS if not is_noop(getattr(theirs, event))]
+    assert handled and [event for event in HF_EVENTS if hasattr(ours, event)] == handled
+    for event in handled:
+        assert parameters(getattr(ours, event)) == parameters(getattr(theirs, event)), event
