@@ -4,10 +4,12 @@ Every event gets `args, state, control` positionally and the keywords `model, pr
 lr_scheduler, train_dataloader, eval_dataloader` (plus `logs=` for `on_log`, `metrics=` for `on_evaluate` and
 `on_predict`). Callbacks run in list order; a callback that returns a control replaces the one later callbacks see.
 The handler resets flags before dispatch exactly as HF's `CallbackHandler` does. Any object with `on_*` methods is a
-callback (duck typing), so unmodified `transformers.TrainerCallback`s work. The default callbacks are HF's own
-`DefaultFlowCallback` and `ProgressCallback` / `PrinterCallback` / `NotebookProgressCallback` (`default_callbacks`).
-The handler's own `on_<event>` methods (`loop.callback_handler.on_evaluate(args, state, control, metrics)`) have
-HF's `CallbackHandler` signatures.
+callback (duck typing), so unmodified `transformers.TrainerCallback`s work. The default callbacks are HF's
+`DefaultFlowCallback` and `ProgressCallback` / `PrinterCallback` / `NotebookProgressCallback` (`default_callbacks`);
+in a process that has not imported `transformers.trainer_utils` (which imports peft), the first three start as
+loopkit's quiet stand-ins and become HF's classes when user code can first see them (`callbacks`, `listeners`, add /
+pop / remove: see loopkit/default_callbacks.py). The handler's own `on_<event>` methods
+(`loop.callback_handler.on_evaluate(args, state, control, metrics)`) have HF's `CallbackHandler` signatures.
 
 Stages receive events too: a stage that defines an `on_*` method is called before the callbacks for that event.
 
@@ -22,6 +24,8 @@ loopkit adds two events HF lacks:
 from __future__ import annotations
 
 import time
+
+from .default_callbacks import become_hf_class, default_callback, hf_classes_are_free, is_stand_in
 
 # HF's 16 events, in the order a run meets them, then loopkit's additions.
 HF_EVENTS = (
@@ -57,32 +61,61 @@ class EventHandler:
     """
 
     def __init__(self, callbacks, stages, run=None):
-        self.callbacks = []
+        # The list itself. loopkit's own bookkeeping (the callback states in checkpoints, `repr`) reads it, as it
+        # reads only names and `state()`; users see it as `callbacks`, which first makes stand-ins HF's classes.
+        self.callback_objects = []
         self.stages = list(stages)
         self.run = run  # the `RunState` whose objects HF's `on_<event>` / `call_event` calls pass to callbacks
         self.clock = None  # a phases.PhaseClock: callback time is counted under "callbacks"
         for cb in callbacks:
-            self.add_callback(cb)
+            self.append_callback(cb)
         self._rebuild()  # the stages' listeners, with no callback at all
 
-    # -- the callback list (Trainer.add_callback / pop_callback / remove_callback) --
+    # -- the callback list (HF's `CallbackHandler.callbacks`; Trainer.add_callback / pop_callback / remove_callback)
+    @property
+    def callbacks(self) -> list:
+        """HF's list of callbacks, in the order they run. Reading it makes loopkit's stand-ins instances of HF's
+        classes first (loopkit/default_callbacks.py), so what user code finds is what it finds on Trainer."""
+        self.reveal_hf_classes()
+        return self.callback_objects
+
+    @callbacks.setter
+    def callbacks(self, callbacks: list):
+        self.callback_objects = callbacks
+        self._rebuild()
+
+    def reveal_hf_classes(self) -> None:
+        """Make every stand-in in the list an instance of HF's class of its name (in place: same object, same
+        state); a no-op when there is none, which is the case unless a `LoopArgs` run left HF's module unimported."""
+        if self.has_stand_ins:
+            for cb in self.callback_objects:
+                if is_stand_in(cb):
+                    become_hf_class(cb)
+            self._rebuild()
+
     def add_callback(self, callback):
+        self.reveal_hf_classes()
+        self.append_callback(callback)
+        self._rebuild()
+
+    def append_callback(self, callback):
+        """HF's `CallbackHandler.add_callback`: an instance, or a class to instantiate; a duplicate class warns."""
         cb = callback() if isinstance(callback, type) else callback
         cb_class = callback if isinstance(callback, type) else type(callback)
-        if cb_class in [type(c) for c in self.callbacks]:
+        if cb_class in [type(c) for c in self.callback_objects]:
             import warnings
 
             warnings.warn(f"You are adding a {cb_class.__name__} to the callbacks but there is one already. The "
                           f"current list of callbacks is:\n{self.callback_list}")
-        self.callbacks.append(cb)
-        self._rebuild()
+        self.callback_objects.append(cb)
 
     def pop_callback(self, callback):
         """Remove and return the first callback that is an instance of class `callback`, or equals `callback`;
         None if there is none (HF's `CallbackHandler.pop_callback`)."""
-        for cb in self.callbacks:
+        self.reveal_hf_classes()
+        for cb in self.callback_objects:
             if isinstance(cb, callback) if isinstance(callback, type) else cb == callback:
-                self.callbacks.remove(cb)
+                self.callback_objects.remove(cb)
                 self._rebuild()
                 return cb
         return None
@@ -94,18 +127,26 @@ class EventHandler:
 
     @property
     def callback_list(self) -> str:
-        return "\n".join(type(cb).__name__ for cb in self.callbacks)
+        """The callbacks' class names, one a line (HF's; a stand-in has the name of HF's class)."""
+        return "\n".join(type(cb).__name__ for cb in self.callback_objects)
 
     def _rebuild(self):
-        self.listeners = {}
+        self.methods_by_event = {}
         for event in EVENTS:
             methods = [getattr(s, event) for s in self.stages if callable(getattr(s, event, None))]
-            methods += [m for m in (getattr(cb, event, None) for cb in self.callbacks)
+            methods += [m for m in (getattr(cb, event, None) for cb in self.callback_objects)
                         if callable(m) and not is_noop(m)]
-            self.listeners[event] = methods
+            self.methods_by_event[event] = methods
+        self.has_stand_ins = any(is_stand_in(cb) for cb in self.callback_objects)
+
+    @property
+    def listeners(self) -> dict:
+        """Event -> the bound methods it calls, stages' first, in order (what `loop.show_wiring()` prints)."""
+        self.reveal_hf_classes()
+        return self.methods_by_event
 
     def has_listeners(self, event: str) -> bool:
-        return bool(self.listeners[event])
+        return bool(self.methods_by_event[event])
 
     # -- dispatch --
     def fire(self, event: str, run, **extra):
@@ -114,7 +155,7 @@ class EventHandler:
         reset = FLAG_RESETS.get(event)
         if reset is not None:
             reset(run.control)
-        if not self.listeners[event]:  # the common case on the hot path: a lookup and nothing else
+        if not self.methods_by_event[event]:  # the common case on the hot path: a lookup and nothing else
             return run.control
         return self.dispatch(event, run.args, run.state, run.control, {**run.event_objects(), **extra})
 
@@ -125,7 +166,7 @@ class EventHandler:
         return self.dispatch(event, args, state, control, {**objects, **kwargs})
 
     def dispatch(self, event: str, args, state, control, kwargs: dict):
-        methods = self.listeners[event]
+        methods = self.methods_by_event[event]
         if not methods:
             return control
         start = time.perf_counter()
@@ -180,11 +221,13 @@ for _event in EVENTS:
 def default_callbacks(args, callbacks, progress) -> list:
     """HF Trainer's callback list: its `DefaultFlowCallback`, the `report_to` integrations, the user's `callbacks`,
     then `progress` (the printer, tqdm bars or the notebook display: loopkit/notebook.py). The defaults are HF's
-    own classes; their module (it imports `TrainingArguments`) is imported here, when a `Loop` is built, never by
-    `import loopkit`."""
-    from transformers.trainer_callback import DefaultFlowCallback
-
-    return [DefaultFlowCallback()] + reporting_callbacks(args.report_to) + list(callbacks or []) + [progress]
+    classes when their module is free to import, else loopkit's stand-ins, which become HF's classes when user code
+    can first see them (loopkit/default_callbacks.py); `import loopkit` imports neither."""
+    integrations = reporting_callbacks(args.report_to)  # their module imports HF's callback module
+    flow = default_callback("DefaultFlowCallback")
+    if hf_classes_are_free() and is_stand_in(progress):  # made before an integration imported HF's module
+        become_hf_class(progress)
+    return [flow] + integrations + list(callbacks or []) + [progress]
 
 
 def reporting_callbacks(report_to) -> list:

@@ -172,7 +172,7 @@ class Loop(HFMethods, TrainerAPI):
         run.clock.enter(None)  # the end of the setup phase
         run.fire("on_train_begin")
         if checkpoint is None:  # HF: a fresh run's state holds the callback states from its start (save_state)
-            run.state.record_callback_states(run.events.callbacks + [run.control])
+            run.state.record_callback_states(run.events.callback_objects + [run.control])
         if args.eval_on_start:
             self.schedule.evaluate_during_training(ignore_keys_for_eval, skip_scheduler=True)
         self.schedule.run_pending_evaluation(resume, ignore_keys_for_eval)
@@ -198,7 +198,7 @@ class Loop(HFMethods, TrainerAPI):
             run.state = run.checkpointer.read_trainer_state(checkpoint)
             warn_if_checkpoint_args_differ(args, run.state)
             if args.restore_callback_states_from_checkpoint:
-                restore_callback_states(run.events.callbacks + [run.control], run.state.stateful_callbacks)
+                restore_callback_states(run.events.callback_objects + [run.control], run.state.stateful_callbacks)
             saved = run.checkpointer.read_stage_states(checkpoint)
             run.clock.resume_from(saved.get(RUN_RECORD_KEY), run.state.global_step)  # the report covers it all
         state = run.state

@@ -13,6 +13,7 @@ import os
 import sys
 
 from .batches import has_length
+from .default_callbacks import default_callback
 
 
 def in_notebook() -> bool:
@@ -29,19 +30,15 @@ def in_notebook() -> bool:
 
 
 def default_progress_callback(args):
-    """HF's choice for the last default callback, with HF's classes: the printer with `disable_tqdm`, the notebook
-    display in a notebook, else tqdm bars."""
+    """HF's choice for the last default callback: the printer with `disable_tqdm`, the notebook display in a notebook
+    (HF's class), else tqdm bars (HF's classes, or loopkit's stand-ins for them: loopkit/default_callbacks.py)."""
     if args.disable_tqdm:
-        from transformers.trainer_callback import PrinterCallback
-
-        return PrinterCallback()
+        return default_callback("PrinterCallback")
     if in_notebook():
         from transformers.utils.notebook import NotebookProgressCallback
 
         return NotebookProgressCallback()
-    from transformers.trainer_callback import ProgressCallback
-
-    return ProgressCallback()
+    return default_callback("ProgressCallback")
 
 
 # -- repr ---------------------------------------------------------------------------------------------------------
@@ -93,7 +90,7 @@ def loop_repr(loop) -> str:
         f"global_step={state.global_step}" + (f"/{state.max_steps}" if state.max_steps else "")
     collator = run.data_collator
     collator = "default" if collator is None else getattr(collator, "__name__", type(collator).__name__)
-    callbacks = "not built" if events is None else ", ".join(type(cb).__name__ for cb in events.callbacks)
+    callbacks = "not built" if events is None else ", ".join(events.callback_list.splitlines())
     return "\n".join([
         f"{type(loop).__name__}(",
         f"  model: {model_text(run)}",

@@ -14,6 +14,7 @@ secret (`hub_token`) reaches a log.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from transformers.utils import logging as hf_logging
@@ -98,15 +99,17 @@ def log_model_save(run, output_dir=None, checkpoint: bool = False) -> None:
     folder, not the hidden one it is written into), or `save_model(output_dir)`."""
     if not run.checkpointer.writes_files:
         return
-    from transformers import PreTrainedModel
-
     from .checkpoint import CHECKPOINT_PREFIX
 
     if checkpoint:
         output_dir = os.path.join(run.args.output_dir, f"{CHECKPOINT_PREFIX}-{run.state.global_step}")
     logger.info(f"Saving model checkpoint to {output_dir or run.args.output_dir}")
     model = run.accelerator.unwrap_model(run.model_wrapped if run.model_wrapped is not None else run.model)
-    if not isinstance(model, PreTrainedModel) and not type(model).__module__.startswith("peft."):
+    # A transformers model exists only once its module is imported; importing it for a plain module would import
+    # transformers' quantizers (and torchao, noisily) for nothing.
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if (modeling is None or not isinstance(model, modeling.PreTrainedModel)) \
+            and not type(model).__module__.startswith("peft."):
         logger.info("Trainer.model is not a `PreTrainedModel`, only saving its state dict.")
 
 

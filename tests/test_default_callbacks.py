@@ -1,10 +1,17 @@
 """A `Loop`'s default callbacks are HF's own classes (`DefaultFlowCallback`, `ProgressCallback`, `PrinterCallback`),
 so code that finds them by `isinstance` or by class equality, as transformers' own callback tests do, finds them, and
 `add_callback` / `pop_callback` / `remove_callback` leave the same list as on `Trainer` (run live here).
+
+Each test runs twice: with the defaults HF's classes from the start (HF's module is imported in this process), and
+with loopkit's stand-ins (what a process that has not imported it gets: loopkit/default_callbacks.py), which must
+become HF's classes the moment the test can look (tests/test_stand_in_callbacks.py does the same in a fresh process).
 """
 
 import pytest
 from transformers import DefaultFlowCallback, PrinterCallback, ProgressCallback, TrainerCallback
+
+import loopkit.default_callbacks as default_callbacks
+from loopkit import Loop
 
 from helpers import IGNORE_PIN_MEMORY_WARNING, Recorder, hf_args, regression_data, runners, tiny_regression
 
@@ -13,10 +20,23 @@ pytestmark = [IGNORE_PIN_MEMORY_WARNING, pytest.mark.filterwarnings("ignore:You 
 HF_CLASSES = (DefaultFlowCallback, ProgressCallback, PrinterCallback, TrainerCallback, Recorder)
 
 
+@pytest.fixture(params=["hf classes", "stand-ins"], autouse=True)
+def defaults(request, monkeypatch) -> str:
+    """How a Loop gets its defaults; "stand-ins" as if `transformers.trainer_utils` had not been imported."""
+    if request.param == "stand-ins":
+        monkeypatch.setattr(default_callbacks, "NOISY_DEPENDENCY", "a module this process has not imported")
+    return request.param
+
+
 def build(runner, tmp_path, name, callbacks=None, **arg_kwargs):
     args = hf_args(tmp_path / name, **arg_kwargs)
-    return runner(tiny_regression(), args, train_dataset=regression_data(16), eval_dataset=regression_data(8, seed=1),
-                  callbacks=callbacks)
+    trainer = runner(tiny_regression(), args, train_dataset=regression_data(16),
+                     eval_dataset=regression_data(8, seed=1), callbacks=callbacks)
+    if runner is Loop:  # the mode is real: stand-ins exactly when asked for
+        objects = trainer.callback_handler.callback_objects
+        stand_ins = [cb for cb in objects if default_callbacks.is_stand_in(cb)]
+        assert len(stand_ins) == (0 if default_callbacks.hf_classes_are_free() else 2)
+    return trainer
 
 
 def classes(trainer) -> list[type]:

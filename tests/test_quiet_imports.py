@@ -1,12 +1,10 @@
-"""Quiet by default: a `Loop` with `optim="adamw_torch"` (and the default linear schedule) imports no optimizer
-handler, peft, bitsandbytes, kernels or quantization module of its own, even with the optimizer extras installed (their
-import prints warnings on a machine without their kernels), while building exactly what HF Trainer builds: the
-optimizers and schedules loopkit builds itself are compared live with transformers' own.
-
-One import stays: the default callbacks are HF's own classes (`isinstance(cb, DefaultFlowCallback)` holds, as with
-Trainer), and their module, `transformers.trainer_callback`, imports `transformers.trainer_utils`, which imports peft
-when it is installed (and peft imports bitsandbytes and torchao). So the check is that a `Loop` adds nothing to what
-that module imports by itself, measured in a fresh process."""
+"""Quiet by default: a `Loop` built with `LoopArgs(optim="adamw_torch")` (and the default linear schedule) imports no
+optimizer handler, peft, bitsandbytes, kernels, torchao or quantization module, nor `transformers.trainer_utils` and
+HF's callback module (which import peft), even with the optimizer extras installed (their import prints warnings on a
+machine without their kernels), neither when built nor when trained; measured through `sys.modules` in a fresh
+process. It still builds exactly what HF Trainer builds: the optimizers and schedules loopkit builds itself are
+compared live with transformers' own. Its default callbacks are loopkit's stand-ins for HF's classes until user code
+can see them (loopkit/default_callbacks.py; tests/test_stand_in_callbacks.py compares them with HF's live)."""
 
 import json
 import os
@@ -22,10 +20,11 @@ from transformers.optimization import get_scheduler
 from loopkit.optimizers import LOCAL_SCHEDULES, TORCH_HANDLERS, build_scheduler, optimizer_cls_and_kwargs
 from helpers import run_process
 
-# Imported by transformers' optimizer handlers and schedules (transformers.trainer_utils imports peft, which imports
-# bitsandbytes) and by transformers' model code (its quantizers import torchao).
-NOISY = ("transformers.trainer_optimizer", "transformers.trainer_utils", "transformers.optimization", "peft",
-         "bitsandbytes", "kernels", "torchao", "transformers.quantizers", "transformers.integrations.peft")
+# transformers.trainer_utils imports peft, which imports bitsandbytes and torchao; HF's callback module and
+# training_args import trainer_utils; transformers' optimizer handlers and model code import the rest.
+NOISY = ("transformers.trainer_optimizer", "transformers.trainer_utils", "transformers.trainer_callback",
+         "transformers.training_args", "transformers.optimization", "peft", "bitsandbytes", "kernels", "torchao",
+         "transformers.quantizers", "transformers.integrations.peft")
 
 CHILD = textwrap.dedent("""
     import json, sys, tempfile
@@ -55,14 +54,11 @@ CHILD = textwrap.dedent("""
     else:
         model = Regression()
         data = [{{"x": torch.randn(2), "labels": torch.tensor(1.0)}} for _ in range(8)]
-    if {callbacks_only!r}:
-        import transformers.trainer_callback
-        print(json.dumps({{"callbacks": noisy()}}))
-        sys.exit(0)
     seen = {{"before": noisy()}}
     with tempfile.TemporaryDirectory() as out:
-        loop = Loop(model=model, args=LoopArgs(output_dir=out, optim="adamw_torch", max_steps=2, save_strategy="no",
-                                               per_device_train_batch_size=4, disable_tqdm=True, report_to="none"),
+        loop = Loop(model=model, args=LoopArgs(output_dir=out, optim="adamw_torch", max_steps=2, save_steps=1,
+                                               per_device_train_batch_size=4, disable_tqdm={disable_tqdm!r},
+                                               report_to="none"),
                     train_dataset=data)
         seen["after Loop()"] = noisy()
         loop.train()
@@ -71,9 +67,9 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def modules_seen(hf_model: bool, callbacks_only: bool = False) -> dict:
+def modules_seen(hf_model: bool, disable_tqdm: bool = True) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
-    child = CHILD.format(noisy=NOISY, hf_model=hf_model, callbacks_only=callbacks_only)
+    child = CHILD.format(noisy=NOISY, hf_model=hf_model, disable_tqdm=disable_tqdm)
     result = run_process([sys.executable, "-c", child], "a fresh interpreter building a Loop", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -85,19 +81,17 @@ def the_extras_are_installed():
     assert not missing, f"this test needs the optimizer extras installed (as `make test` has them): {missing}"
 
 
-def test_a_loop_on_a_plain_module_imports_none_of_them_beyond_hfs_callback_module():
-    seen = modules_seen(hf_model=False)
-    callbacks = modules_seen(hf_model=False, callbacks_only=True)["callbacks"]
-    assert seen == {"before": [], "after Loop()": callbacks, "after train()": callbacks}
-    assert not {"transformers.trainer_optimizer", "transformers.optimization"} & set(callbacks)
+@pytest.mark.parametrize("disable_tqdm", [True, False], ids=["printer", "progress bars"])
+def test_a_loop_on_a_plain_module_imports_none_of_them(disable_tqdm):
+    assert modules_seen(hf_model=False, disable_tqdm=disable_tqdm) == \
+        {"before": [], "after Loop()": [], "after train()": []}
 
 
 def test_a_loop_on_a_transformers_model_adds_none_of_them():
     """transformers' model code imports its quantizers (and torchao) itself; the Loop adds nothing to them."""
     seen = modules_seen(hf_model=True)
-    callbacks = set(modules_seen(hf_model=False, callbacks_only=True)["callbacks"])
-    assert set(seen["after Loop()"]) == set(seen["after train()"]) == set(seen["before"]) | callbacks, seen
-    assert not {"transformers.trainer_optimizer", "transformers.optimization"} & set(seen["after train()"])
+    assert seen["after Loop()"] == seen["after train()"] == seen["before"], seen
+    assert not {"transformers.trainer_utils", "transformers.trainer_callback", "peft"} & set(seen["after train()"])
 
 
 OPTIM_ARGS = {"adamw_torch": [None], "adamw_torch_fused": [None],

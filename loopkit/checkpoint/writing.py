@@ -76,7 +76,7 @@ class AtomicSaves:
             best = os.path.join(run.args.output_dir, f"{CHECKPOINT_PREFIX}-{state.best_global_step}")
             if best == final or (os.path.isdir(best) and self.is_own(best)):  # never another run's folder
                 state.best_model_checkpoint = best
-        run.state.record_callback_states(run.events.callbacks + [run.control])
+        run.state.record_callback_states(run.events.callback_objects + [run.control])
         snapshot = self.take_snapshot(stage_states)
         push = self.hub.begin_push()  # on the training thread: on_push_begin, and the commit message (or None)
         self.last_saved_step, self.rng_for_next_save = state.global_step, None
