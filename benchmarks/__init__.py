@@ -5,4 +5,5 @@ worker processes and returns a result section), an optional `markdown(section)` 
 worker-side task functions the workers call.
 """
 
-BENCHMARKS = ("overhead", "startup", "eval_memory", "resume", "checkpoint", "finetune", "ladder", "ladder_debates")
+BENCHMARKS = ("overhead", "startup", "eval_memory", "resume", "checkpoint", "finetune", "ladder", "ladder_debates",
+              "compile", "chunked_loss")

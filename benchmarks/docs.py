@@ -1,11 +1,12 @@
-"""The benchmark numbers in README.md and docs/performance.md, generated from the committed results files.
+"""The benchmark numbers in README.md and docs/, generated from the committed results files.
 
     python -m benchmarks.docs            # rewrite the generated sections from benchmarks/results/
     python -m benchmarks.docs --check    # exit 1 if a page differs from what the results files give
 
 A generated section sits between `<!-- generated: NAME from FILE -->` and `<!-- end generated: NAME -->`; nothing
 inside is written by hand, so every number there is a value of FILE (tests/test_docs.py checks each page against
-`render`). The parent side only: no torch.
+`render`). A section whose benchmark FILE does not hold yet says so, with the command that measures it. The parent
+side only: no torch.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import re
 import sys
 from pathlib import Path
 
+from . import bench_compile, bench_storage
 from .bench_ladder import COMPILED, DATASETS, RUNGS
-from .harness import REPO_ROOT, comparison_row, fmt, fmt_comparison, median
+from .harness import REPO_ROOT, comparison_row, fmt, fmt_comparison, median, paired_ratio
 from .report import with_range
 
 FULL_RESULTS = "benchmarks/results/results.json"
 LADDER_RESULTS = "benchmarks/results/quick/results.json"
-PAGES = ("README.md", "docs/performance.md")
+PAGES = ("README.md", "docs/performance.md", "docs/packing.md", "docs/evaluation.md")
 SECTION = re.compile(r"^(?P<indent> *)<!-- generated: (?P<name>[\w-]+) from (?P<file>\S+) -->\n(?P<body>.*?)"
                      r"^(?P=indent)<!-- end generated: (?P=name) -->", re.DOTALL | re.MULTILINE)
 # (benchmark, what its row's name contains, which of the matching rows, kind): the summary table's rows, one results
@@ -132,15 +134,136 @@ def durations(results: dict) -> str:
     return "\n".join(lines)
 
 
+class NotMeasured(LookupError):
+    """The results file has no section for this benchmark (a run before the benchmark existed, or --only)."""
+
+
+def benchmark_section(results: dict, benchmark: str) -> dict:
+    section = results["benchmarks"].get(benchmark)
+    if section is None or "error" in section:
+        raise NotMeasured(benchmark)
+    return section
+
+
+def measured_by(results: dict, benchmark: str) -> str:
+    """Which run a section comes from: the command, its size, when it started and the load it ran under."""
+    env = results["environment"]
+    return (f"`{command(results, benchmark)}` (key `benchmarks.{benchmark}`; size `{env['size']}`, run started "
+            f"{env['started_at']}, load average {fmt(env['load_average']['start'])} at the start and "
+            f"{fmt(env['load_average']['end'])} at the end, {env['cpu_count']} CPUs)")
+
+
+def compile_runs(results: dict) -> str:
+    """docs/performance.md's compile table: the model runs with and without buckets."""
+    section = benchmark_section(results, "compile")
+    plan, model = section["plan"], section["plan"]["model"]
+    skipped = [bench_compile.MODEL_RUNS[n][0] for n in bench_compile.MODEL_RUNS if n not in plan["model_runs"]]
+    return "\n".join([
+        f"Measured by {measured_by(results, 'compile')}: a {model['num_hidden_layers']}-layer, "
+        f"{model['hidden_size']}-wide Llama (vocabulary {model['vocab_size']:,}); {plan['steps']} steps of "
+        f"{plan['batch_size']} samples of {plan['shortest']}-{plan['longest']} tokens padded by "
+        f"`DataCollatorForLanguageModeling`; backend `{plan['backend']}`; {plan['rounds']} round(s), each run a fresh "
+        f"process with an empty inductor cache (every compilation cold), one torch thread"
+        + (f"; not run at this size: {'; '.join(skipped)}" if skipped else "") + f". Same work: "
+        f"{section['loss_check']['detail']}.", "", bench_compile.model_table(section)])
+
+
+def optimizer_step(results: dict) -> str:
+    """docs/performance.md's optimizer-step table and the recompilation count under a schedule."""
+    section = benchmark_section(results, "compile")
+    plan = section["plan"]
+    return "\n".join([
+        f"Measured by {measured_by(results, 'compile')}: AdamW over a Llama's parameters with fixed gradients, one "
+        f"torch thread, {plan['optimizer_rounds']} alternated round(s) of {plan['optimizer_steps']} steps, one "
+        f"process per optimizer; median per step (min-max of the rounds' medians); backend `{plan['backend']}`.", "",
+        bench_compile.optimizer_table(section), "",
+        f"With a learning rate that changes every step (a linear schedule), dynamo compiled the step "
+        f"{section['lr_recompiles']} times in {plan['lr_steps']} steps."])
+
+
+def chunked_loss(results: dict) -> str:
+    """docs/packing.md's sentence: one step's peak memory with and without ChunkedLossStep."""
+    section = benchmark_section(results, "chunked_loss")
+    plan, row = section["plan"], section["rows"][0]
+    ratio = section["ratio"]
+    same = "the same loss" if row["check"]["ok"] else f"NOT the same loss ({row['check']['detail']})"
+    return (f"Peak memory of one training step at vocabulary {plan['vocab']:,} and sequence {plan['seq']} (1-layer, "
+            f"64-wide Llama, SGD, each run a fresh process, {plan['rounds']} round(s)): "
+            f"{with_range(row['median']['unchunked'], row['samples']['unchunked'])} MB unchunked, "
+            f"{with_range(row['median']['chunked'], row['samples']['chunked'])} MB chunked, chunked / unchunked "
+            f"round by round {fmt_comparison(ratio, 'amount', '')}, {same}. Measured by "
+            f"{measured_by(results, 'chunked_loss')}.")
+
+
+def storage(results: dict) -> str:
+    """docs/performance.md's checkpoint-storage table, from bench_storage's raw rounds: medians (min-max), the
+    round-by-round ratio of blocked times to HF Trainer's sync save, the following steps' relative slowdown."""
+    lines = ["| storage | processes | training blocked by one save, s | vs HF Trainer's sync save | the 8 following "
+             "steps, slower by |", "|---|---|---|---|---|"]
+    for setting, processes in (("one_process", 1), ("fsdp2", 2)):
+        rounds = results[setting]["rounds"]
+        reference = [r["hf-trainer"]["blocked"] for r in rounds] if "hf-trainer" in rounds[0] else None
+        for name in rounds[0]:
+            blocked = [r[name]["blocked"] for r in rounds]
+            slower = [100 * r[name]["following_relative"] for r in rounds]
+            ratio = fmt_comparison(paired_ratio(blocked, reference), "amount", "") if reference else "-"
+            lines.append(f"| {bench_storage.LABELS[name]} | {processes} | {with_range(median(blocked), blocked)} | "
+                         f"{ratio} | {fmt_comparison(difference_summary(slower), 'difference', '%')} |")
+    return "\n".join(lines)
+
+
+def difference_summary(values: list) -> dict:
+    """Median, min and max of one contender's own differences, in the shape `fmt_comparison` reads."""
+    return {"median": median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def environment(results: dict) -> str:
+    """The run a results file holds: its command, duration, machine, versions and load."""
+    env = results["environment"]
+    versions = ", ".join(f"{name} {env['versions'][name]}" for name in ("torch", "transformers", "accelerate"))
+    arguments = env["command"].split()[1:]  # sys.argv: the script's path, then the arguments
+    return (f"`{' '.join(['python -m benchmarks'] + arguments)}` ({fmt(env['seconds'])} s in all): "
+            f"{env['cpu_model']}, {env['cpu_count']} CPU cores, {env['torch_threads']} torch thread(s) per process, "
+            f"{versions}, load average (1 min) {fmt(env['load_average']['start'])} at the start and "
+            f"{fmt(env['load_average']['end'])} at the end.")
+
+
+# docs/evaluation.md's table: (label, the eval_memory configuration it shows)
+EVAL_MEMORY = (("loopkit, `metrics=[TokenAccuracy()]` (streaming)", "loopkit-streaming"),
+               ("loopkit, `compute_metrics` on the full logits", "loopkit-metrics"),
+               ("HF Trainer, `compute_metrics` on the full logits", "hf-metrics"),
+               ("HF Trainer, `preprocess_logits_for_metrics` = argmax", "hf-argmax"))
+
+
+def eval_memory(results: dict) -> str:
+    """Peak memory growth of one evaluation per configuration and size: the median over the run's measurements."""
+    section = benchmark_section(results, "eval_memory")
+    sizes = sorted({m["num_samples"] for m in section["measurements"]})
+    lines = ["| configuration | " + " | ".join(f"N = {n}" for n in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
+    for label, config in EVAL_MEMORY:
+        cells = [fmt(median([m["growth_mb"] for m in section["measurements"]
+                             if m["config"] == config and m["num_samples"] == n])) + " MB" for n in sizes]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return f"Measured by {measured_by(results, 'eval_memory')}:\n\n" + "\n".join(lines)
+
+
 GENERATORS = {"summary": summary_table, "ladder": ladder, "ladder-headline": ladder_headline,
-              "durations": durations}
+              "durations": durations, "compile": compile_runs, "optimizer-step": optimizer_step,
+              "chunked-loss": chunked_loss, "storage": storage, "environment": environment,
+              "eval-memory": eval_memory}
 
 
 def render(text: str) -> str:
     """The page with every generated section rewritten from its results file."""
     def section(match):
         indent = match["indent"]  # a section inside a list item is indented with it
-        body = GENERATORS[match["name"]](load(match["file"])).replace("\n", "\n" + indent)
+        try:
+            body = GENERATORS[match["name"]](load(match["file"]))
+        except NotMeasured as missing:
+            body = (f"Not measured yet: `{match['file']}` has no `{missing}` section. `python -m benchmarks "
+                    f"--only {missing}` (with the size and `--out` of that file's run) measures it, then `python -m "
+                    f"benchmarks.docs` writes it here.")
+        body = body.replace("\n", "\n" + indent)
         return (f"{indent}<!-- generated: {match['name']} from {match['file']} -->\n{indent}{body}\n"
                 f"{indent}<!-- end generated: {match['name']} -->")
     return SECTION.sub(section, text)

@@ -102,6 +102,13 @@ def test_every_other_benchmark_runs_tiny_with_equal_results_and_reports(tmp_path
         # HF's flattening recipe: samples attend across the boundary unless use_cache=False
         assert ladder["hf-best"]["flattened_logits_error"] < 1e-5 < 1e-2 < ladder["hf-best-cache"][
             "flattened_logits_error"]
+    # compile: the uncompiled run compiles nothing, every compiled one compiles, and a compiled AdamW step under a
+    # schedule compiles at least once; every optimizer did the same steps (the row's check, above)
+    compiled = results["benchmarks"]["compile"]
+    assert [runs[0]["compilations"] > 0 for runs in compiled["runs"].values()] == [False, True, True, True]
+    assert compiled["lr_recompiles"] >= 1
+    assert {run["name"] for runs in results["benchmarks"]["chunked_loss"]["runs"].values() for run in runs} == {
+        "unchunked", "chunked"}
     write_json(results, tmp_path / "results.json")
     charts = write_charts(results, tmp_path)
     markdown = write_markdown(results, tmp_path / "results.md", charts)

@@ -1,6 +1,6 @@
 """Chunked cross-entropy (`loopkit.ChunkedLossStep`, loopkit/stages/chunked_loss.py): the same loss and gradients
 as the model's own loss, the same training run, and no tensor of batch x seq x vocab logits during a step. The
-peak-memory ratio at vocabulary 128k is measured by benchmarks/chunked_loss_memory.py (README)."""
+peak-memory ratio at vocabulary 128k is measured by `python -m benchmarks --only chunked_loss` (docs/packing.md)."""
 
 from __future__ import annotations
 

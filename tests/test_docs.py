@@ -326,8 +326,10 @@ def test_benchmark_numbers_in_the_docs_are_generated_from_the_committed_results_
 
     sections = {page: [m["name"] for m in SECTION.finditer(read_page(page))] for page in PAGES}
     assert sections == {"README.md": ["ladder-headline"],
-                        "docs/performance.md": ["summary", "durations", "durations", "durations", "ladder",
-                                                "ladder-headline"]}
+                        "docs/performance.md": ["environment", "summary", "durations", "durations", "durations",
+                                                "storage", "ladder", "ladder-headline", "compile",
+                                                "optimizer-step"],
+                        "docs/packing.md": ["chunked-loss"], "docs/evaluation.md": ["eval-memory"]}
     for page in PAGES:
         text = read_page(page)
         assert render(text) == text, f"{page}: its benchmark numbers differ from the results files"
@@ -342,14 +344,101 @@ def test_a_quick_run_resolves_every_generated_number_and_the_headline_spans_two_
 
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
+    from benchmarks import BENCHMARKS
     from benchmarks.docs import GENERATORS, LADDER_RESULTS, ladder_headline, ladder_sections
 
     with open(os.path.join(ROOT, LADDER_RESULTS)) as f:
         quick = json.load(f)
     assert quick["environment"]["size"] == "quick"
+    missing = [name for name in BENCHMARKS if "error" in quick["benchmarks"].get(name, {"error": "absent"})]
+    assert not missing, (f"{LADDER_RESULTS} has no (or a failed) {', '.join(missing)}: run `make bench BENCH_ARGS="
+                         f"\"--quick --out benchmarks/results/quick\"` and `python -m benchmarks.docs`")
     for name, generate in GENERATORS.items():
-        assert generate(quick), name
+        if name != "storage":  # benchmarks/results/storage.json: bench_storage's own command, not the suite's
+            assert generate(quick), name
     assert [section["plan"]["dataset"] for _, section in ladder_sections(quick)] == ["reviews", "debates"]
     headline = ladder_headline(quick)
     assert "`python -m benchmarks --only ladder --quick`" in headline
     assert "`python -m benchmarks --only ladder_debates --quick`" in headline
+
+
+def benchmarks_importable():
+    import sys
+
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+
+
+def test_the_compile_tables_state_each_comparison_with_its_rounds_and_a_verdict_only_where_all_agree():
+    """benchmarks/docs.py's compile and optimizer-step sections, from a section built by bench_compile's own
+    summary: the buckets' ratio to the collator's padding with every round above 1 reads "slower in all 2 rounds", a
+    ratio whose rounds straddle 1 gets no verdict, "slower in 6 of 7 rounds" counts the rounds, and the count of
+    recompilations under a schedule is the section's."""
+    benchmarks_importable()
+    from types import SimpleNamespace
+
+    from benchmarks import bench_compile
+    from benchmarks.docs import compile_runs, optimizer_step
+
+    full = SimpleNamespace(size="full", pick=lambda full, quick, tiny=None: full)
+    settings = bench_compile.plan(full)
+
+    def runs(*steps, compilations=2, seconds=60.0):
+        return [{"median_step_ms": ms, "compilations": compilations, "compile_seconds": seconds,
+                 "training_loss": 5.0} for ms in steps]
+
+    replies = {"eager": runs(280.0, 300.0, compilations=0, seconds=0.0), "compiled": runs(270.0, 310.0),
+               "buckets": runs(378.0, 527.0), "buckets-static": runs(250.0, 350.0, compilations=3)}
+
+    def optimizer(*steps, parameters=37_000):
+        return [{"median_step_ms": ms, "first_call_seconds": 19.0, "parameters": parameters, "checksum": 1.0}
+                for ms in steps]
+
+    fused = [0.2] * 7
+    optimizers = {"small": {"fused": optimizer(*fused), "foreach": optimizer(*[0.8] * 7),
+                            "compiled": optimizer(0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.1)}}
+    section = bench_compile.summarize(settings, replies, optimizers, recompiles=5)
+    env = {"size": "full", "started_at": "2026-12-01 10:00:00 +0000", "load_average": {"start": 1.0, "end": 1.0},
+           "cpu_count": 2}
+    results = {"environment": env, "benchmarks": {"compile": section}}
+    table = compile_runs(results)
+    assert "| compiled, buckets of 64 | 2 | 60.0 (60.0-60.0) | 452 (378-527) | 1.553x (1.35-1.76), slower in all 2 " \
+           "rounds | 1.550x (1.40-1.70), slower in all 2 rounds |" in table
+    assert "| compiled, the collator's padding | 2 | 60.0 (60.0-60.0) | 290 (270-310) | 0.999x (0.96-1.03), rounds " \
+           "point both ways: no verdict |  |" in table
+    assert "| compiled, buckets of 64, `ACCELERATE_DYNAMO_USE_DYNAMIC=0` | 3 |" in table
+    assert "`python -m benchmarks --only compile`" in table and "Same work: equal training loss" in table
+    steps = optimizer_step(results)
+    assert "| small | 0.04 M | 0.2 (0.2-0.2) | 0.8 (0.8-0.8) | 0.5 (0.1-0.5) | 2.500x (0.50-2.50), rounds point both ways: no verdict " \
+           "(slower in 6 of 7 rounds) |" in steps
+    assert "dynamo compiled the step 5 times in 20 steps." in steps
+
+
+def test_the_chunked_loss_sentence_and_a_section_the_results_file_lacks(monkeypatch):
+    """docs/packing.md's sentence gives both runs' medians with their rounds and the round-by-round ratio; a
+    section whose benchmark the results file lacks says so and names the command, instead of failing or keeping
+    old numbers."""
+    benchmarks_importable()
+    from benchmarks import bench_chunked_loss
+    from benchmarks.docs import chunked_loss, render
+    from benchmarks.harness import check_equal, comparison_row, paired_ratio
+
+    samples = {"unchunked": [770.0, 760.0], "chunked": [141.0, 206.0]}
+    check = check_equal({"unchunked": 10.0, "chunked": 10.0}, 1e-5, "logged loss")
+    section = {"plan": {"vocab": 128256, "seq": 512, "rounds": 2},
+               "rows": [comparison_row("peak", "MB", samples, check)],
+               "ratio": paired_ratio(samples["chunked"], samples["unchunked"])}
+    env = {"size": "quick", "started_at": "then", "load_average": {"start": 1.0, "end": 2.0}, "cpu_count": 2}
+    text = chunked_loss({"environment": env, "benchmarks": {"chunked_loss": section}})
+    assert "765 (760-770) MB unchunked, 174 (141-206) MB chunked, chunked / unchunked round by round 0.227x " \
+           "(0.18-0.27), the same loss." in text
+    assert "`python -m benchmarks --only chunked_loss --quick`" in text
+    assert set(bench_chunked_loss.RUNS) == set(samples)
+    page = ("<!-- generated: chunked-loss from benchmarks/results/quick/results.json -->\nold text\n"
+            "<!-- end generated: chunked-loss -->")
+    import benchmarks.docs as docs
+
+    monkeypatch.setattr(docs, "load", lambda path: {"environment": env, "benchmarks": {}})
+    rendered = render(page)
+    assert "old text" not in rendered
+    assert "Not measured yet: `benchmarks/results/quick/results.json` has no `chunked_loss` section." in rendered
