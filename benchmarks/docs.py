@@ -72,17 +72,21 @@ def summary_table(results: dict) -> str:
 
 def ladder_table(section: dict) -> str:
     runs, ratios = section["runs"], section["ratios"]
-    lines = ["| rung | real tokens/s | vs HF default | vs HF best | compile s (first round) | peak RSS MB | "
-             "held-out loss |", "|---|---|---|---|---|---|---|"]
+    lines = ["| rung | real tokens/s | vs HF default | vs HF best | compile s (first round) | padding share | "
+             "peak RSS MB | held-out loss |", "|---|---|---|---|---|---|---|---|"]
     for name, (label, _) in RUNGS.items():
         replies = runs[name]
         compile_cell = fmt(replies[0]["compile_seconds"]) if name in COMPILED else ""
         lines.append(f"| {label} | {fmt(median([r['tokens_per_second'] for r in replies]))} | "
                      f"{fmt_comparison(ratios[f'{name}/hf-default'], 'amount', '')} | "
                      f"{fmt_comparison(ratios[f'{name}/hf-best'], 'amount', '')} | {compile_cell} | "
-                     f"{fmt(median([r['peak_rss_mb'] for r in replies]))} | "
+                     f"{padding_cell(replies[0])} | {fmt(median([r['peak_rss_mb'] for r in replies]))} | "
                      f"{fmt(median([r['heldout_loss'] for r in replies]), 4)} |")
     return "\n".join(lines)
+
+
+def padding_cell(reply: dict) -> str:
+    return f"{reply['padding_share']:.1%}" if "padding_share" in reply else ""  # recorded since the ladder's v2
 
 
 def ladder_sections(results: dict) -> list[tuple[str, dict]]:
@@ -107,9 +111,21 @@ def ladder(results: dict) -> str:
                       f"key `benchmarks.{benchmark}`): {plan['num_train']} texts, "
                       f"{next(iter(section['real_tokens'].values())):,} real tokens over {plan['epochs']} epochs, "
                       f"batch {plan['batch_size']} or one {plan['row_tokens']}-token packed row, {plan['rounds']} "
-                      f"round(s), compile backend `{plan['compile_backend']}`, the last epoch timed whole.", "",
+                      f"round(s), compile backend `{plan['compile_backend']}`, the last epoch timed whole. "
+                      f"{text_line(section)}", "",
                   ladder_table(section), "", f"Loss check: {section['loss_check']['detail']}."]
     return "\n".join(parts)
+
+
+def text_line(section: dict) -> str:
+    """The training texts' lengths and the share of padding in HF's padded batches (the first round's)."""
+    first = section["runs"]["hf-default"][0]
+    if "texts" not in first:  # a results file from before the ladder recorded them
+        return ""
+    texts = first["texts"]
+    return (f"The training texts: {texts['mean']:.1f} tokens on average, median {fmt(texts['median'])}, at most "
+            f"{texts['max']}; HF Trainer's padded batches were {first['padding_share']:.0%} padding (the padding "
+            f"share column: of all positions the model computed).")
 
 
 def ladder_headline(results: dict) -> str:
