@@ -93,10 +93,10 @@ def log_deleted_checkpoints(before: list, after: list) -> None:
 
 
 # -- saving -----------------------------------------------------------------------------------------------------------
-def log_model_save(run, output_dir=None, checkpoint: bool = False) -> None:
+def log_model_save(run, context, output_dir=None, checkpoint: bool = False) -> None:
     """`Trainer._save`, on the process that writes: the checkpoint of the current step (`checkpoint`; its final
     folder, not the hidden one it is written into), or `save_model(output_dir)`."""
-    if not run.checkpointer.writes_files:
+    if not context.checkpointer.writes_files:
         return
     from transformers import PreTrainedModel
 
@@ -105,7 +105,7 @@ def log_model_save(run, output_dir=None, checkpoint: bool = False) -> None:
     if checkpoint:
         output_dir = os.path.join(run.args.output_dir, f"{CHECKPOINT_PREFIX}-{run.state.global_step}")
     logger.info(f"Saving model checkpoint to {output_dir or run.args.output_dir}")
-    model = run.accelerator.unwrap_model(run.model_wrapped if run.model_wrapped is not None else run.model)
+    model = context.accelerator.unwrap_model(run.model_wrapped if run.model_wrapped is not None else run.model)
     if not isinstance(model, PreTrainedModel) and not type(model).__module__.startswith("peft."):
         logger.info("Trainer.model is not a `PreTrainedModel`, only saving its state dict.")
 
