@@ -235,11 +235,11 @@ def model_loads_after_prepare(accelerator, checkpoint: str) -> bool:
     return sharded_model_saved(checkpoint) and not full_state_dict_saved(accelerator)
 
 
-def save_engine_state(run, folder: str, with_optimizer: bool) -> None:
+def save_engine_state(run, context, folder: str, with_optimizer: bool) -> None:
     """FSDP / DeepSpeed: the model (when sharded) and the optimizer through Accelerate's functions, on every process.
     (With DDP or one process the checkpointer writes `optimizer.pt` itself.) With SHARDED_STATE_DICT each rank writes
     its own shards (`pytorch_model_fsdp_0/`, `optimizer_0/`); nothing is gathered."""
-    acc, engine = run.accelerator, active_engine(run.accelerator)
+    acc, engine = context.accelerator, active_engine(context.accelerator)
     if engine == "DeepSpeed":
         # The engine writes its own sharded model + optimizer state (`global_step*/`), as HF Trainer does.
         if with_optimizer:
@@ -255,11 +255,11 @@ def save_engine_state(run, folder: str, with_optimizer: bool) -> None:
             save_fsdp_optimizer(plugin, acc, run.optimizer, run.model_wrapped, folder)
 
 
-def load_engine_model(run, checkpoint: str) -> bool:
+def load_engine_model(run, context, checkpoint: str) -> bool:
     """The model shards of a sharded checkpoint, after `accelerator.prepare` (`model_loads_after_prepare`), as
     Accelerate's `load_fsdp_model` reads them (its state-dict options, between two barriers) but through
     `read_dcp`: Accelerate's builds DCP's own reader, which unpickles `.metadata`. Returns whether it did."""
-    acc = run.accelerator
+    acc = context.accelerator
     if not model_loads_after_prepare(acc, checkpoint):
         return False
     acc.wait_for_everyone()
@@ -291,7 +291,7 @@ def load_sharded_model(model, folder: str, options=None) -> None:
     set_model_state_dict(model, state["model"], options=options)
 
 
-def load_optimizer_state(run, checkpoint: str) -> bool:
+def load_optimizer_state(run, context, checkpoint: str) -> bool:
     """The optimizer state, after `prepare`, from whichever layout the checkpoint holds into this run's layout:
     sharded (`optimizer_0/`, read by `read_dcp`) into a sharded run with Accelerate's options or into an unsharded
     one (torch's distributed checkpoint reshards), whole (`optimizer.pt`) into an unsharded run or, cut into this rank's
@@ -299,7 +299,7 @@ def load_optimizer_state(run, checkpoint: str) -> bool:
     from .checkpoint.durable import safe_torch_load
     from .checkpoint.lineage import OPTIMIZER_NAME
 
-    acc, engine = run.accelerator, active_engine(run.accelerator)
+    acc, engine = context.accelerator, active_engine(context.accelerator)
     if engine == "DeepSpeed":
         load_deepspeed_checkpoint(run.model_wrapped, checkpoint)
         return True

@@ -149,15 +149,17 @@ class EventHandler:
         return bool(self.methods_by_event[event])
 
     # -- dispatch --
-    def fire(self, event: str, run, **extra):
-        """The handler's flag resets for `event`, then every listener with HF's arguments taken from `run` (a
-        `loopkit.run.RunState`); returns the control (`RunState.fire` stores it)."""
+    def fire(self, event: str, **extra):
+        """The handler's flag resets for `event`, then every listener with HF's arguments taken from the run state;
+        the control they return becomes `run.control` (HF's protocol), and is returned."""
+        run = self.run
         reset = FLAG_RESETS.get(event)
         if reset is not None:
             reset(run.control)
         if not self.methods_by_event[event]:  # the common case on the hot path: a lookup and nothing else
             return run.control
-        return self.dispatch(event, run.args, run.state, run.control, {**run.event_objects(), **extra})
+        run.control = self.dispatch(event, run.args, run.state, run.control, {**run.event_objects(), **extra})
+        return run.control
 
     def call_event(self, event: str, args, state, control, **kwargs):
         """HF's `CallbackHandler.call_event`: `event` on the stages and callbacks in order, without flag resets, with

@@ -102,14 +102,15 @@ def interruption_text(signum: int, checkpoint: str | None, saved: bool) -> str:
 class PreemptionWatch:
     """Installs SIGTERM/SIGINT handlers for the duration of a run (main thread only) and records the signal.
 
-    With `run` (the `RunState`), the first signal prints what will happen and a second one raises
-    `TrainingInterrupted` at once. The loop's guard check tells it the step it checked (`checked`), so a signal
-    at that step is acted on after the next one, and one at a later step after that step's log/evaluate/save."""
+    With `run` and `context` (the `RunState` and `RunContext`), the first signal prints what will happen and a
+    second one raises `TrainingInterrupted` at once. The loop's guard check tells it the step it checked
+    (`checked`), so a signal at that step is acted on after the next one, and one at a later step after that step's
+    log/evaluate/save."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, run=None):
-        self.run, self.check_every = run, 1
+    def __init__(self, run=None, context=None):
+        self.run, self.context, self.check_every = run, context, 1
         self.signum = None
         self.stopped_without_saving = None  # the TrainingInterrupted a second signal raised
         self.checked_step = None
@@ -146,9 +147,9 @@ class PreemptionWatch:
 
     def plan_text(self) -> str:
         """What the first signal does, in the words printed at once."""
-        run = self.run
+        run, context = self.run, self.context
         step = run.state.global_step if run.state is not None else 0
-        several = run.accelerator is not None and run.accelerator.num_processes > 1
+        several = context.accelerator is not None and context.accelerator.num_processes > 1
         if several and self.checked_step is None:  # before the first check: its interval is not known yet
             return (f"\nloopkit: {signal_name(self.signum)} received: finishing the steps up to the ranks' next "
                     f"agreed check, then saving its checkpoint in {run.args.output_dir}; press Ctrl-C again to stop "
@@ -174,7 +175,7 @@ class PreemptionWatch:
         """The interruption of this run, once it is over (None: not interrupted)."""
         if self.stopped_without_saving is not None or self.signum is None:
             return self.stopped_without_saving
-        saved = self.run.checkpointer.last_saved_step == self.run.state.global_step
+        saved = self.context.checkpointer.last_saved_step == self.run.state.global_step
         return TrainingInterrupted(self.signum, self.newest_checkpoint(), saved=saved)
 
     def status(self, failure: BaseException | None = None) -> str:
@@ -190,7 +191,7 @@ class PreemptionWatch:
         interruption = self.interruption()
         if interruption is None or (failure is not None and failure is not self.stopped_without_saving):
             return
-        if under_launcher(self.run.accelerator.num_processes):
+        if under_launcher(self.context.accelerator.num_processes):
             raise Preempted(128 + interruption.signum) from None
         raise interruption
 
@@ -242,7 +243,7 @@ class NonFiniteWatch:
                 f"({self.total} in this run); the first was step {first}{place}")
 
 
-def with_batch_size_search(run_training, run):
+def with_batch_size_search(run_training, run, context):
     """`run_training(batch_size, ...)` with `args.auto_find_batch_size` applied as Trainer applies it: Accelerate's
     `find_executable_batch_size` restarts the run with a smaller per-device batch after an out-of-memory error
     (this Accelerate version multiplies it by 0.9 each time), starting from a resumed checkpoint's batch size."""
@@ -253,9 +254,9 @@ def with_batch_size_search(run_training, run):
 
     def search(resume_from_checkpoint, trial, ignore_keys_for_eval):
         batch_size = args.per_device_train_batch_size
-        checkpoint = run.checkpointer.resolve(resume_from_checkpoint)
+        checkpoint = context.checkpointer.resolve(resume_from_checkpoint)
         if checkpoint is not None:
-            batch_size = run.checkpointer.read_trainer_state(checkpoint).train_batch_size or batch_size
+            batch_size = context.checkpointer.read_trainer_state(checkpoint).train_batch_size or batch_size
         return find_executable_batch_size(run_training, starting_batch_size=batch_size)(
             resume_from_checkpoint, trial, ignore_keys_for_eval)
 

@@ -5,9 +5,11 @@ implementation. On a `Loop` subclass that overrides it, `bind_overrides` puts th
 construction: the stage then calls it wherever it would call its own (with `self` being the `Loop`, as on a
 `Trainer` subclass), and `super().compute_loss(...)` inside it reaches the stage's implementation. Overriding the
 same method on a `Loop` subclass and on a swapped stage is ambiguous, so it is an error at construction.
+`create_accelerator_and_postprocess` is the `Loop`'s own: it hands what the setup stage makes (the `Accelerator`,
+the gather function) to the run context.
 
 The `Loop`'s HF attribute names (`trainer.model`, `trainer.optimizer`, `trainer.state`, ...) are views onto the run
-state (`loopkit/run.py`); assigning one (a user's script or callback may) writes the run state.
+state and the run context (`loopkit/run.py`); assigning one (a user's script or callback may) writes the field.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from .errors import config_error
 
 # method -> the stage that owns it (the `Loop` attribute the stage is found under)
 OWNERS = {
-    "call_model_init": "setup", "create_accelerator_and_postprocess": "setup",
+    "call_model_init": "setup",
     "get_train_dataloader": "data", "get_eval_dataloader": "data", "get_test_dataloader": "data",
     "create_optimizer": "step", "get_optimizer_cls_and_kwargs": "step", "create_scheduler": "step",
     "get_decay_parameter_names": "step", "compute_loss": "step", "compute_loss_context_manager": "step",
@@ -27,16 +29,18 @@ OWNERS = {
 }
 
 # `Loop` attribute -> the run-state field it shows (`model_wrapped` and `callback_handler` are special: below).
-RUN_VIEWS = ("args", "model", "optimizer", "lr_scheduler", "state", "control", "accelerator", "train_dataset",
+RUN_VIEWS = ("args", "model", "optimizer", "lr_scheduler", "state", "control", "train_dataset",
              "eval_dataset", "data_collator", "processing_class", "model_init", "compute_loss_func", "compute_metrics",
              "preprocess_logits_for_metrics", "optimizer_cls_and_kwargs", "label_names", "train_dataloader",
-             "model_accepts_loss_kwargs", "metrics", "preemption", "clock", "checkpointer", "gather_function",
-             "label_smoother", "is_in_train")
+             "model_accepts_loss_kwargs", "metrics", "label_smoother", "is_in_train")
+# `Loop` attribute -> the context's service it shows (the context's callables are the `Loop`'s own methods).
+CONTEXT_VIEWS = ("accelerator", "gather_function", "preemption", "clock", "checkpointer")
 
 
-def run_view(name: str) -> property:
-    return property(lambda self: getattr(self.run, name), lambda self, value: setattr(self.run, name, value),
-                    doc=f"The run state's `{name}` (loopkit/run.py).")
+def run_view(name: str, holder: str = "run") -> property:
+    return property(lambda self: getattr(getattr(self, holder), name),
+                    lambda self, value: setattr(getattr(self, holder), name, value),
+                    doc=f"The run {'state' if holder == 'run' else 'context'}'s `{name}` (loopkit/run.py).")
 
 
 class HFMethods:
@@ -62,7 +66,9 @@ class HFMethods:
         return self.stage_method("call_model_init")(trial)
 
     def create_accelerator_and_postprocess(self) -> None:
-        return self.stage_method("create_accelerator_and_postprocess")()
+        """HF's hook, called once at construction: the setup stage makes the `Accelerator` and the gather function,
+        and the context holds them (an override sees them as `self.accelerator` after `super()`, as in HF)."""
+        self.context.accelerator, self.context.gather_function = self.setup.create_accelerator_and_gather()
 
     def get_train_dataloader(self):
         return self.stage_method("get_train_dataloader")()
@@ -129,11 +135,13 @@ class HFMethods:
     @property
     def callback_handler(self):
         """The callbacks and their dispatch (HF's name for it)."""
-        return self.run.events
+        return self.context.events
 
 
 for _name in RUN_VIEWS:
     setattr(HFMethods, _name, run_view(_name))
+for _name in CONTEXT_VIEWS:
+    setattr(HFMethods, _name, run_view(_name, "context"))
 
 
 def bind_overrides(loop, default_stages: dict) -> None:
@@ -153,7 +161,7 @@ def bind_overrides(loop, default_stages: dict) -> None:
 
 
 def bind_override(loop, name: str, method) -> None:
-    """`method` (bound to the `Loop`) becomes what the owning stage calls as `name`, and what the run state offers
+    """`method` (bound to the `Loop`) becomes what the owning stage calls as `name`, and what the run context offers
     the other stages under that name."""
     owner = OWNERS[name]
     stage = getattr(loop, owner)
@@ -162,5 +170,5 @@ def bind_override(loop, name: str, method) -> None:
             owner, type(stage).__name__, f"both {type(loop).__name__}.{name} and {type(stage).__name__}.{name} "
             f"override {name}, and only one can run", f"define {name} in one of the two places")
     setattr(stage, name, method)
-    if name in vars(loop.run):  # compute_loss, get_eval_dataloader, ...: offered to other stages through the run
-        setattr(loop.run, name, method)
+    if name in vars(loop.context):  # compute_loss, get_eval_dataloader, ...: offered to other stages by the context
+        setattr(loop.context, name, method)

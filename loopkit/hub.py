@@ -152,8 +152,8 @@ class HubPush:
     above. Owned by the checkpoint storage (loopkit/storage/), which calls `begin_push` when a save starts,
     `push_checkpoint` once the folder is complete, and asks `uploading(folder)` before rotation deletes one."""
 
-    def __init__(self, run):
-        self.run = run
+    def __init__(self, run, context):
+        self.run, self.context = run, context
         self.repo_id: str | None = None  # Trainer's `hub_model_id`, once the repo exists
         # The push in progress: (the folder an upload reads, what it pushes, for a warning; the upload's future).
         self.jobs: list[tuple[str, str, futures.Future]] = []
@@ -163,11 +163,11 @@ class HubPush:
         """Whether this process pushes at saves: push_to_hub, a strategy other than "end", the main process."""
         args = self.run.args
         return bool(getattr(args, "push_to_hub", False)) and plain(args.hub_strategy) != "end" \
-            and self.run.accelerator.is_main_process
+            and self.context.accelerator.is_main_process
 
     def create_repo(self, token: str | None = None, private: bool | None = None) -> None:
         """Trainer's `init_hf_repo`: create (or reuse) the repo, on the main process."""
-        if not self.run.accelerator.is_main_process:
+        if not self.context.accelerator.is_main_process:
             return
         args = self.run.args
         require_hub("init_hf_repo", "build the Loop with push_to_hub=False and upload output_dir later with "
@@ -192,7 +192,7 @@ class HubPush:
         run = self.run
         if not self.pushes or (not run.args.hub_always_push and self.in_progress()):
             return None
-        run.fire("on_push_begin")
+        self.context.events.fire("on_push_begin")
         if plain(run.args.save_strategy) == "steps":
             return f"Training in progress, step {run.state.global_step}"
         return f"Training in progress, epoch {int(run.state.epoch)}"
@@ -304,7 +304,7 @@ def push_output_dir(loop, commit_message: str | None = "End of training", blocki
     token = token if token is not None else getattr(loop.args, "hub_token", None)
     if loop.hub_model_id is None:
         loop.init_hf_repo(token=token, private=private)
-    loop.run.checkpointer.hub.wait()  # before saving into output_dir, which an upload in flight may be reading
+    loop.context.checkpointer.hub.wait()  # before saving into output_dir, which an upload in flight may be reading
     loop.save_model(_internal_call=True)
     if not loop.is_world_process_zero():
         return None

@@ -1,6 +1,5 @@
 """`Loop`: HF Trainer's constructor and methods, driving five swappable stages. Read `train()` top to bottom to see
-a whole run in order; each stage is a chapter in `loopkit/stages/`, and what they share is declared in
-`loopkit/run.py`.
+a whole run in order; each stage is a chapter in `loopkit/stages/`; their state and services: `loopkit/run.py`.
 
     setup      seeding, Accelerate, the model, the resume point          stages/setup.py
     data       dataloaders, collation, step and epoch arithmetic           stages/data.py
@@ -9,10 +8,9 @@ a whole run in order; each stage is a chapter in `loopkit/stages/`, and what the
     teardown   the summary, best-model loading, the run report            stages/teardown.py
 
 Between optimizer steps the `Schedule` (loopkit/schedule.py) keeps the running loss and does the log / evaluate /
-save that the callbacks ask for; the checkpoint storage (`storage=`, loopkit/storage/) writes and reads
-checkpoints. HF's overridable methods (`compute_loss`, `training_step`, `create_optimizer`, `evaluation_loop`, ...)
-each belong to one stage; overriding one on a `Loop` subclass works exactly as on a `Trainer` subclass
-(loopkit/hf_methods.py).
+save that the callbacks ask for; the checkpoint storage (`storage=`, loopkit/storage/) writes and reads checkpoints.
+HF's overridable methods (`compute_loss`, `training_step`, ...) each belong to one stage; overriding one on a `Loop`
+subclass works exactly as on a `Trainer` subclass (loopkit/hf_methods.py).
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ from .metrics import check_metrics
 from .notebook import default_progress_callback
 from .phases import PhaseClock
 from .report import RUN_RECORD_KEY, run_record
-from .run import RunState
+from .run import RunContext, RunState
 from .schedule import Schedule, running_loss_state
 from .stages.data import DataStage
 from .stages.evaluation import EvalStage
@@ -84,36 +82,39 @@ class Loop(HFMethods, TrainerAPI):
             processing_class=processing_class, model_init=model_init, compute_loss_func=compute_loss_func,
             compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
             optimizers_given=tuple(optimizers), optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
+        context = self.context = RunContext(  # through the Loop, so a subclass's overrides apply in every stage
+            log=self.log, compute_loss=self.compute_loss, count_loss_items=self.count_loss_items,
+            compute_loss_context_manager=self.compute_loss_context_manager,
+            get_eval_dataloader=self.get_eval_dataloader, get_test_dataloader=self.get_test_dataloader)
         classes = self.stage_classes
         self.setup, self.data = setup or classes["setup"](), data or classes["data"]()
         self.step, self.evaluation = step or classes["step"](), evaluation or classes["evaluation"]()
         self.teardown = teardown or classes["teardown"]()
         for stage in self.stages:
-            stage.bind(run)
+            stage.bind(run, context)
         bind_overrides(self, classes)
-        self.setup.build(model)  # seeds, Accelerate, the model
-        trainer_logging.start(args, run.accelerator, args_given, train_dataset)  # verbosity, Trainer's notes
-        run.metrics = check_metrics(metrics, run.accelerator.num_processes)
+        self.setup.begin(model)  # every RNG seeded first, as in Trainer.__init__
+        self.create_accelerator_and_postprocess()
+        context.memory = self.setup.track_memory()  # memory metrics from here to on_init_end
+        self.setup.build(model)  # the model, on the device
+        trainer_logging.start(args, context.accelerator, args_given, train_dataset)  # verbosity, Trainer's notes
+        run.metrics = check_metrics(metrics, context.accelerator.num_processes)
         run.label_names = list(args.label_names) if args.label_names is not None else find_labels(run.model)
         self.data.check_eval_labels()  # before any training: metric_for_best_model needs labelled evaluations
         # Events: HF's callbacks in HF's order (flow, integrations, the user's, then progress or printer).
         progress = default_progress_callback(args)  # the printer, HF's notebook display, or tqdm bars
-        run.events = EventHandler(default_callbacks(args, callbacks, progress), self.stages, run)
+        context.events = EventHandler(default_callbacks(args, callbacks, progress), self.stages, run)
         # As in Trainer.__init__: an evaluate() before train() logs (and reports) on the main process only.
-        run.state = LoopState(is_local_process_zero=run.accelerator.is_local_main_process,
-                              is_world_process_zero=run.accelerator.is_main_process)
-        run.preemption = PreemptionWatch(run)
-        run.clock = run.events.clock = PhaseClock()  # the run report's time by phase
-        run.checkpointer = run_storage(storage, self.evaluation.checkpoint_options()).attach(run)
-        # The methods one stage offers another go through the Loop, so a subclass's overrides apply everywhere.
-        run.log, run.compute_loss, run.count_loss_items = self.log, self.compute_loss, self.count_loss_items
-        run.compute_loss_context_manager = self.compute_loss_context_manager
-        run.get_eval_dataloader, run.get_test_dataloader = self.get_eval_dataloader, self.get_test_dataloader
-        self.schedule = Schedule(run, evaluate=self.evaluate, save=self.save_checkpoint, observers=observers)
+        run.state = LoopState(is_local_process_zero=context.accelerator.is_local_main_process,
+                              is_world_process_zero=context.accelerator.is_main_process)
+        context.preemption = PreemptionWatch(run, context)
+        context.clock = context.events.clock = PhaseClock()  # the run report's time by phase
+        context.checkpointer = run_storage(storage, self.evaluation.checkpoint_options()).attach(run, context)
+        self.schedule = Schedule(run, context, evaluate=self.evaluate, save=self.save_checkpoint, observers=observers)
         self.initial_global_step = 0
         if getattr(args, "push_to_hub", False):  # as Trainer.__init__: the repo exists before training
             self.init_hf_repo()
-        run.fire("on_init_end")
+        context.events.fire("on_init_end")
 
     @property
     def stages(self):
@@ -121,7 +122,7 @@ class Loop(HFMethods, TrainerAPI):
 
     def fire(self, event: str, **extra):
         """Fire `event` on stages and callbacks; the returned control becomes `self.control` (HF's protocol)."""
-        return self.run.fire(event, **extra)
+        return self.context.events.fire(event, **extra)
 
     # ------------------------------------------------------------------------------------------------------------
     # The run
@@ -130,33 +131,33 @@ class Loop(HFMethods, TrainerAPI):
         """Train; returns `TrainOutput(global_step, training_loss, metrics)`."""
         if kwargs:
             raise TypeError(f"train() got unexpected keyword arguments: {', '.join(kwargs)}")
-        run, args = self.run, self.run.args
+        run, context, args = self.run, self.context, self.run.args
         self.is_in_train = True
         try:
-            with run.preemption, quiet_hub_progress(args):
-                output = with_batch_size_search(self.run_training, run)(resume_from_checkpoint, trial,
-                                                                        ignore_keys_for_eval)
+            with context.preemption, quiet_hub_progress(args):
+                output = with_batch_size_search(self.run_training, run, context)(resume_from_checkpoint, trial,
+                                                                                 ignore_keys_for_eval)
         except BaseException as exc:
-            run.checkpointer.wait_quietly()
-            run.fire("on_train_failed", exception=exc)
+            context.checkpointer.wait_quietly()
+            context.events.fire("on_train_failed", exception=exc)
             self.release()
-            self.teardown.write_run_report(run.preemption.status(exc), self.schedule.counters())
-            run.preemption.leave(exc)  # a second signal under a launcher: exit 128 + signal
+            self.teardown.write_run_report(context.preemption.status(exc), self.schedule.counters())
+            context.preemption.leave(exc)  # a second signal under a launcher: exit 128 + signal
             raise
         finally:
             self.is_in_train = False
-        run.preemption.leave()  # interrupted: checkpoint written, run torn down; leave as guards.py documents
+        context.preemption.leave()  # interrupted: checkpoint written, run torn down; leave as guards.py documents
         return output
 
     def run_training(self, batch_size, resume_from_checkpoint, trial, ignore_keys_for_eval):
-        run, args = self.run, self.run.args
+        run, context, args = self.run, self.context, self.run.args
         run.train_batch_size = batch_size
-        run.clock.reset()
+        context.clock.reset()
         # 1. Setup: the model (model_init), and the checkpoint to resume from, whose weights load now.
         checkpoint = self.setup.begin_training(resume_from_checkpoint, trial)
 
         # 2. Data: the train loader and the step/epoch arithmetic; the run's state, fresh or the checkpoint's.
-        release_earlier_run(run.accelerator)
+        release_earlier_run(context.accelerator)
         run.train_dataloader = self.get_train_dataloader()
         plan = self.data.plan(run.train_dataloader)
         self.start_state(checkpoint, plan, trial)
@@ -169,45 +170,45 @@ class Loop(HFMethods, TrainerAPI):
         run.model_wrapped.zero_grad()
 
         # 4. The epochs: optimizer steps, each followed by the log / evaluate / save schedule.
-        run.clock.enter(None)  # the end of the setup phase
-        run.fire("on_train_begin")
+        context.clock.enter(None)  # the end of the setup phase
+        context.events.fire("on_train_begin")
         if checkpoint is None:  # HF: a fresh run's state holds the callback states from its start (save_state)
-            run.state.record_callback_states(run.events.callback_objects + [run.control])
+            run.state.record_callback_states(context.events.callback_objects + [run.control])
         if args.eval_on_start:
             self.schedule.evaluate_during_training(ignore_keys_for_eval, skip_scheduler=True)
         self.schedule.run_pending_evaluation(resume, ignore_keys_for_eval)
         first_epoch = resume.epochs_trained if resume is not None else 0
         for epoch in range(first_epoch, plan.num_train_epochs):
-            run.fire("on_epoch_begin")
+            context.events.fire("on_epoch_begin")
             self.run_epoch(epoch, plan, resume, ignore_keys_for_eval)
             if run.control.should_training_stop:
                 break
 
         # 5. Teardown: summary, best model, on_train_end, resources, the run report.
-        run.clock.enter("teardown")
+        context.clock.enter("teardown")
         return self.finish(plan, start_time)
 
     def start_state(self, checkpoint, plan, trial) -> None:
         """The run's `state` (HF: a checkpoint's logging/eval/save intervals win) and every component's own
         checkpointed state (empty for a fresh run)."""
-        run, args = self.run, self.run.args
+        run, context, args = self.run, self.context, self.run.args
         run.state = LoopState(train_batch_size=run.train_batch_size)
         run.state.compute_steps(args, plan.max_steps)
         saved = {}
         if checkpoint is not None:
-            run.state = run.checkpointer.read_trainer_state(checkpoint)
+            run.state = context.checkpointer.read_trainer_state(checkpoint)
             warn_if_checkpoint_args_differ(args, run.state)
             if args.restore_callback_states_from_checkpoint:
-                restore_callback_states(run.events.callback_objects + [run.control], run.state.stateful_callbacks)
-            saved = run.checkpointer.read_stage_states(checkpoint)
-            run.clock.resume_from(saved.get(RUN_RECORD_KEY), run.state.global_step)  # the report covers it all
+                restore_callback_states(context.events.callback_objects + [run.control], run.state.stateful_callbacks)
+            saved = context.checkpointer.read_stage_states(checkpoint)
+            context.clock.resume_from(saved.get(RUN_RECORD_KEY), run.state.global_step)  # the report covers it all
         state = run.state
         state.max_steps, state.num_train_epochs = plan.max_steps, plan.num_train_epochs
         state.is_hyper_param_search = trial is not None
         state.trial_params = getattr(trial, "params", trial)  # HF's hp_params: optuna's, or a ray/wandb dict
         state.trial_name = self.hp_name(trial) if self.hp_name is not None and trial is not None else None
-        state.is_local_process_zero = run.accelerator.is_local_main_process
-        state.is_world_process_zero = run.accelerator.is_main_process
+        state.is_local_process_zero = context.accelerator.is_local_main_process
+        state.is_world_process_zero = context.accelerator.is_main_process
         self.initial_global_step = state.global_step
         for name, stage in zip(STAGES, self.stages):
             stage.load_state_dict(saved.get(name, {}))
@@ -215,7 +216,7 @@ class Loop(HFMethods, TrainerAPI):
 
     def run_epoch(self, epoch, plan, resume, ignore_keys_for_eval):
         """One pass over the data: a window of micro-batches per optimizer step, then the log/eval/save schedule."""
-        run, windows = self.run, 0
+        run, context, windows = self.run, self.context, 0
         asked = time.perf_counter()  # a window's seconds: fetching it and its step, host time (loopkit/observers/)
         for window in self.data.windows(epoch, plan, resume):
             windows += 1
@@ -225,7 +226,7 @@ class Loop(HFMethods, TrainerAPI):
             if result.completed:
                 self.schedule.after_step(ignore_keys_for_eval)
                 self.check_guards()
-                run.clock.step_done(run.state.global_step)
+                context.clock.step_done(run.state.global_step)
             asked = time.perf_counter()
             if run.control.should_epoch_stop or run.control.should_training_stop:
                 break
@@ -234,34 +235,34 @@ class Loop(HFMethods, TrainerAPI):
             warnings.warn(f"Epoch {epoch} yielded no batch: stopping at step {run.state.global_step}. An "
                           f"IterableDataset shorter than max_steps={run.state.max_steps} ends training here.")
             run.control.should_training_stop = True
-        run.fire("on_epoch_end")
+        context.events.fire("on_epoch_end")
         self.schedule.after_step(ignore_keys_for_eval)
 
     def check_guards(self) -> None:
         """Preemption and non-finite values (loopkit/guards.py): act on them at an optimizer-step boundary."""
-        run = self.run
-        step, several = run.state.global_step, run.accelerator.num_processes > 1
-        run.preemption.checked(step, self.guard_check_every)  # what the next signal's message says
+        run, context, watch = self.run, self.context, self.context.preemption
+        step, several = run.state.global_step, context.accelerator.num_processes > 1
+        watch.checked(step, self.guard_check_every)  # what the next signal's message says
         due = step % self.guard_check_every == 0
         if several and not due:
             return
-        preempted = preemption_agreed(run.preemption, run.accelerator) if several else run.preemption.requested
+        preempted = preemption_agreed(watch, context.accelerator) if several else watch.requested
         stop_for_nonfinite = self.step.check_nonfinite() if due else False
         if preempted or stop_for_nonfinite:
-            if run.checkpointer.last_saved_step != step:
+            if context.checkpointer.last_saved_step != step:
                 self.schedule.save_checkpoint()
-                run.fire("on_save")
+                context.events.fire("on_save")
             run.control.should_training_stop = True
 
     def finish(self, plan, start_time):
-        run = self.run
+        run, context = self.run, self.context
         steps_run = run.state.global_step - self.initial_global_step
-        train_loss = self.schedule.running_loss.train_loss(run.accelerator, steps_run)
+        train_loss = self.schedule.running_loss.train_loss(context.accelerator, steps_run)
         self.schedule.store_work()
         output = self.teardown.finish_training(plan, start_time, train_loss, steps_run)
-        run.checkpointer.finish_uploads()  # push_to_hub: the last push, awaited after on_train_end as in Trainer
+        context.checkpointer.finish_uploads()  # push_to_hub: the last push, awaited after on_train_end as in Trainer
         self.release()
-        self.teardown.write_run_report(run.preemption.status(), self.schedule.counters(), output.metrics)
+        self.teardown.write_run_report(context.preemption.status(), self.schedule.counters(), output.metrics)
         return output
 
     def release(self) -> None:
@@ -278,13 +279,13 @@ class Loop(HFMethods, TrainerAPI):
         states = {name: stage.state_dict() for name, stage in zip(STAGES, self.stages)}
         states["running_loss"] = self.schedule.running_loss.state_dict()
         states["schedule"] = self.schedule.state_dict()
-        states[RUN_RECORD_KEY] = run_record(self.run.clock, self.run.args, self.run.state.global_step)
+        states[RUN_RECORD_KEY] = run_record(self.context.clock, self.run.args, self.run.state.global_step)
         return states
 
     def save_checkpoint(self) -> str:
         """A checkpoint of the current step (`checkpoint-<global_step>`), written atomically; returns its path."""
-        trainer_logging.log_model_save(self.run, checkpoint=True)
-        return self.run.checkpointer.save(self.stage_states())
+        trainer_logging.log_model_save(self.run, self.context, checkpoint=True)
+        return self.context.checkpointer.save(self.stage_states())
 
     # ------------------------------------------------------------------------------------------------------------
     # HF Trainer's public methods that are not a stage's (the overridable ones: loopkit/hf_methods.py)
@@ -295,4 +296,4 @@ class Loop(HFMethods, TrainerAPI):
         logs["epoch"] = state.epoch
         logs.update(self.schedule.token_logs(start_time))  # include_num_input_tokens_seen
         state.log_history.append({**logs, "step": state.global_step})
-        self.run.fire("on_log", logs=logs)
+        self.context.events.fire("on_log", logs=logs)

@@ -70,13 +70,13 @@ def args_text(args) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in values.items() if v is not None)
 
 
-def model_text(run) -> str:
+def model_text(run, context) -> str:
     model = run.model
     if model is None:
         return "None"
     params = list(model.parameters())
     total, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
-    device = params[0].device if params else run.accelerator.device
+    device = params[0].device if params else context.accelerator.device
     return f"{type(model).__name__} ({count_text(total)} parameters, {count_text(trainable)} trainable, on {device})"
 
 
@@ -85,7 +85,7 @@ def loop_repr(loop) -> str:
     run = loop.run
     stages = ", ".join(f"{name}={type(stage).__name__}" for name, stage in
                        zip(("setup", "data", "step", "evaluation", "teardown"), loop.stages))
-    state, events = run.state, run.events  # None while a failing construction is under way
+    state, events = run.state, loop.context.events  # None while a failing construction is under way
     progress = "not started" if state is None else \
         f"global_step={state.global_step}" + (f"/{state.max_steps}" if state.max_steps else "")
     collator = run.data_collator
@@ -93,7 +93,7 @@ def loop_repr(loop) -> str:
     callbacks = "not built" if events is None else ", ".join(events.callback_list.splitlines())
     return "\n".join([
         f"{type(loop).__name__}(",
-        f"  model: {model_text(run)}",
+        f"  model: {model_text(run, loop.context)}",
         f"  stages: {stages}",
         f"  args ({type(run.args).__name__}): {args_text(run.args)}",
         f"  data: train_dataset={dataset_text(run.train_dataset)}, eval_dataset={dataset_text(run.eval_dataset)}, "

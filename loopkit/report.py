@@ -116,14 +116,14 @@ def peak_device_memory_mb() -> float | None:
     return None
 
 
-def build_report(run, status: str, end: str, counters: dict, train_metrics: dict | None = None,
+def build_report(run, context, status: str, end: str, counters: dict, train_metrics: dict | None = None,
                  charts: bool = True) -> dict:
     """The report of a live run (called by the teardown stage), its charts drawn into the output folder (`charts`):
-    `run` is the `RunState`, `end` how it ended (`RUN_ENDS`), `counters` the input tokens and samples trained on;
-    `saves` records the save number it covers (`is_current`). Building it and drawing the charts
-    is the "report" phase; the time by phase is read right after, so writing the two small report files next is
-    the only part of `train()` outside it."""
-    state, clock, args = run.state, run.clock, run.args
+    `run` is the `RunState`, `context` its `RunContext`, `end` how it ended (`RUN_ENDS`), `counters` the input
+    tokens and samples trained on; `saves` records the save number it covers (`is_current`). Building it and drawing
+    the charts is the "report" phase; the time by phase is read right after, so writing the two small report files
+    next is the only part of `train()` outside it."""
+    state, clock, args = run.state, context.clock, run.args
     with clock.span("report"):
         evals = [h for h in state.log_history if any(k.startswith("eval_") and k.endswith("_loss") for k in h)]
         machine = clock.machine()
@@ -135,10 +135,10 @@ def build_report(run, status: str, end: str, counters: dict, train_metrics: dict
             "train_metrics": train_metrics or {}, "input_tokens": counters["tokens"],
             "peak_host_memory_mb": peak_host_memory_mb(), "peak_device_memory_mb": peak_device_memory_mb(),
             "slow_steps": clock.slow_steps, "machine": machine, "log_history": list(state.log_history),
-            "cpu_starved": cpu_starvation(machine, on_cpu=run.accelerator.device.type == "cpu"),
+            "cpu_starved": cpu_starvation(machine, on_cpu=context.accelerator.device.type == "cpu"),
             "best_step": state.best_global_step, "warmup_steps": args.get_warmup_steps(state.max_steps),
-            "interruption": interruption_record(run), "segments": clock.segments(state.global_step),
-            "saves": {"run_id": run.checkpointer.run_id, "save_index": run.checkpointer.next_save_index - 1},
+            "interruption": interruption_record(context.preemption), "segments": clock.segments(state.global_step),
+            "saves": {"run_id": context.checkpointer.run_id, "save_index": context.checkpointer.next_save_index - 1},
         })
         report["charts"] = charts_drawn(report, args.output_dir) if charts else []
     clock.enter(None)  # closes the teardown phase: everything up to here is in the totals below
@@ -174,9 +174,10 @@ def report_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def interruption_record(run) -> dict | None:
-    """The signal that ended the run, the checkpoint to resume from and the call that does it (loopkit/guards.py)."""
-    interruption = run.preemption.interruption() if run.preemption is not None else None
+def interruption_record(preemption) -> dict | None:
+    """The signal that ended the run, the checkpoint to resume from and the call that does it (`preemption`: the
+    run's `PreemptionWatch`, loopkit/guards.py)."""
+    interruption = preemption.interruption() if preemption is not None else None
     if interruption is None:
         return None
     from .guards import signal_name

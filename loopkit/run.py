@@ -1,11 +1,14 @@
-"""`RunState`: everything the stages share, declared in one place, each field with exactly one writer.
+"""`RunState`: everything the stages share, each field with exactly one writer; `RunContext`: the services and
+cross-stage callables they use. Both are declared here, in one place.
 
-A stage is bound to the run state (`stage.bind(run)`) and reads what it needs from it; it writes only the fields the
-table below gives it, and it never reads another stage's attributes or the `Loop`'s. Values that flow from one
-stage to the next (the training plan, a window of micro-batches, a step's result, the resume point) are arguments
-and return values, not fields. `Loop` keeps HF Trainer's attribute names (`trainer.model`, `trainer.optimizer`,
-`trainer.state`, ...) as views onto these fields, so HF callbacks and Trainer-style subclasses work unchanged (a
-user's own `loop.optimizer = ...` goes through those views; it is the user's write, not a stage's).
+A stage is bound to both (`stage.bind(run, context)`: `self.run`, `self.context`). It reads the state it needs
+from `self.run` and writes only the fields the first table below gives it; it uses the services of `self.context`
+(the accelerator, the events, the checkpoint storage, ...) and never assigns them; it never reads another stage's
+attributes or the `Loop`'s. Values that flow from one stage to the next (the training plan, a window of
+micro-batches, a step's result, the resume point) are arguments and return values, not fields. `Loop` keeps HF
+Trainer's attribute names (`trainer.model`, `trainer.optimizer`, `trainer.state`, `trainer.accelerator`,
+`trainer.callback_handler`, ...) as views onto these fields, so HF callbacks and Trainer-style subclasses work
+unchanged (a user's own `loop.optimizer = ...` goes through those views; it is the user's write, not a stage's).
 
 | field                          | what it is                                                  | written by        |
 |--------------------------------|-------------------------------------------------------------|-------------------|
@@ -23,27 +26,15 @@ user's own `loop.optimizer = ...` goes through those views; it is the user's wri
 | optimizer_cls_and_kwargs       | as passed to `Loop`                                         | loop.py           |
 | label_names                    | `args.label_names`, or the model's label arguments          | loop.py           |
 | state                          | HF's `TrainerState` (`loopkit.state`)                       | loop.py           |
-| control                        | HF's `TrainerControl`; `fire` stores what callbacks return  | run.py            |
-| events                         | the callbacks and their dispatch (`loopkit.events`)         | loop.py           |
-| clock                          | time by phase for the run report (`loopkit.phases`)         | loop.py           |
-| checkpointer                   | the checkpoint storage (`loopkit.storage`)                  | loop.py           |
-| preemption                     | SIGTERM/SIGINT watch (`loopkit.guards`)                     | loop.py           |
-| log                            | HF's `Trainer.log` (a `Loop` subclass may override it)      | loop.py           |
-| compute_loss,                  | the step stage's loss methods, for the evaluation stage     | loop.py           |
-|   compute_loss_context_manager,| (through the `Loop`, so a subclass's overrides apply)       |                   |
-|   count_loss_items             |                                                             |                   |
-| get_eval_dataloader,           | the data stage's loaders, for the evaluation stage          | loop.py           |
-|   get_test_dataloader          | (through the `Loop`, likewise)                              |                   |
+| control                        | HF's `TrainerControl`; `context.events.fire` stores what    | events.py         |
+|                                | the callbacks return                                        |                   |
 | train_dataloader               | the prepared train loader of the current `train()`          | loop.py           |
 | is_in_train                    | whether `train()` is running (HF's `trainer.is_in_train`)   | loop.py           |
 | train_batch_size               | per-device train batch of the current `train()` (lowered by | loop.py           |
 |                                | `auto_find_batch_size` after an out-of-memory error)        |                   |
-| accelerator                    | the `accelerate.Accelerator`                                | stages/setup.py   |
-| gather_function                | gathers eval tensors across processes (HF's attribute)      | stages/setup.py   |
 | model                          | the unwrapped model                                         | stages/setup.py   |
 | model_accepts_loss_kwargs      | whether the model's loss takes `num_items_in_batch`         | stages/setup.py   |
 | label_smoother                 | HF's `LabelSmoother` when `label_smoothing_factor` is set   | stages/setup.py   |
-| memory                         | the memory metrics (`loopkit.memory`, skip_memory_metrics)  | stages/setup.py   |
 | model_wrapped                  | the model as `accelerator.prepare` returned it (DDP, ...)   | stages/step.py    |
 | optimizer, lr_scheduler        | the prepared optimizer and its scheduler                    | stages/step.py    |
 | eval_dataloader                | the loader of the latest evaluation or prediction           | stages/evaluation.py |
@@ -54,7 +45,7 @@ the loop sets `should_training_stop` when a guard or a failed save stops the run
 | state field                                        | written by                                            |
 |----------------------------------------------------|-------------------------------------------------------|
 | global_step, epoch                                 | stages/step.py                                        |
-| log_history                                        | loop.py (`Loop.log`, the run's `log`)                 |
+| log_history                                        | loop.py (`Loop.log`, the context's `log`)             |
 | best_metric, best_global_step, total_flos          | schedule.py                                           |
 | num_input_tokens_seen                              | schedule.py (summed over processes at logs and saves) |
 | best_model_checkpoint                              | checkpoint/writing.py (the storage's `save`)          |
@@ -63,7 +54,31 @@ the loop sets `should_training_stop` when a guard or a failed save stops the run
 |   trial_params, trial_name, is_local_process_zero, |                                                       |
 |   is_world_process_zero                            |                                                       |
 
-`tests/test_stage_contract.py` reads the source of `loopkit/` and checks both tables.
+The context holds what the run uses rather than what it is. The `Loop` assigns every field, once, while it is
+built (loop.py; the accelerator in HF's hook `create_accelerator_and_postprocess`, hf_methods.py); "made by" says
+where the object comes from. The setup stage makes the accelerator and the memory tracker and returns them; no
+stage assigns a context field. The callables go through the `Loop`, so a `Loop` subclass's override (or one
+assigned to a `Loop`, `loop.compute_loss = f`: `bind_override` in loopkit/hf_methods.py) applies in every stage.
+
+| context field                   | what it is                                       | made by         | assigned by   |
+|---------------------------------|--------------------------------------------------|-----------------|---------------|
+| events                          | the callbacks and their dispatch; `fire(event)`  | loop.py         | loop.py       |
+|                                 | fires an event on the stages and callbacks and   |                 |               |
+|                                 | stores their control in `run` (`loopkit.events`) |                 |               |
+| clock                           | time by phase for the report (`loopkit.phases`)  | loop.py         | loop.py       |
+| checkpointer                    | the checkpoint storage (`loopkit.storage`)       | loop.py         | loop.py       |
+| preemption                      | the SIGTERM/SIGINT watch (`loopkit.guards`)      | loop.py         | loop.py       |
+| accelerator, gather_function    | the `accelerate.Accelerator`, and the function   | stages/setup.py | hf_methods.py |
+|                                 | that gathers eval tensors across processes       |                 |               |
+| memory                          | the memory metrics (`loopkit.memory`)            | stages/setup.py | loop.py       |
+| log                             | HF's `Trainer.log` (`Loop.log`)                  | loop.py         | loop.py       |
+| compute_loss,                   | the step stage's loss methods, for the           | stages/step.py  | loop.py       |
+|   compute_loss_context_manager, | evaluation stage                                 |                 |               |
+|   count_loss_items              |                                                  |                 |               |
+| get_eval_dataloader,            | the data stage's loaders, for the evaluation     | stages/data.py  | loop.py       |
+|   get_test_dataloader           | stage                                            |                 |               |
+
+`tests/test_stage_contract.py` reads the source of `loopkit/` and checks the three tables.
 """
 
 from __future__ import annotations
@@ -94,35 +109,16 @@ class RunState:
     label_names: list = field(default_factory=list)
     state: Any = None
     control: Any = field(default_factory=LoopControl)
-    events: Any = None
-    clock: Any = None
-    checkpointer: Any = None
-    preemption: Any = None
-    log: Callable | None = None
-    compute_loss: Callable | None = None
-    compute_loss_context_manager: Callable | None = None
-    count_loss_items: Callable | None = None
-    get_eval_dataloader: Callable | None = None
-    get_test_dataloader: Callable | None = None
     train_dataloader: Any = None
     is_in_train: bool = False
     train_batch_size: int | None = None
-    accelerator: Any = None
-    gather_function: Callable | None = None
     model: Any = None
     model_accepts_loss_kwargs: bool = False
     label_smoother: Callable | None = None
-    memory: MemoryTracker = field(default_factory=MemoryTracker)
     model_wrapped: Any = None
     optimizer: Any = None
     lr_scheduler: Any = None
     eval_dataloader: Any = None
-
-    def fire(self, event: str, **extra):
-        """Fire `event` on the stages and callbacks with HF's arguments; the control they return becomes
-        `self.control` (HF's protocol)."""
-        self.control = self.events.fire(event, self, **extra)
-        return self.control
 
     def event_objects(self) -> dict:
         """The keywords every HF event receives. Before `train()` prepares an optimizer, the one passed in
@@ -132,3 +128,22 @@ class RunState:
         return dict(model=self.model, processing_class=self.processing_class, optimizer=optimizer,
                     lr_scheduler=scheduler, train_dataloader=self.train_dataloader,
                     eval_dataloader=self.eval_dataloader)
+
+
+@dataclass(eq=False)
+class RunContext:
+    """The services and cross-stage callables of one `Loop`; see the module docstring for who makes each."""
+
+    events: Any = None
+    clock: Any = None
+    checkpointer: Any = None
+    preemption: Any = None
+    accelerator: Any = None
+    gather_function: Callable | None = None
+    memory: MemoryTracker = field(default_factory=MemoryTracker)
+    log: Callable | None = None
+    compute_loss: Callable | None = None
+    compute_loss_context_manager: Callable | None = None
+    count_loss_items: Callable | None = None
+    get_eval_dataloader: Callable | None = None
+    get_test_dataloader: Callable | None = None

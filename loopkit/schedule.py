@@ -6,11 +6,11 @@ then lets it act on what the callbacks asked for in `control` (`after_step`, HF'
 train log (the one host sync of the training loop; the observers' keys join it), an evaluation (then the best metric
 and, for `ReduceLROnPlateau` and `GreedyLR`, the scheduler), a checkpoint (then `on_save`).
 
-It writes `state.log_history` through `run.log`, `state.best_metric`, `state.best_global_step`, `state.total_flos`
+It writes `state.log_history` through `context.log`, `state.best_metric`, `state.best_global_step`, `state.total_flos`
 and `state.num_input_tokens_seen` (`include_num_input_tokens_seen`: counted on the device or from shapes each step,
 summed over processes into the state only before a log, an evaluation or a save, where HF syncs at every step);
 it reads the evaluation through the `evaluate` callable it is given (`Loop.evaluate`, overridable as on a Trainer)
-and saves through `run.checkpointer`.
+and saves through `context.checkpointer`.
 """
 
 from __future__ import annotations
@@ -129,10 +129,11 @@ class RunningLoss:
 class Schedule:
     """What happens after each optimizer step: counting, then the log / evaluation / save `control` asks for."""
 
-    def __init__(self, run, evaluate, save, observers=None):
-        """`evaluate()`: the run's evaluation (`Loop.evaluate`); `save()`: writes a checkpoint of this step;
-        `observers`: step observers (loopkit/observers/), whose keys join each training log."""
-        self.run, self.evaluate, self.save = run, evaluate, save
+    def __init__(self, run, context, evaluate, save, observers=None):
+        """`run`, `context`: the run's state and services (loopkit/run.py); `evaluate()`: the run's evaluation
+        (`Loop.evaluate`); `save()`: writes a checkpoint of this step; `observers`: step observers
+        (loopkit/observers/), whose keys join each training log."""
+        self.run, self.context, self.evaluate, self.save = run, context, evaluate, save
         self.observers = check_observers(observers)
         self.running_loss = RunningLoss()
         self.current_flos = 0.0  # this process's FLOPs since the last log or save
@@ -144,8 +145,8 @@ class Schedule:
         self.start_time = None  # when this train() started training (after the optimizer is prepared)
 
     def start(self, saved_loss: dict, saved_schedule: dict) -> None:
-        run = self.run
-        self.running_loss.start(run.accelerator.device, run.state.global_step, saved_loss,
+        run, context = self.run, self.context
+        self.running_loss.start(context.accelerator.device, run.state.global_step, saved_loss,
                                 run.args.logging_nan_inf_filter)
         self.pending_evaluation = saved_schedule.get("pending_evaluation")
         self.tokens_seen = self.samples_seen = 0
@@ -175,21 +176,22 @@ class Schedule:
     def store_flos(self) -> None:
         """Move this process's FLOP count into `state.total_flos` (summed over processes), at logs and saves."""
         run, flos = self.run, self.current_flos
-        if run.accelerator.num_processes > 1:
-            flos = run.accelerator.reduce(torch.tensor(flos, dtype=torch.float64, device=run.accelerator.device),
-                                          reduction="sum").item()
+        accelerator = self.context.accelerator
+        if accelerator.num_processes > 1:
+            flos = accelerator.reduce(torch.tensor(flos, dtype=torch.float64, device=accelerator.device),
+                                      reduction="sum").item()
         run.state.total_flos += flos
         self.current_flos = 0.0
 
     def store_input_tokens(self) -> None:
         """Move the input tokens counted since the last call into `state.num_input_tokens_seen`, summed over
         processes (HF gathers them at every step; here only before a log, an evaluation or a save)."""
-        run = self.run
+        run, context = self.run, self.context
         if run.args.include_num_input_tokens_seen == "no":
             return
-        pending = torch.as_tensor(self.input_tokens_pending, dtype=torch.int64, device=run.accelerator.device)
-        if run.accelerator.num_processes > 1:
-            pending = run.accelerator.reduce(pending, reduction="sum")
+        pending = torch.as_tensor(self.input_tokens_pending, dtype=torch.int64, device=context.accelerator.device)
+        if context.accelerator.num_processes > 1:
+            pending = context.accelerator.reduce(pending, reduction="sum")
         run.state.num_input_tokens_seen += int(pending.item())
         self.input_tokens_pending = 0
 
@@ -212,8 +214,8 @@ class Schedule:
 
     def log_training_progress(self) -> None:
         """The step log: mean loss per optimizer step since the last log, pre-clip grad norm, LR."""
-        run, last = self.run, self.last_step
-        logs = {"loss": self.running_loss.read_for_log(run.accelerator, run.state.global_step)}
+        run, context, last = self.run, self.context, self.last_step
+        logs = {"loss": self.running_loss.read_for_log(context.accelerator, run.state.global_step)}
         grad_norm = last.grad_norm if last is not None else None
         if grad_norm is not None:
             logs["grad_norm"] = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
@@ -221,38 +223,38 @@ class Schedule:
         # torchao's low-bit optimizers keep lr as a (host) tensor; HF logs a float, and state JSON needs one.
         logs["learning_rate"] = lr.item() if isinstance(lr, torch.Tensor) else lr
         self.store_work()
-        run.log(observer_logs(self.observers, logs, run.state), self.start_time)
+        context.log(observer_logs(self.observers, logs, run.state), self.start_time)
 
     def after_step(self, ignore_keys_for_eval=None) -> None:
         """HF's `_maybe_log_save_evaluate`: act on `control.should_log / should_evaluate / should_save`."""
-        run = self.run
+        run, context = self.run, self.context
         control = run.control
         if control.should_evaluate:
             self.store_input_tokens()  # the evaluation's log shows the count
         if control.should_log and run.state.global_step > self.running_loss.last_logged_step:
-            with run.clock.span("logging"):  # where a GPU run waits for its device (the loss read)
+            with context.clock.span("logging"):  # where a GPU run waits for its device (the loss read)
                 self.log_training_progress()
         if control.should_evaluate:
-            rng_before = rng_state() if run.preemption.active else None
+            rng_before = rng_state() if context.preemption.active else None
             try:
-                with run.clock.span("evaluation"):
+                with context.clock.span("evaluation"):
                     metrics = self.evaluate_during_training(ignore_keys_for_eval)
             except EvaluationInterrupted:
                 # Preempted mid-evaluation: the checkpoint the loop now writes remembers the evaluation (and the
                 # save that would have followed) and the RNG from before it; a resumed run does them first.
                 self.pending_evaluation = {"should_save": bool(control.should_save)}
-                run.checkpointer.rng_for_next_save = rng_before
+                context.checkpointer.rng_for_next_save = rng_before
                 return
             is_new_best = self.update_best_metric(metrics)
             if run.args.save_strategy == "best":
                 control.should_save = is_new_best
         if run.control.should_save:
             self.save_checkpoint()
-            run.fire("on_save")
+            context.events.fire("on_save")
 
     def save_checkpoint(self) -> None:
         self.store_work()
-        with self.run.clock.span("checkpoint"):
+        with self.context.clock.span("checkpoint"):
             self.save()
 
     def run_pending_evaluation(self, resume, ignore_keys_for_eval=None) -> None:

@@ -7,8 +7,9 @@ Everything here reads the run through `Loop`'s public attributes (`args`, `model
 `import loopkit` must not load.
 
 HF's overridable hooks, and where loopkit calls them:
-* called where Trainer calls them, by the stage that owns them (loopkit/hf_methods.py): `call_model_init`
-  (construction and each `train()`) and `create_accelerator_and_postprocess` (construction) by the setup stage;
+* called where Trainer calls them: `create_accelerator_and_postprocess` (construction) by the `Loop`, which hands
+  the setup stage's accelerator to the run context; by the stage that owns them (loopkit/hf_methods.py):
+  `call_model_init` (construction and each `train()`) by the setup stage;
   `autocast_smart_context_manager` (inside `compute_loss_context_manager`, around every forward) and
   `get_optimizer_cls_and_kwargs` (in `create_optimizer`) by the step stage.
 * not called by loopkit, so overriding them would change nothing: `get_batch_samples` and
@@ -284,9 +285,9 @@ class TrainerAPI:
         """Weights, config and processing class in `save_pretrained` layout (no `on_save`, as in HF)."""
         from .checkpoint import save_model_files
 
-        log_model_save(self.run, output_dir=output_dir)
-        save_model_files(self.model_wrapped, self.run.accelerator, output_dir or self.run.args.output_dir,
-                         self.run.processing_class, writer=self.run.checkpointer.writes_files)
+        log_model_save(self.run, self.context, output_dir=output_dir)
+        save_model_files(self.model_wrapped, self.context.accelerator, output_dir or self.run.args.output_dir,
+                         self.run.processing_class, writer=self.context.checkpointer.writes_files)
         if getattr(self.args, "push_to_hub", False) and not _internal_call:  # as Trainer: a user's save pushes
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -310,16 +311,16 @@ class TrainerAPI:
     @property
     def hub_model_id(self) -> str | None:
         """The Hub repo pushes go to, once `init_hf_repo` has created it (at construction with push_to_hub)."""
-        return self.run.checkpointer.hub.repo_id
+        return self.context.checkpointer.hub.repo_id
 
     @hub_model_id.setter
     def hub_model_id(self, repo_id: str | None) -> None:
-        self.run.checkpointer.hub.repo_id = repo_id
+        self.context.checkpointer.hub.repo_id = repo_id
 
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
         """Create (or reuse) the Hub repo `args.hub_model_id` (default: the output folder's name). An unreachable
         Hub raises `ConnectionError` at once."""
-        self.run.checkpointer.hub.create_repo(token=token, private=private)
+        self.context.checkpointer.hub.create_repo(token=token, private=private)
 
     def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
                           tasks=None, dataset_tags=None, dataset=None, dataset_args=None) -> None:

@@ -94,17 +94,17 @@ def log_deleted_checkpoints(before: list, after: list) -> None:
 
 
 # -- saving -----------------------------------------------------------------------------------------------------------
-def log_model_save(run, output_dir=None, checkpoint: bool = False) -> None:
+def log_model_save(run, context, output_dir=None, checkpoint: bool = False) -> None:
     """`Trainer._save`, on the process that writes: the checkpoint of the current step (`checkpoint`; its final
     folder, not the hidden one it is written into), or `save_model(output_dir)`."""
-    if not run.checkpointer.writes_files:
+    if not context.checkpointer.writes_files:
         return
     from .checkpoint import CHECKPOINT_PREFIX
 
     if checkpoint:
         output_dir = os.path.join(run.args.output_dir, f"{CHECKPOINT_PREFIX}-{run.state.global_step}")
     logger.info(f"Saving model checkpoint to {output_dir or run.args.output_dir}")
-    model = run.accelerator.unwrap_model(run.model_wrapped if run.model_wrapped is not None else run.model)
+    model = context.accelerator.unwrap_model(run.model_wrapped if run.model_wrapped is not None else run.model)
     # A transformers model exists only once its module is imported; importing it for a plain module would import
     # transformers' quantizers (and torchao, noisily) for nothing.
     modeling = sys.modules.get("transformers.modeling_utils")

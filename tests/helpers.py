@@ -222,9 +222,9 @@ def numpy_prf1(logits, labels, num_classes: int, per_class: bool = True) -> dict
 
 
 def small_run(tmp_path, stages=(), **fields):
-    """What a stage needs from a run, without a `Loop` (the stage contract): a `RunState` with an accelerator,
-    events, state, clock, preemption watch, checkpointer and a `log` that appends to the log history; `stages` are
-    bound to it."""
+    """What a stage needs from a run, without a `Loop` (the stage contract): a `RunState` (`fields`, and a state)
+    and a `RunContext` with an accelerator, events, clock, preemption watch, checkpointer and a `log` that appends
+    to the log history; `stages` are bound to both, which are returned."""
     from accelerate import Accelerator
 
     from loopkit import LoopArgs
@@ -232,19 +232,19 @@ def small_run(tmp_path, stages=(), **fields):
     from loopkit.events import EventHandler
     from loopkit.guards import PreemptionWatch
     from loopkit.phases import PhaseClock
-    from loopkit.run import RunState
+    from loopkit.run import RunContext, RunState
     from loopkit.state import LoopState
 
     run = RunState(args=fields.pop("args", LoopArgs(output_dir=str(tmp_path), report_to="none")), **fields)
-    run.accelerator = Accelerator(cpu=True)
-    run.gather_function = run.accelerator.gather_for_metrics
-    run.events = EventHandler([], stages)
-    run.state, run.clock, run.preemption = LoopState(), PhaseClock(), PreemptionWatch()
-    run.checkpointer = Checkpointer(run)
-    run.log = lambda logs, start_time=None: run.state.log_history.append(dict(logs))
+    run.state = LoopState()
+    context = RunContext(accelerator=Accelerator(cpu=True), events=EventHandler([], stages, run), clock=PhaseClock(),
+                         preemption=PreemptionWatch(),
+                         log=lambda logs, start_time=None: run.state.log_history.append(dict(logs)))
+    context.gather_function = context.accelerator.gather_for_metrics
+    context.checkpointer = Checkpointer(run, context)
     for stage in stages:
-        stage.bind(run)
-    return run
+        stage.bind(run, context)
+    return run, context
 
 
 

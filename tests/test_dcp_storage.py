@@ -126,7 +126,7 @@ def test_planted_pickle_in_dcp_metadata_is_refused_and_never_runs(tmp_path, one_
     loop = dcp_child.build_loop(str(tmp_path), "direct", sharded=False)
     loop.run.model_wrapped = loop.model  # as at the end of training, where the best model is loaded
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata"):
-        loop.run.checkpointer.load_best_model(planted)
+        loop.context.checkpointer.load_best_model(planted)
     assert not os.path.exists(marker), "the planted pickle ran"
 
 

@@ -41,7 +41,7 @@ def test_the_preference_step_alone_takes_a_dpo_step_against_a_frozen_reference(t
     stage = dpo_step.PreferenceStep(reference, beta=0.5)
     args = LoopArgs(output_dir=str(tmp_path), learning_rate=1e-2, gradient_accumulation_steps=2,
                     remove_unused_columns=False, report_to="none")
-    run = small_run(tmp_path, [stage], args=args, model=policy)
+    run, _ = small_run(tmp_path, [stage], args=args, model=policy)
     stage.prepare(max_steps=1, checkpoint=None)
     batches = [preference_batch(3, seed=s) for s in (0, 1)]
     start, reference_before = copy.deepcopy(policy), copy.deepcopy(reference)

@@ -129,9 +129,9 @@ def test_under_a_launcher_is_told_by_the_process_count_the_launchers_variables_a
 
 def test_the_first_signal_names_the_step_it_stops_after_with_one_process_and_with_several():
     """The step in the message is the one the loop's guard check acts on (loopkit/loop.py `check_guards`)."""
-    run = SimpleNamespace(state=SimpleNamespace(global_step=4), accelerator=SimpleNamespace(num_processes=1),
-                          args=SimpleNamespace(output_dir="/runs/a"))
-    watch = PreemptionWatch(run)
+    run = SimpleNamespace(state=SimpleNamespace(global_step=4), args=SimpleNamespace(output_dir="/runs/a"))
+    context = SimpleNamespace(accelerator=SimpleNamespace(num_processes=1))
+    watch = PreemptionWatch(run, context)
     watch.signum = signal.SIGTERM
     tail = "then saving checkpoint-{} in /runs/a; press Ctrl-C again to stop without saving."
     watch.checked(4, 10)  # step 4 checked: the next check is after step 5
@@ -139,6 +139,6 @@ def test_the_first_signal_names_the_step_it_stops_after_with_one_process_and_wit
     run.state.global_step = 5  # step 5 done, its log/evaluate/save running: the check after it acts
     assert "SIGTERM received: step 5 is done" in watch.plan_text()
     assert watch.plan_text().endswith(tail.format(5))
-    run.accelerator.num_processes = 2  # the ranks agree every 10 steps: at step 10
+    context.accelerator.num_processes = 2  # the ranks agree every 10 steps: at step 10
     assert "finishing the steps up to step 10 (the ranks agree every 10 steps), " + tail.format(10) in \
         watch.plan_text()

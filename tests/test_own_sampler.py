@@ -36,7 +36,7 @@ class OwnSamplerData(DataStage):
         self.sampler = EpochSampler(len(run.train_dataset), seed=7)
         loader = DataLoader(run.train_dataset, batch_size=run.args.per_device_train_batch_size, sampler=self.sampler,
                             collate_fn=default_data_collator)
-        return run.accelerator.prepare(loader)
+        return self.context.accelerator.prepare(loader)
 
 
 def train_recording_inputs(output_dir, resume=None):

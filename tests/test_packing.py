@@ -175,7 +175,7 @@ def test_the_packing_stage_alone_serves_packed_windows(tmp_path):
     args = LoopArgs(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
                     num_train_epochs=1, report_to="none")
     samples = ragged_samples(20)
-    run = small_run(tmp_path, [stage], args=args, model=tiny_llama(), train_dataset=samples)
+    run, _ = small_run(tmp_path, [stage], args=args, model=tiny_llama(), train_dataset=samples)
     run.label_names = ["labels"]
     run.train_dataloader = stage.get_train_dataloader()
     plan = stage.plan(run.train_dataloader)

@@ -1,5 +1,6 @@
-"""The stage contract: each stage works on a small `RunState` without a `Loop`, stages touch no `Loop` or other
-stage, every shared field has the one writer `loopkit/run.py` declares, and overrides take one path."""
+"""The stage contract: each stage works on a small `RunState` and `RunContext` without a `Loop`, stages touch no
+`Loop` or other stage, every shared field has the one writer `loopkit/run.py` declares, every context field is made
+and assigned where it declares (never by a stage), and overrides take one path."""
 
 import ast
 import os
@@ -12,8 +13,9 @@ from torch import nn
 import loopkit
 from loopkit import Loop, LoopArgs, LoopConfigError, StepStage
 from loopkit.events import EventHandler
-from loopkit.hf_methods import RUN_VIEWS
-from loopkit.run import RunState
+from loopkit.hf_methods import CONTEXT_VIEWS, OWNERS, RUN_VIEWS
+from loopkit.memory import MemoryTracker
+from loopkit.run import RunContext, RunState
 from loopkit.stages.data import DataStage, Window
 from loopkit.stages.evaluation import EvalStage
 from loopkit.stages.setup import SetupStage
@@ -24,12 +26,20 @@ from helpers import TinyRegression, regression_data, small_run, tiny_regression
 PACKAGE = os.path.dirname(loopkit.__file__)
 
 
-# A stage's own test builds a small run state (tests/helpers.py: `small_run`), never a `Loop`.
-def test_setup_stage_alone_builds_the_accelerator_and_the_model(tmp_path):
+# A stage's own test builds a small run state and context (tests/helpers.py: `small_run`), never a `Loop`.
+def test_setup_stage_alone_makes_the_accelerator_and_builds_the_model(tmp_path):
+    from accelerate import Accelerator
+
     setup = SetupStage()
-    run = small_run(tmp_path, [setup], model_init=lambda: tiny_regression(3))
+    run, context = small_run(tmp_path, [setup], model_init=lambda: tiny_regression(3))
+    given = context.accelerator
+    accelerator, gather = setup.create_accelerator_and_gather()
+    memory = setup.track_memory()
+    # Made and returned, not assigned: the context still holds what it was given.
+    assert isinstance(accelerator, Accelerator) and gather == accelerator.gather_for_metrics
+    assert isinstance(memory, MemoryTracker) and context.accelerator is given and context.memory is not memory
     setup.build(None)
-    assert run.accelerator is not None and isinstance(run.model, TinyRegression)
+    assert isinstance(run.model, TinyRegression)
     assert torch.equal(run.model.linear.weight, tiny_regression(3).linear.weight)
     assert run.model_accepts_loss_kwargs is False  # TinyRegression.forward(x, labels): no **kwargs
 
@@ -38,7 +48,7 @@ def test_data_stage_alone_plans_and_windows_the_epoch(tmp_path):
     data = DataStage()
     args = LoopArgs(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=3,
                     num_train_epochs=1, report_to="none")
-    run = small_run(tmp_path, [data], args=args, train_dataset=regression_data(10), model=tiny_regression())
+    run, _ = small_run(tmp_path, [data], args=args, train_dataset=regression_data(10), model=tiny_regression())
     run.label_names = ["labels"]
     run.train_dataloader = data.get_train_dataloader()
     plan = data.plan(run.train_dataloader)
@@ -55,7 +65,7 @@ def test_step_stage_alone_takes_one_exact_sgd_step(tmp_path):
     step = StepStage()
     args = LoopArgs(output_dir=str(tmp_path), learning_rate=0.1, max_grad_norm=0.0, report_to="none")
     model = tiny_regression()
-    run = small_run(tmp_path, [step], args=args, model=model,
+    run, _ = small_run(tmp_path, [step], args=args, model=model,
                     optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))
     step.prepare(max_steps=1, checkpoint=None)
     batches = [{"x": torch.randn(4, 2), "labels": torch.randn(4)} for _ in range(2)]
@@ -78,12 +88,12 @@ def test_eval_stage_alone_streams_the_loss(tmp_path):
     samples = regression_data(7)
     model = tiny_regression()
     args = LoopArgs(output_dir=str(tmp_path), per_device_eval_batch_size=3, report_to="none")
-    run = small_run(tmp_path, [evaluation, data], args=args, model=model, eval_dataset=samples)
+    run, context = small_run(tmp_path, [evaluation, data], args=args, model=model, eval_dataset=samples)
     run.label_names = ["labels"]
-    run.get_eval_dataloader = data.get_eval_dataloader
-    run.count_loss_items = lambda batches: None
-    run.compute_loss_context_manager = torch.no_grad
-    run.compute_loss = lambda model, inputs, return_outputs=False, num_items_in_batch=None: (
+    context.get_eval_dataloader = data.get_eval_dataloader
+    context.count_loss_items = lambda batches: None
+    context.compute_loss_context_manager = torch.no_grad
+    context.compute_loss = lambda model, inputs, return_outputs=False, num_items_in_batch=None: (
         (lambda out: (out["loss"], out) if return_outputs else out["loss"])(model(**inputs)))
     metrics = evaluation.evaluate()
     with torch.no_grad():  # HF's eval_loss: each batch's mean loss weighted by its size (3, 3 and 1 samples)
@@ -103,8 +113,8 @@ def test_teardown_stage_alone_summarises_and_fires_train_end(tmp_path):
         def on_train_end(self, args, state, control, **kwargs):
             heard.append(state.global_step)
 
-    run = small_run(tmp_path, [teardown], model=tiny_regression())
-    run.events = EventHandler([Listener()], [teardown])
+    run, context = small_run(tmp_path, [teardown], model=tiny_regression())
+    context.events = EventHandler([Listener()], [teardown], run)
     run.state.global_step = run.state.max_steps = 4
     plan = TrainingPlan(1, 4, 8, 8.0, 2, 4, 4)
     output = teardown.finish_training(plan, start_time=0.0, train_loss=0.5, steps_run=4)
@@ -134,18 +144,18 @@ def test_no_stage_reads_the_loop_or_another_stage():
             if isinstance(node, ast.Name) and node.id == "loop":
                 pytest.fail(f"{rel}:{node.lineno} uses a name `loop`")
             if isinstance(node, ast.Attribute) and node.attr in stage_names and \
-                    isinstance(node.value, ast.Attribute) and node.value.attr == "run":
-                pytest.fail(f"{rel}:{node.lineno} reaches another stage through the run state")
+                    isinstance(node.value, ast.Attribute) and node.value.attr in ("run", "context"):
+                pytest.fail(f"{rel}:{node.lineno} reaches another stage through the run state or context")
 
 
-def declared_writers(header: str) -> dict:
-    """Parse a table of `loopkit/run.py`'s docstring: field -> the file that writes it."""
+def declared_writers(header: str, column: int = -1) -> dict:
+    """Parse a table of `loopkit/run.py`'s docstring: field -> the file named in `column` (the last: its writer)."""
     doc = ast.get_docstring(ast.parse(open(os.path.join(PACKAGE, "run.py")).read()))
     table = doc.split(header, 1)[1].split("\n\n", 1)[0]
     writers, writer = {}, None
     for line in table.splitlines()[2:]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        found = re.search(r"[\w/]+\.py", cells[-1])
+        found = re.search(r"[\w/]+\.py", cells[column])
         writer = found.group(0) if found else writer  # a row with an empty writer cell continues the one above
         writers.update(dict.fromkeys((name.strip() for name in cells[0].split(",") if name.strip()), writer))
     return writers
@@ -216,6 +226,7 @@ def test_every_shared_field_has_its_declared_single_writer():
 
     assert set(run_declared) == {f.name for f in fields(RunState)}, "run.py's table and RunState's fields differ"
     for field, files in run_actual.items():
+        assert field in run_declared, f"run.{field} is written in {sorted(files)} but RunState has no such field"
         assert files == {run_declared[field]}, f"run.{field} is written in {sorted(files)}, declared: " \
                                                f"{run_declared[field]}"
     for field, files in state_actual.items():
@@ -236,6 +247,80 @@ def test_writes_through_the_loops_attribute_views_are_seen():
     targets = [t for node in ast.walk(tree) if isinstance(node, ast.Assign) for t in assignment_targets(node)]
     seen = sorted(t.attr for t in targets if t.attr in RUN_VIEWS and is_loop(t.value, selves))
     assert seen == ["model", "optimizer"]  # the stage's own `self.model` is no view
+
+
+def is_context(node) -> bool:
+    """`context`, or `<anything>.context` (a stage's `self.context`, the Loop's, `loop.context`)."""
+    return (isinstance(node, ast.Name) and node.id == "context") or \
+        (isinstance(node, ast.Attribute) and node.attr == "context")
+
+
+def context_assignments(files) -> dict:
+    """Each context field -> [(file, the value assigned)], over `files` ((path, tree) pairs): `context.<field> = ...`
+    (`self.context.<field>`, `loop.context.<field>`), `RunContext(<field>=...)`, and writes through the Loop's views
+    (`self.accelerator = ...` in its classes, `loop.checkpointer = ...`)."""
+    found = {}
+    for rel, tree in files:
+        selves = loop_selves(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "RunContext":
+                for keyword in node.keywords:
+                    found.setdefault(keyword.arg, []).append((rel, keyword.value))
+            if not isinstance(node, (ast.Assign, ast.AugAssign)):
+                continue
+            for target in assignment_targets(node):
+                if isinstance(target, ast.Attribute) and (is_context(target.value) or (
+                        target.attr in CONTEXT_VIEWS and is_loop(target.value, selves))):
+                    found.setdefault(target.attr, []).append((rel, node.value))
+    return found
+
+
+STAGE_NAMES = ("setup", "data", "step", "evaluation", "teardown")
+
+
+def made_by_stage(value, stage: str) -> bool:
+    """The value comes from `stage`: `self.<stage>.<method>(...)`, or the Loop's own `self.<method>` for a method
+    the stage owns (`loopkit.hf_methods.OWNERS`), which reaches the stage's implementation or an override of it."""
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
+        owner = value.func.value
+        return isinstance(owner, ast.Attribute) and owner.attr == stage
+    return isinstance(value, ast.Attribute) and OWNERS.get(value.attr) == stage
+
+
+def test_every_context_field_is_made_and_assigned_where_run_py_declares():
+    from dataclasses import fields
+
+    assigned_by = declared_writers("| context field ")
+    made_by = declared_writers("| context field ", column=-2)
+    assert set(assigned_by) == {f.name for f in fields(RunContext)}, "run.py's context table and RunContext differ"
+    assert not set(assigned_by) & {f.name for f in fields(RunState)}, "a field is both state and context"
+    found = context_assignments(source_files())
+    assert set(found) == set(assigned_by), f"never assigned: {sorted(set(assigned_by) - set(found))}"
+    for field, sites in found.items():
+        files = {rel for rel, _ in sites}
+        assert field in assigned_by, f"context.{field} is assigned in {sorted(files)} but RunContext has no such field"
+        assert not any(rel.startswith("stages") for rel in files), f"a stage assigns context.{field}: {sorted(files)}"
+        assert files == {assigned_by[field]}, f"context.{field} is assigned in {sorted(files)}, declared: " \
+                                              f"{assigned_by[field]}"
+        maker = made_by[field]
+        for rel, value in sites:
+            if maker.startswith("stages/"):
+                stage = maker[len("stages/"):-len(".py")]
+                assert made_by_stage(value, stage), f"{rel}:{value.lineno}: context.{field} is not the {stage} stage's"
+            else:
+                assert not any(made_by_stage(value, s) for s in STAGE_NAMES), \
+                    f"{rel}:{value.lineno}: context.{field} comes from a stage, declared: {maker}"
+    assert made_by["accelerator"] == made_by["memory"] == "stages/setup.py"
+
+
+def test_a_stage_assigning_a_context_field_is_seen():
+    """However a stage (or the Loop, through a view) assigns a context field, the contract test sees it."""
+    code = ("class Mine(SetupStage):\n    def build(self, model):\n        self.context.accelerator = None\n"
+            "        context = self.context\n        context.memory = None\n"
+            "class Loop(HFMethods):\n    def f(self):\n        self.checkpointer = None\n"
+            "        self.model = None\n")
+    found = context_assignments([("stages/mine.py", ast.parse(code))])
+    assert sorted(found) == ["accelerator", "checkpointer", "memory"]  # `self.model` is the run state's view
 
 
 def test_no_function_in_loopkit_is_over_60_lines_and_loop_py_is_under_300():

@@ -198,7 +198,7 @@ class SaveFinalTeardown(TeardownStage):
     def finish_training(self, plan, start_time, train_loss, steps_run):
         output = super().finish_training(plan, start_time, train_loss, steps_run)
         run = self.run
-        save_model_files(run.model_wrapped, run.accelerator, os.path.join(run.args.output_dir, "final"))
+        save_model_files(run.model_wrapped, self.context.accelerator, os.path.join(run.args.output_dir, "final"))
         return output
 
     def release(self):

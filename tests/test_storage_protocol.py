@@ -66,7 +66,7 @@ def test_setup_step_data_loop_and_teardown_reach_checkpoints_through_the_storage
 
 def test_checkpoint_options_given_to_the_evaluation_stage_go_to_the_default_storage(tmp_path):
     loop = make_loop(tmp_path, evaluation=EvalStage(async_save=True, on_save_error="continue", best_total_limit=2))
-    storage = loop.run.checkpointer
+    storage = loop.context.checkpointer
     assert isinstance(storage, HFStorage)
     assert storage.options() == dict(async_save=True, on_save_error="continue", best_total_limit=2)
 

@@ -12,7 +12,7 @@ sync, at a point where the loop's own logging syncs anyway). `loop.log(...)` the
 
 Two styles, same numbers:
 * stage subclass: `GradientStatsStep(StepStage)` listens to the event itself (stages receive events) and logs
-  through `self.run.log`: `Loop(..., step=GradientStatsStep(...))`.
+  through `self.context.log`: `Loop(..., step=GradientStatsStep(...))`.
 * callback: `GradientStatsCallback(log=loop.log, ...)`, a plain HF-style callback: `loop.add_callback(...)`.
 
 Run: `python examples/recipes/gradient_monitoring.py [--tiny]`, then `tensorboard --logdir <output_dir>/runs`.
@@ -87,7 +87,7 @@ class GradientStatsStep(GradientStatsMonitor, StepStage):
         GradientStatsMonitor.__init__(self, name_filter, every_n_steps)
 
     def log(self, logs: dict) -> None:
-        self.run.log(logs)
+        self.context.log(logs)
 
 
 class GradientStatsCallback(GradientStatsMonitor):

@@ -96,7 +96,7 @@ class UnfreezingStep(StepStage):
         scheduler = super().create_scheduler(num_training_steps, optimizer)
         # `prepare` loads a checkpoint's optimizer state right after this, and that state has one param group per
         # layer unfrozen so far: rebuild those groups first, from this stage's state saved in the checkpoint.
-        saved = self.run.checkpointer.read_stage_states(self.resuming_from).get("step", {}) \
+        saved = self.context.checkpointer.read_stage_states(self.resuming_from).get("step", {}) \
             if self.resuming_from else {}
         self.unfreeze(saved.get("trainable_layers") or self.top_layers)
         return scheduler

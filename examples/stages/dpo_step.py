@@ -58,7 +58,7 @@ class PreferenceStep(StepStage):
 
     def prepare(self, max_steps, checkpoint):
         super().prepare(max_steps, checkpoint)
-        self.reference.to(self.run.accelerator.device)
+        self.reference.to(self.context.accelerator.device)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         margin = dpo_margin(model, self.reference, inputs)

@@ -124,7 +124,7 @@ class RunLineage:
         previous_run = self.run_id
         resumed = read_record(checkpoint) if checkpoint is not None else None
         self.begin_run((resumed.run_id if resumed is not None else None) or new_run_id(), records)
-        if self.run.accelerator.is_main_process:
+        if self.context.accelerator.is_main_process:
             if checkpoint is None:
                 self.report_other_runs(records)
             elif resume_from_checkpoint is True:
@@ -134,7 +134,7 @@ class RunLineage:
     def begin_run(self, run_id: str, records: list[CheckpointRecord]) -> None:
         """Saves from now on belong to `run_id` and are numbered after every checkpoint in `records`. With several
         processes the main process's id is taken by all (a fresh id differs by rank; `save` compares it on each)."""
-        if self.run.accelerator.num_processes > 1:
+        if self.context.accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
             run_id = broadcast_object_list([run_id], from_process=0)[0]

@@ -52,8 +52,8 @@ class Resuming:
     def read_stage_states(self, checkpoint: str) -> dict:
         """The checkpoint's `loopkit_state.json` (each stage's state by name; {} for HF Trainer's folders), with this
         process's stage tensors put back (the data stage's batch read ahead)."""
-        return with_stage_tensors(read_stage_states(checkpoint), checkpoint, self.run.accelerator)
+        return with_stage_tensors(read_stage_states(checkpoint), checkpoint, self.context.accelerator)
 
     def read_rng(self, checkpoint: str) -> dict | None:
         """This process's RNG states saved in `checkpoint` (None if it has none, e.g. `save_only_model`)."""
-        return read_rng_file(checkpoint, self.run.accelerator)
+        return read_rng_file(checkpoint, self.context.accelerator)

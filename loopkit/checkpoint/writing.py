@@ -62,13 +62,13 @@ class AtomicSaves:
     def writes_files(self) -> bool:
         """HF's `args.should_save`: the main process, or with `save_on_each_node` the first process of each node
         (for nodes without a shared disk)."""
-        acc = self.run.accelerator
+        acc = self.context.accelerator
         return acc.is_local_main_process if self.run.args.save_on_each_node else acc.is_main_process
 
     def save(self, stage_states: dict) -> str:
         """Save a full checkpoint of the current step atomically, with `stage_states` (JSON values by stage name)
         as `loopkit_state.json`; return its final path."""
-        run = self.run
+        run, context = self.run, self.context
         state = run.state
         self.wait()  # one save in flight at a time; raises a background failure first
         final = os.path.join(run.args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
@@ -76,7 +76,7 @@ class AtomicSaves:
             best = os.path.join(run.args.output_dir, f"{CHECKPOINT_PREFIX}-{state.best_global_step}")
             if best == final or (os.path.isdir(best) and self.is_own(best)):  # never another run's folder
                 state.best_model_checkpoint = best
-        run.state.record_callback_states(run.events.callback_objects + [run.control])
+        run.state.record_callback_states(context.events.callback_objects + [run.control])
         snapshot = self.take_snapshot(stage_states)
         push = self.hub.begin_push()  # on the training thread: on_push_begin, and the commit message (or None)
         self.last_saved_step, self.rng_for_next_save = state.global_step, None
@@ -89,7 +89,7 @@ class AtomicSaves:
     def common_snapshot(self, stage_states: dict, model_state=None, optimizer=None) -> Snapshot:
         """The snapshot's layout-independent parts (scheduler, scaler, RNG, trainer and stage states), copied to
         host memory for an asynchronous save; `model_state` and `optimizer` are the layout's."""
-        run, acc = self.run, self.run.accelerator
+        run, acc = self.run, self.context.accelerator
         copy = copy_to_cpu if self.async_save else (lambda x: x)
         full_state = not run.args.save_only_model
         stage_states, stage_tensors, own_stage_states = split_stage_states(stage_states)
@@ -105,7 +105,7 @@ class AtomicSaves:
 
     def write_common_files(self, snapshot: Snapshot, folder: str) -> None:
         """Scheduler, scaler, this process's RNG states and stage tensors (every process calls it)."""
-        acc = self.run.accelerator
+        acc = self.context.accelerator
         if snapshot.scheduler is not None:
             files.save_state_file(snapshot.scheduler, os.path.join(folder, files.SCHEDULER_NAME))
         if snapshot.scaler is not None and self.writes_files:
@@ -165,13 +165,13 @@ class AtomicSaves:
         tmp, final = self.open_folder(snapshot.step)
         try:
             self.write_files(snapshot, tmp)
-            self.run.accelerator.wait_for_everyone()
+            self.context.accelerator.wait_for_everyone()
             self.close_folder(snapshot, tmp, final)
         except BaseException:
             self.discard_folder(tmp)
             raise
         self.after_save(final, push)
-        self.run.accelerator.wait_for_everyone()
+        self.context.accelerator.wait_for_everyone()
 
     def open_folder(self, step: int) -> tuple[str, str]:
         """The empty temporary folder of checkpoint `step` and its final path (every process calls it)."""
@@ -182,7 +182,7 @@ class AtomicSaves:
             os.makedirs(run_dir, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-        self.run.accelerator.wait_for_everyone()
+        self.context.accelerator.wait_for_everyone()
         return tmp, final
 
     def close_folder(self, snapshot: Snapshot, tmp: str, final: str) -> None:

@@ -143,7 +143,7 @@ class ChunkedLossStep(StepStage):
         pass  # the loss follows the default rule: normalised by num_items_in_batch when the model takes it
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        run = self.run
+        run, context = self.run, self.context
         chunked = (model.training and not return_outputs and run.compute_loss_func is None
                    and isinstance(inputs, Mapping) and "labels" in inputs and self.head is not None)
         if not chunked:
@@ -157,5 +157,5 @@ class ChunkedLossStep(StepStage):
             num_items_in_batch = None  # the default step's rule: a per-batch mean, divided over the window
         loss = chunked_causal_lm_loss(hidden, self.head, targets, num_items_in_batch, self.chunk_tokens)
         if run.args.average_tokens_across_devices and num_items_in_batch is not None:
-            loss = loss * run.accelerator.num_processes  # as StepStage.compute_loss: DDP averages the gradients
+            loss = loss * context.accelerator.num_processes  # as StepStage.compute_loss: DDP averages the gradients
         return loss

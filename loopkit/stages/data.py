@@ -17,9 +17,9 @@ Contract:
   against the model's forward and the collator; a padding collator without pad token; an unlabelled eval dataset
   while `metric_for_best_model` needs labels, at construction).
 
-Reads `run.args`, `run.accelerator`, `run.model`, `run.label_names`, `run.train_dataset`, `run.eval_dataset`,
-`run.data_collator`, `run.processing_class`, `run.train_dataloader`, `run.clock`, `run.checkpointer`; writes no
-run-state field. Owns HF's overridable `get_train_dataloader`, `get_eval_dataloader`, `get_test_dataloader`.
+Reads `run.args`, `run.model`, `run.label_names`, `run.train_dataset`, `run.eval_dataset`, `run.data_collator`,
+`run.processing_class`, `run.train_dataloader`; uses `context.accelerator`, `context.clock`, `context.checkpointer`;
+writes no run-state field. Owns HF's overridable `get_train_dataloader`, `get_eval_dataloader`, `get_test_dataloader`.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class DataStage(Stage):
                          collator=None) -> DataLoader:
         """An Accelerate-prepared loader over `dataset`, collated by `collator` (default: the run's collator, or
         HF's default for the processing class)."""
-        run, args = self.run, self.run.args
+        context, args = self.context, self.run.args
         if collator is None:
             if self.collator is None:
                 self.collator = self.for_compiling(self.resolve_collator())
@@ -168,7 +168,7 @@ class DataStage(Stage):
             collator = self.collator
         dataset, collator = self.with_model_columns(dataset, collator, description)
         params = dict(batch_size=batch_size, collate_fn=collator, num_workers=args.dataloader_num_workers,
-                      pin_memory=args.dataloader_pin_memory and run.accelerator.device.type != "cpu",
+                      pin_memory=args.dataloader_pin_memory and context.accelerator.device.type != "cpu",
                       persistent_workers=args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
                       prefetch_factor=args.dataloader_prefetch_factor, in_order=args.dataloader_in_order)
         if args.dataloader_multiprocessing_context is not None:
@@ -180,16 +180,16 @@ class DataStage(Stage):
         if training:
             self.train_source = dataset
             if args.dataloader_num_workers > 0:
-                self.worker_seeding = WorkerSeeding(args.seed, run.accelerator.process_index)
+                self.worker_seeding = WorkerSeeding(args.seed, context.accelerator.process_index)
                 params["worker_init_fn"] = self.worker_seeding
                 if not isinstance(dataset, IterableDataset):
-                    dataset = PositionSeededDataset(dataset, args.seed, run.accelerator.process_index)
+                    dataset = PositionSeededDataset(dataset, args.seed, context.accelerator.process_index)
         if not isinstance(dataset, IterableDataset):
             params["sampler"] = self.train_sampler(dataset) if training else self.eval_sampler(dataset)
             params["drop_last"] = args.dataloader_drop_last
-        elif training and run.accelerator.num_processes > 1:  # sharded without dispatching: see distributed.py
-            return prepare_iterable_train_loader(run.accelerator, DataLoader(dataset, **params))
-        return run.accelerator.prepare(DataLoader(dataset, **params))
+        elif training and context.accelerator.num_processes > 1:  # sharded without dispatching: see distributed.py
+            return prepare_iterable_train_loader(context.accelerator, DataLoader(dataset, **params))
+        return context.accelerator.prepare(DataLoader(dataset, **params))
 
     def train_sampler(self, dataset):
         args = self.run.args
@@ -211,7 +211,7 @@ class DataStage(Stage):
             seed = args.data_seed if args.data_seed is not None else args.seed
             return LengthGroupedSampler(args.per_device_eval_batch_size, lengths=sample_lengths(
                 dataset, args, self.run.processing_class), generator=torch.Generator().manual_seed(seed))
-        return SequentialSampler(dataset) if self.run.accelerator.num_processes == 1 else None
+        return SequentialSampler(dataset) if self.context.accelerator.num_processes == 1 else None
 
     def get_train_dataloader(self) -> DataLoader:
         run = self.run
@@ -259,7 +259,7 @@ class DataStage(Stage):
 
     # -- step and epoch arithmetic --
     def plan(self, dataloader) -> TrainingPlan:
-        args, acc = self.run.args, self.run.accelerator
+        args, acc = self.run.args, self.context.accelerator
         ga = args.gradient_accumulation_steps
         total_batch = self.train_batch_size() * ga * acc.num_processes
         if has_length(dataloader):
@@ -294,7 +294,7 @@ class DataStage(Stage):
         """
         if checkpoint is None:
             return None
-        args, rng = self.run.args, self.run.checkpointer.read_rng(checkpoint)
+        args, rng = self.run.args, self.context.checkpointer.read_rng(checkpoint)
         if args.ignore_data_skip:
             return ResumePoint(checkpoint, global_step // plan.num_update_steps_per_epoch, 0, rng=rng)
         saved = (self.saved or {}).get("position")
@@ -302,7 +302,7 @@ class DataStage(Stage):
             return ResumePoint(checkpoint, global_step // plan.num_update_steps_per_epoch,
                                (global_step % plan.num_update_steps_per_epoch) * args.gradient_accumulation_steps,
                                rng=rng)
-        samples_per_micro_batch = self.train_batch_size() * self.run.accelerator.num_processes
+        samples_per_micro_batch = self.train_batch_size() * self.context.accelerator.num_processes
         epoch, skip = saved["epoch"], saved["samples"] // samples_per_micro_batch
         if saved["samples"] % samples_per_micro_batch:  # another batch size: back to the last whole micro-batch
             warnings.warn(f"The checkpoint stopped after {saved['samples']} samples of epoch {saved['epoch']}, not a "
@@ -313,7 +313,7 @@ class DataStage(Stage):
             epoch, skip = epoch + 1, 0  # the checkpoint closed its epoch
         stored = self.saved.get("read_ahead")
         # The stored batch is the next one only at the same number of processes and the same micro-batch size.
-        same_batches = stored is not None and stored["processes"] == self.run.accelerator.num_processes \
+        same_batches = stored is not None and stored["processes"] == self.context.accelerator.num_processes \
             and saved.get("micro_batches") == skip
         read_ahead = batch_from_state(stored["batch"]) if same_batches and skip else None
         return ResumePoint(checkpoint, epoch, skip, saved.get("dataset_state"), rng, read_ahead)
@@ -325,20 +325,20 @@ class DataStage(Stage):
         resumed run is restored."""
         from accelerate.utils import send_to_device
 
-        run, ga = self.run, self.run.args.gradient_accumulation_steps
+        context, ga = self.context, self.run.args.gradient_accumulation_steps
         resuming = resume is not None and epoch == resume.epochs_trained
         skip = resume.micro_batches_to_skip if resuming else 0
         self.saved = None  # from here on the state is the live one
         reader, loader = self.epoch_iterator(epoch, skip, resume if resuming else None)
         self.reader = reader
         generators = self.seeded_collators()
-        device, non_blocking = run.accelerator.device, getattr(loader, "_non_blocking", False)
+        device, non_blocking = context.accelerator.device, getattr(loader, "_non_blocking", False)
         last_window_size = plan.steps_in_epoch % ga or ga
         self.epoch, self.micro_batches_done = epoch, skip
         for update in range(skip // ga, plan.num_update_steps_per_epoch):
             size = ga if update != plan.num_update_steps_per_epoch - 1 else last_window_size
             batches = []
-            with run.clock.span("data"):
+            with context.clock.span("data"):
                 for _ in range(size):
                     try:
                         batches.append(send_to_device(next(reader), device, non_blocking=non_blocking))
@@ -412,15 +412,15 @@ class DataStage(Stage):
         if generators:
             # A checkpoint taken for an interrupted evaluation holds the RNG from before it (see Schedule), so the
             # generator from then too: after the last window was read.
-            before_evaluation = self.run.checkpointer.rng_for_next_save is not None and \
+            before_evaluation = self.context.checkpointer.rng_for_next_save is not None and \
                 self.generators_after_read is not None
             state["collator_generators"] = self.generators_after_read if before_evaluation else \
                 [generator_state(owner) for owner in generators]
         return state
 
     def position_state(self) -> dict:
-        run = self.run
-        samples = self.micro_batches_done * self.train_batch_size() * run.accelerator.num_processes
+        run, context = self.run, self.context
+        samples = self.micro_batches_done * self.train_batch_size() * context.accelerator.num_processes
         position = {"epoch": self.epoch, "micro_batches": self.micro_batches_done, "samples": samples}
         if isinstance(self.train_source, IterableDataset) and is_seekable(self.train_source) and \
                 run.args.dataloader_num_workers == 0:
@@ -430,7 +430,7 @@ class DataStage(Stage):
         if pending is not None:
             stored = batch_state(pending)
             if stored is not None:
-                state["read_ahead"] = {"processes": run.accelerator.num_processes, "batch": stored}
+                state["read_ahead"] = {"processes": context.accelerator.num_processes, "batch": stored}
             elif not self.unstorable_batch_warned:
                 self.unstorable_batch_warned = True
                 warnings.warn(f"The batch read ahead ({type(pending).__name__}) holds values a checkpoint cannot "

@@ -2,7 +2,7 @@
 
 Contract:
 * `evaluate`, `predict`, `evaluation_loop`, `prediction_step`: HF's signatures and metric keys; `evaluate` logs its
-  metrics (`run.log`) and fires `on_evaluate`, `predict` fires `on_predict`.
+  metrics (`context.log`) and fires `on_evaluate`, `predict` fires `on_predict`.
 * The loss is summed on the device as it streams (`LossSum`: memory does not grow with the eval set); logits and
   labels are kept only when `compute_metrics` needs them or for `predict` (`PredictionStore`). Streaming metrics
   (`Loop(metrics=[...])`, `loopkit.metrics`) see every batch's logits on the device and keep only running sums.
@@ -10,12 +10,12 @@ Contract:
   `Loop` hands them to the default checkpoint storage (their place is the storage: `loopkit.storage`). When to
   log, evaluate and save is the `Schedule`'s business (loopkit/schedule.py), not this stage's.
 
-Reads `run.args`, `run.accelerator`, `run.model`, `run.model_wrapped`, `run.optimizer`, `run.label_names`,
-`run.metrics`, `run.compute_metrics`, `run.preprocess_logits_for_metrics`, `run.compute_loss`,
-`run.count_loss_items`, `run.compute_loss_context_manager`, `run.gather_function`, `run.preemption`,
-`run.is_in_train` (`bf16_full_eval` / `fp16_full_eval` cast the model outside training), `run.memory`, and gets its
-loaders through the `get_eval_dataloader` / `get_test_dataloader` callables in the run state; writes
-`run.eval_dataloader`.
+Reads `run.args`, `run.model`, `run.model_wrapped`, `run.optimizer`, `run.label_names`, `run.metrics`,
+`run.compute_metrics`, `run.preprocess_logits_for_metrics`, `run.is_in_train` (`bf16_full_eval` / `fp16_full_eval`
+cast the model outside training); uses `context.accelerator`, `context.compute_loss`, `context.count_loss_items`,
+`context.compute_loss_context_manager`, `context.gather_function`, `context.preemption`, `context.memory`,
+`context.log`, `context.events`, and gets its loaders through the context's `get_eval_dataloader` /
+`get_test_dataloader`; writes `run.eval_dataloader`.
 """
 
 from __future__ import annotations
@@ -133,12 +133,12 @@ class EvalStage(Stage):
     #: generating stage does (loopkit/stages/seq2seq.py); any other refuses it rather than ignore it.
     generates = False
 
-    def bind(self, run) -> "EvalStage":
+    def bind(self, run, context) -> "EvalStage":
         if getattr(run.args, "predict_with_generate", False) and not self.generates:
             raise config_error("predict_with_generate", True, f"the evaluation stage {type(self).__name__} does "
                                "not generate", "replace Loop( with Seq2SeqLoop( (as Seq2SeqTrainer), or pass "
                                "evaluation=Seq2SeqEvalStage()")
-        return super().bind(run)
+        return super().bind(run, context)
 
     def checkpoint_options(self) -> dict:
         """The checkpoint options given to this stage, for the default storage (`loopkit.storage.HFStorage`)."""
@@ -146,7 +146,7 @@ class EvalStage(Stage):
 
     # -- evaluate / predict --
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
-        run = self.run
+        run, context = self.run, self.context
         override = eval_dataset is not None
         datasets = eval_dataset if override else run.eval_dataset
         if isinstance(datasets, dict):
@@ -155,32 +155,32 @@ class EvalStage(Stage):
                 metrics.update(self.evaluate(dataset if override else name, ignore_keys,
                                              f"{metric_key_prefix}_{name}"))
             return metrics
-        run.memory.start("eval")
-        dataloader = run.get_eval_dataloader(eval_dataset)
+        context.memory.start("eval")
+        dataloader = context.get_eval_dataloader(eval_dataset)
         # Without compute_metrics no predictions are kept (streaming metrics still see every batch's logits).
         output = self.timed_loop(dataloader, "Evaluation", True if run.compute_metrics is None else None,
                                  ignore_keys, metric_key_prefix)
-        run.log(output.metrics)
-        run.fire("on_evaluate", metrics=output.metrics)
-        run.memory.stop_and_update_metrics("eval", output.metrics)  # HF: in the returned metrics, not the log
+        context.log(output.metrics)
+        context.events.fire("on_evaluate", metrics=output.metrics)
+        context.memory.stop_and_update_metrics("eval", output.metrics)  # HF: in the returned metrics, not the log
         return output.metrics
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
-        self.run.memory.start("test")
-        dataloader = self.run.get_test_dataloader(test_dataset)
+        self.context.memory.start("test")
+        dataloader = self.context.get_test_dataloader(test_dataset)
         output = self.timed_loop(dataloader, "Prediction", None, ignore_keys, metric_key_prefix)
-        self.run.fire("on_predict", metrics=output.metrics)
-        self.run.memory.stop_and_update_metrics("test", output.metrics)
+        self.context.events.fire("on_predict", metrics=output.metrics)
+        self.context.memory.stop_and_update_metrics("test", output.metrics)
         return PredictionOutput(output.predictions, output.label_ids, output.metrics)
 
     def timed_loop(self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix):
         """`evaluation_loop` plus HF's speed metrics; the model's preparation time is not part of the runtime."""
-        run = self.run
+        run, context = self.run, self.context
         start = time.time()
         output = self.evaluation_loop(dataloader, description=description, prediction_loss_only=prediction_loss_only,
                                       ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         start += output.metrics.get(f"{metric_key_prefix}_model_preparation_time", 0)
-        total_batch = run.args.per_device_eval_batch_size * run.accelerator.num_processes
+        total_batch = run.args.per_device_eval_batch_size * context.accelerator.num_processes
         output.metrics.update(speed_metrics(metric_key_prefix, start, num_samples=output.num_samples,
                                             num_steps=math.ceil(output.num_samples / total_batch)))
         return output
@@ -188,30 +188,30 @@ class EvalStage(Stage):
     def eval_model(self):
         """The model to evaluate: the training-prepared one, or, before any training, the model prepared for
         evaluation (once per model; the time it took is reported as HF does)."""
-        run = self.run
+        run, context = self.run, self.context
         if run.model_wrapped is not None:
             return run.model_wrapped
         if self.prepared_for_eval is None or self.prepared_for_eval[0] is not run.model:
             start = time.time()
-            self.prepared_for_eval = (run.model, run.accelerator.prepare_model(run.model, evaluation_mode=True))
+            self.prepared_for_eval = (run.model, context.accelerator.prepare_model(run.model, evaluation_mode=True))
             self.model_preparation_time = round(time.time() - start, 4)
         return self.prepared_for_eval[1]
 
     def cast_for_full_eval(self, model):
         """`fp16_full_eval` / `bf16_full_eval`: outside `train()`, HF casts the model itself (in place: it stays
         in that dtype afterwards, as in HF) and evaluates without autocast's float32 weights."""
-        run, args = self.run, self.run.args
+        run, context, args = self.run, self.context, self.run.args
         if run.is_in_train:
             return model
         if args.fp16_full_eval:
-            return model.to(dtype=torch.float16, device=run.accelerator.device)
+            return model.to(dtype=torch.float16, device=context.accelerator.device)
         if args.bf16_full_eval:
-            return model.to(dtype=torch.bfloat16, device=run.accelerator.device)
+            return model.to(dtype=torch.bfloat16, device=context.accelerator.device)
         return model
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval") -> EvalLoopOutput:
-        run, args = self.run, self.run.args
+        run, context, args = self.run, self.context, self.run.args
         if prediction_loss_only is None:
             prediction_loss_only = args.prediction_loss_only
         trainer_logging.log_evaluation_start(description, dataloader, args)
@@ -220,10 +220,10 @@ class EvalStage(Stage):
         if callable(getattr(run.optimizer, "eval", None)):
             run.optimizer.eval()
         run.eval_dataloader = dataloader
-        acc = EvalAccumulators(run.accelerator.device, args.eval_do_concat_batches,
+        acc = EvalAccumulators(context.accelerator.device, args.eval_do_concat_batches,
                                keep=not args.batch_eval_metrics or description == "Prediction",
                                description=description)
-        reset_all(run.metrics, run.accelerator.device)
+        reset_all(run.metrics, context.accelerator.device)
         batch_metrics = None
         for step, inputs in enumerate(dataloader):
             self.stop_if_preempted()
@@ -236,14 +236,14 @@ class EvalStage(Stage):
 
     def stop_if_preempted(self) -> None:
         """A preemption signal abandons the evaluation (one process only: ranks must not leave collectives)."""
-        run = self.run
-        if run.preemption.active and run.accelerator.num_processes == 1 and run.preemption.requested:
-            raise EvaluationInterrupted(f"signal {run.preemption.signum} during evaluation")
+        watch = self.context.preemption
+        if watch.active and self.context.accelerator.num_processes == 1 and watch.requested:
+            raise EvaluationInterrupted(f"signal {watch.signum} during evaluation")
 
     def evaluate_batch(self, model, inputs, acc: EvalAccumulators, prediction_loss_only, ignore_keys):
         """One batch: prediction step, streaming metrics, loss sum, gathered predictions; HF's per-batch
         `compute_metrics` result with `batch_eval_metrics`, else None."""
-        run, args = self.run, self.run.args
+        run, context, args = self.run, self.context, self.run.args
         rows = find_batch_size(inputs) or 0
         acc.observed += rows
         streaming = run.metrics
@@ -255,12 +255,12 @@ class EvalStage(Stage):
         # A tuple batch has no label names: its metrics read labels by position (`label_key=1`).
         if streaming and (carries_labels(batch, run.label_names) or not isinstance(batch, Mapping)):
             acc.labelled_batches += 1
-            update_all(streaming, BatchOutputs(loss, logits), batch, real_rows(run.accelerator, rows), rows)
+            update_all(streaming, BatchOutputs(loss, logits), batch, real_rows(context.accelerator, rows), rows)
             if prediction_loss_only:
                 logits = labels = None  # used by the streaming metrics only: never kept
         losses = self.gather_losses(loss, acc)
         logits, labels = self.gather_predictions(inputs, logits, labels, acc)
-        run.fire("on_prediction_step")
+        context.events.fire("on_prediction_step")
         if args.batch_eval_metrics and run.compute_metrics is not None and logits is not None \
                 and labels is not None:
             # As HF: the gathered per-sample losses, and the whole batch as inputs.
@@ -268,15 +268,15 @@ class EvalStage(Stage):
             return run.compute_metrics(
                 EvalPrediction(predictions=logits, label_ids=labels, losses=losses if "loss" in want else None,
                                inputs=inputs if "inputs" in want else None),
-                compute_result=run.accelerator.gradient_state.end_of_dataloader)
+                compute_result=context.accelerator.gradient_state.end_of_dataloader)
         return None
 
     def gather_losses(self, loss, acc: EvalAccumulators):
         """The batch's loss, repeated per sample and gathered from every process (HF), into the loss sum."""
         if loss is None:
             return None
-        run = self.run
-        losses = run.gather_function(loss.repeat(run.args.per_device_eval_batch_size))
+        run, context = self.run, self.context
+        losses = context.gather_function(loss.repeat(run.args.per_device_eval_batch_size))
         acc.loss.add(losses)
         if "loss" in run.args.include_for_metrics:
             acc.add(acc.losses, losses)
@@ -284,20 +284,20 @@ class EvalStage(Stage):
 
     def gather_predictions(self, inputs, logits, labels, acc: EvalAccumulators):
         """Inputs, logits and labels padded to one width across processes and gathered (HF's order)."""
-        run, accelerator = self.run, self.run.accelerator
+        run, gather, accelerator = self.run, self.context.gather_function, self.context.accelerator
         if "inputs" in run.args.include_for_metrics:
             main = inputs[getattr(run.model, "main_input_name", "input_ids")]
-            acc.add(acc.inputs, run.gather_function(accelerator.pad_across_processes(main, dim=1, pad_index=-100)))
+            acc.add(acc.inputs, gather(accelerator.pad_across_processes(main, dim=1, pad_index=-100)))
         if labels is not None:
             labels = accelerator.pad_across_processes(labels, dim=1, pad_index=-100)
         if logits is not None:
             logits = accelerator.pad_across_processes(logits, dim=1, pad_index=-100)
             if run.preprocess_logits_for_metrics is not None:
                 logits = run.preprocess_logits_for_metrics(logits, labels)
-            logits = run.gather_function(logits)
+            logits = gather(logits)
             acc.add(acc.preds, logits)
         if labels is not None:
-            labels = run.gather_function(labels)
+            labels = gather(labels)
             acc.add(acc.labels, labels)
         return logits, labels
 
@@ -333,12 +333,12 @@ class EvalStage(Stage):
     def streamed_metrics(self, acc: EvalAccumulators, metrics: dict, prefix: str) -> dict:
         """The streaming metrics' results; a warning when no batch carried labels (an unlabelled test set is
         normal for `predict`), and a clear error where their keys clash with `compute_metrics`'."""
-        run = self.run
+        run, context = self.run, self.context
         if acc.labelled_batches == 0:
             if acc.description == "Evaluation":
                 warn_no_rows(run.metrics, run.label_names, acc.last_batch)
             return {}
-        streamed = compute_all(run.metrics, run.accelerator)
+        streamed = compute_all(run.metrics, context.accelerator)
         clash = sorted({with_prefix(k, prefix) for k in streamed} & {with_prefix(k, prefix) for k in metrics})
         if clash:
             raise ValueError(f"compute_metrics and the streaming metrics both produce {clash}. Fix: rename the "
@@ -346,7 +346,7 @@ class EvalStage(Stage):
         return streamed
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        run = self.run
+        run, context = self.run, self.context
         has_labels = carries_labels(inputs, run.label_names)
         # A tuple or list batch only a compute_loss override can read (`model(**inputs)` needs names): through it.
         through_loss = has_labels or not isinstance(inputs, Mapping)
@@ -359,15 +359,16 @@ class EvalStage(Stage):
             labels = labels[0] if len(labels) == 1 else labels
         with torch.no_grad():
             if through_loss:
-                num_items = run.count_loss_items([inputs])
-                with run.compute_loss_context_manager():
-                    loss, outputs = run.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items)
+                num_items = context.count_loss_items([inputs])
+                with context.compute_loss_context_manager():
+                    loss, outputs = context.compute_loss(model, inputs, return_outputs=True,
+                                                         num_items_in_batch=num_items)
                 loss = loss.detach().mean()
                 logits = tuple(v for k, v in outputs.items() if k not in ignore_keys + ["loss"]) \
                     if isinstance(outputs, Mapping) else outputs[1:]
             else:
                 loss = None
-                with run.compute_loss_context_manager():
+                with context.compute_loss_context_manager():
                     outputs = model(**inputs)
                 logits = tuple(v for k, v in outputs.items() if k not in ignore_keys) \
                     if isinstance(outputs, Mapping) else outputs

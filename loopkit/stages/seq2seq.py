@@ -167,7 +167,7 @@ class Seq2SeqEvalStage(EvalStage):
 
     def model_loss(self, model, inputs) -> torch.Tensor:
         """The batch's loss as the model computes it (HF's generating `prediction_step` calls the model directly)."""
-        with torch.no_grad(), self.run.compute_loss_context_manager():
+        with torch.no_grad(), self.context.compute_loss_context_manager():
             outputs = model(**inputs)
         return (outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]).detach().mean()
 

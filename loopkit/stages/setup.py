@@ -1,22 +1,24 @@
 """Stage 1, setup: seeding, the Accelerate state, the model (or `model_init`), and where a resumed run starts.
 
 Contract:
-* `build(model)` runs once, in `Loop.__init__`: seeds every RNG with `args.seed` (as `Trainer.__init__` does, so the
-  same seed gives the same dropout masks), creates the `Accelerator`, builds the model from `model_init` if no model
-  was given, and moves it to the device.
+* At construction, in this order (`Loop.__init__`): `begin(model)` seeds every RNG with `args.seed` (as
+  `Trainer.__init__` does, so the same seed gives the same dropout masks) and notes the model given;
+  `create_accelerator_and_gather()` returns the `Accelerator` and the gather function, which the `Loop`'s HF hook
+  `create_accelerator_and_postprocess()` hands to the context; `track_memory()` returns the memory metrics, for the
+  context too; `build(model)` builds the model from `model_init` if no model was given and moves it to the device.
 * `begin_training(resume_from_checkpoint, trial)` runs at the start of every `train()`: re-seeds and rebuilds the
   model when `model_init` is used, turns on activation checkpointing, resolves the checkpoint to resume from and
   loads its weights (before `accelerator.prepare`, as HF does). It returns the checkpoint path or None. With
   `neftune_noise_alpha` it adds HF's NEFTune hook to the input embeddings (removed at `on_train_end`), with
   `debug="underflow_overflow"` HF's `DebugUnderflowOverflow` hooks, as `Trainer.train` does.
-* Memory metrics (`skip_memory_metrics=False`, loopkit/memory.py): the "init" stage runs from the `Accelerator` to
+* Memory metrics (`skip_memory_metrics=False`, loopkit/memory.py): the "init" stage runs from `track_memory()` to
   `on_init_end`, the "train" stage starts in `begin_training`.
-* With `torch_compile` (or a model compiled before), `begin_training` has `run.clock` count the compilations and
-  their time (loopkit/compilation.py); the teardown stage stops it.
+* With `torch_compile` (or a model compiled before), `begin_training` has `context.clock` count the compilations
+  and their time (loopkit/compilation.py); the teardown stage stops it.
 
-Reads `run.args`, `run.model_init`, `run.checkpointer`, `run.clock`; writes `run.accelerator`, `run.model`,
-`run.model_accepts_loss_kwargs`, `run.label_smoother`, `run.gather_function`, `run.memory`. Owns HF's overridable
-`call_model_init(trial)` and `create_accelerator_and_postprocess()`.
+Reads `run.args`, `run.model_init`, `context.accelerator`, `context.checkpointer`, `context.clock`,
+`context.memory`; writes `run.model`, `run.model_accepts_loss_kwargs`, `run.label_smoother`; makes (returns) the
+context's `accelerator`, `gather_function` and `memory`. Owns HF's overridable `call_model_init(trial)`.
 """
 
 from __future__ import annotations
@@ -125,14 +127,32 @@ class SetupStage(Stage):
         self.neftune_hook = None  # the NEFTune forward hook of the current train()
         self.model_given = None  # the model passed to Loop: HF's default of ddp_find_unused_parameters reads it
 
-    def build(self, model):
-        run = self.run
+    def begin(self, model) -> None:
+        """Seed every RNG (first of all, as `Trainer.__init__` does) and note the model passed to the `Loop` (or None:
+        `model_init`'s), whose class the accelerator's DDP options read."""
         self.model_given = model
         self.seed()
-        self.create_accelerator_and_postprocess()
-        run.memory = MemoryTracker(run.args.skip_memory_metrics)
-        run.memory.start("init")
-        check_launch(run.accelerator)  # several processes that Accelerate did not join: refuse (distributed.py)
+
+    def create_accelerator_and_gather(self) -> tuple:
+        """The run's `Accelerator` and its gather function, returned for the context (the `Loop`'s HF hook
+        `create_accelerator_and_postprocess` hands them over)."""
+        accelerator = self.create_accelerator()
+        gather = accelerator.gather_for_metrics
+        if self.run.args.eval_use_gather_object:  # HF: gather_for_metrics(use_gather_object=...) for non-tensor outputs
+            gather = functools.partial(gather, use_gather_object=True)
+        return accelerator, gather
+
+    def track_memory(self) -> MemoryTracker:
+        """The run's memory metrics (`skip_memory_metrics`, loopkit/memory.py), returned for the context with their
+        "init" stage started: it ends at `on_init_end`."""
+        memory = MemoryTracker(self.run.args.skip_memory_metrics)
+        memory.start("init")
+        return memory
+
+    def build(self, model) -> None:
+        """The model passed to the `Loop` (or `model_init`'s, for None), on the context's accelerator's device."""
+        run = self.run
+        check_launch(self.context.accelerator)  # processes that Accelerate did not join: refuse (distributed.py)
         if model is None:
             if run.model_init is None:
                 raise config_error("model", None, "Loop needs a model", "pass model=... or model_init=...")
@@ -142,14 +162,6 @@ class SetupStage(Stage):
     def seed(self) -> None:
         """Seed every RNG from `args.seed` (at construction, and before each `model_init`)."""
         seed_everything(self.run.args.seed, self.run.args.full_determinism)
-
-    def create_accelerator_and_postprocess(self) -> None:
-        """HF's hook, called at construction: the run's `Accelerator` and its gather function."""
-        run = self.run
-        run.accelerator = self.create_accelerator()
-        run.gather_function = run.accelerator.gather_for_metrics
-        if run.args.eval_use_gather_object:  # HF: gather_for_metrics(use_gather_object=...) for non-tensor outputs
-            run.gather_function = functools.partial(run.gather_function, use_gather_object=True)
 
     def create_accelerator(self):
         from accelerate import Accelerator
@@ -189,10 +201,10 @@ class SetupStage(Stage):
 
     def set_model(self, model) -> None:
         """Make `model` the run's model: on the device, introspected for how its loss is computed."""
-        run = self.run
+        run, context = self.run, self.context
         # A model split by device_map places itself; FSDP and DeepSpeed place (and shard) it in `prepare`.
-        if getattr(model, "hf_device_map", None) is None and active_engine(run.accelerator) is None:
-            model = model.to(run.accelerator.device)
+        if getattr(model, "hf_device_map", None) is None and active_engine(context.accelerator) is None:
+            model = model.to(context.accelerator.device)
         run.model = model
         if hasattr(getattr(model, "config", None), "use_cache"):
             model.config.use_cache = run.args.use_cache
@@ -205,10 +217,10 @@ class SetupStage(Stage):
         run.label_smoother = label_smoother(run.args, model)
 
     def begin_training(self, resume_from_checkpoint, trial=None):
-        run, args = self.run, self.run.args
-        run.memory.start("train")
+        run, context, args = self.run, self.context, self.run.args
+        context.memory.start("train")
         if should_watch(args):  # compilations and their time, for the run report (the teardown stops it)
-            run.clock.watch_compilations()
+            context.clock.watch_compilations()
         if run.model_init is not None:  # a new model: the step stage then builds a new optimizer for it
             self.seed()
             self.set_model(self.call_model_init(trial))
@@ -222,20 +234,20 @@ class SetupStage(Stage):
             enable(gradient_checkpointing_kwargs=kwargs) if "gradient" in enable.__name__ else enable(
                 activation_checkpointing_kwargs=kwargs)
         self.add_training_hooks()
-        checkpoint = run.checkpointer.start(resume_from_checkpoint)  # also: which run the coming saves belong to
+        checkpoint = context.checkpointer.start(resume_from_checkpoint)  # also: which run the coming saves belong to
         trainer_logging.log_loading_checkpoint(checkpoint)
         if checkpoint is not None:
-            run.checkpointer.load_model_before_prepare(run.model, checkpoint)
+            context.checkpointer.load_model_before_prepare(run.model, checkpoint)
         return checkpoint
 
     def add_training_hooks(self) -> None:
         """NEFTune's embedding noise and the underflow/overflow detector, where `Trainer.train` adds them. (HF adds
         a new detector at every `train()`, and so does this.)"""
-        run, args = self.run, self.run.args
+        run, context, args = self.run, self.context, self.run.args
         if args.neftune_noise_alpha is not None:
             from transformers.integrations.neftune import activate_neftune
 
-            self.neftune_hook = activate_neftune(run.model, args.neftune_noise_alpha, run.accelerator)
+            self.neftune_hook = activate_neftune(run.model, args.neftune_noise_alpha, context.accelerator)
         if any(getattr(option, "value", option) == "underflow_overflow" for option in args.debug):
             from transformers.debug_utils import DebugUnderflowOverflow
 
@@ -246,12 +258,12 @@ class SetupStage(Stage):
         if self.neftune_hook is not None:
             from transformers.integrations.neftune import deactivate_neftune
 
-            deactivate_neftune(self.run.model, self.neftune_hook, self.run.accelerator)
+            deactivate_neftune(self.run.model, self.neftune_hook, self.context.accelerator)
             self.neftune_hook = None
 
     # -- events (a stage hears each before the callbacks) --
     def on_init_end(self, args, state, control, **kwargs):
-        self.run.memory.stop_and_update_metrics("init")
+        self.context.memory.stop_and_update_metrics("init")
 
     def on_train_end(self, args, state, control, **kwargs):
         self.remove_training_hooks()

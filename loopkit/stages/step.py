@@ -12,10 +12,11 @@ Contract (HF Trainer 5.24 semantics: when each event fires; loss, gradients, opt
   (`on_substep_end` between) -> `on_gradients_ready` -> clip -> `on_pre_optimizer_step` -> `optimizer.step()` ->
   `on_optimizer_step` -> `lr_scheduler.step()` -> `zero_grad` -> `global_step += 1` -> `on_step_end`.
 
-Reads `run.args`, `run.accelerator`, `run.model`, `run.model_accepts_loss_kwargs`, `run.compute_loss_func`,
-`run.label_smoother`, `run.processing_class` (its pad token, for `include_num_input_tokens_seen="non_padding"`),
-`run.optimizers_given`, `run.optimizer_cls_and_kwargs`, `run.checkpointer`, `run.clock`; writes `run.model_wrapped`,
-`run.optimizer`, `run.lr_scheduler`, and `run.state.global_step` / `epoch`. Owns HF's overridable
+Reads `run.args`, `run.model`, `run.model_accepts_loss_kwargs`, `run.compute_loss_func`, `run.label_smoother`,
+`run.processing_class` (its pad token, for `include_num_input_tokens_seen="non_padding"`), `run.optimizers_given`,
+`run.optimizer_cls_and_kwargs`; uses `context.accelerator`, `context.checkpointer`, `context.clock`,
+`context.events`; writes `run.model_wrapped`, `run.optimizer`, `run.lr_scheduler`, and `run.state.global_step` /
+`epoch`. Owns HF's overridable
 `create_optimizer`, `get_optimizer_cls_and_kwargs`, `create_scheduler`, `get_decay_parameter_names`, `compute_loss`,
 `compute_loss_context_manager`, `autocast_smart_context_manager`, `training_step`, `floating_point_ops`, and
 loopkit's `count_loss_items`.
@@ -190,7 +191,7 @@ class StepStage(Stage):
         """Optimizer, `accelerator.prepare`, scheduler, resume. A new model (the first `train()`, or `model_init`)
         gets a new optimizer; a scheduler the user did not pass is created anew by every `train()` (its length
         depends on that call's max_steps), through `create_scheduler`, overridden or not."""
-        run, acc = self.run, self.run.accelerator
+        run, context, acc = self.run, self.context, self.context.accelerator
         new_model = run.model is not self.prepared_model
         if new_model:
             run.optimizer = None
@@ -207,13 +208,13 @@ class StepStage(Stage):
         self.prepared_model = run.model
         self.create_scheduler(num_training_steps=max_steps)
         if checkpoint is not None:
-            run.checkpointer.load_optimizer_and_scheduler(checkpoint)
+            context.checkpointer.load_optimizer_and_scheduler(checkpoint)
         self.prepare_hot_path()
         self.warn_if_override_scaling_is_implicit()
 
     def prepare_hot_path(self) -> None:
         """What every step needs, decided once per `train()`."""
-        run, acc = self.run, self.run.accelerator
+        run, acc = self.run, self.context.accelerator
         self.num_non_embedding_params = (run.model.num_parameters(exclude_embeddings=True)
                                          if hasattr(run.model, "num_parameters") else 0)
         self.main_input = getattr(run.model, "main_input_name", "input_ids")
@@ -280,7 +281,7 @@ class StepStage(Stage):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """HF's: the model's loss, or `compute_loss_func`'s, or the label smoother's (`label_smoothing_factor`,
         over shifted labels for a causal LM class, as HF decides it by the class name)."""
-        run = self.run
+        run, context = self.run, self.context
         require_named_batch(inputs)
         takes_labels = run.compute_loss_func is not None or run.label_smoother is not None
         labels = inputs.pop("labels") if takes_labels and "labels" in inputs else None
@@ -290,20 +291,20 @@ class StepStage(Stage):
         if run.compute_loss_func is not None:
             loss = run.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         elif labels is not None:
-            loss = run.label_smoother(outputs, labels, shift_labels=is_causal_lm_class(run.accelerator.unwrap_model(
-                model)), num_items_in_batch=num_items_in_batch)
+            causal = is_causal_lm_class(context.accelerator.unwrap_model(model))
+            loss = run.label_smoother(outputs, labels, shift_labels=causal, num_items_in_batch=num_items_in_batch)
         else:
             loss = model_loss(outputs, inputs)
         if (run.args.average_tokens_across_devices and num_items_in_batch is not None
                 and (run.model_accepts_loss_kwargs or run.compute_loss_func is not None)):
             # The token count is global, and DDP averages gradients over processes: undo that average.
-            loss = loss * run.accelerator.num_processes
+            loss = loss * context.accelerator.num_processes
         return (loss, outputs) if return_outputs else loss
 
     def count_loss_items(self, batches) -> torch.Tensor | None:
         """`num_items_in_batch`: label tokens != -100 over the whole window (summed over processes), a device
         tensor, or None when the loss does not take it."""
-        run = self.run
+        run, accelerator = self.run, self.context.accelerator
         if not batches or not isinstance(batches[0], Mapping) or "labels" not in batches[0]:
             return None
         if not (run.model_accepts_loss_kwargs or run.compute_loss_func is not None):
@@ -315,9 +316,9 @@ class StepStage(Stage):
                  else b["labels"]).ne(-100).sum() for b in batches)
         except (TypeError, AttributeError):
             return None
-        if run.args.average_tokens_across_devices and run.accelerator.num_processes > 1:
-            count = run.accelerator.gather(count.to(run.accelerator.device)).sum()
-        return count.to(run.accelerator.device)
+        if run.args.average_tokens_across_devices and accelerator.num_processes > 1:
+            count = accelerator.gather(count.to(accelerator.device)).sum()
+        return count.to(accelerator.device)
 
     def loss_is_scaled(self, num_items_in_batch) -> bool:
         if self.loss_is_scaled_for_ga is not None:
@@ -327,7 +328,7 @@ class StepStage(Stage):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Forward and backward of one micro-batch; returns the detached loss scaled for accumulation."""
-        run = self.run
+        run, context = self.run, self.context
         if self.train_mode is not None:
             self.train_mode.enter(model)
         else:
@@ -345,17 +346,17 @@ class StepStage(Stage):
                 torch.mps.clear_graph_cache()
         if not self.loss_is_scaled(num_items_in_batch):
             loss = loss / self.current_gradient_accumulation_steps
-        with run.clock.span("backward"):
+        with context.clock.span("backward"):
             if self.direct:
                 loss.backward()  # = accelerator.backward here (it divides by its accumulation steps, 1)
             else:
-                run.accelerator.backward(loss, **backward_kwargs(run.args, run.lr_scheduler, run.optimizer))
+                context.accelerator.backward(loss, **backward_kwargs(run.args, run.lr_scheduler, run.optimizer))
         return loss.detach()
 
     # -- one optimizer step --
     def run_step(self, window, epoch: int, steps_in_epoch: int) -> StepResult:
         """Train on one window of micro-batches (see the module docstring for the order of events)."""
-        run, acc = self.run, self.run.accelerator
+        run, acc, events, clock = self.run, self.context.accelerator, self.context.events, self.context.clock
         model, batches = run.model_wrapped, window.batches
         if self.labels_unchecked:  # once per train(): one flag test per step after that
             self.labels_unchecked = False
@@ -363,24 +364,24 @@ class StepStage(Stage):
         num_items = self.count_loss_items(batches)
         self.current_gradient_accumulation_steps = len(batches)
         result = StepResult(completed=False)
-        run.fire("on_step_begin")
+        events.fire("on_step_begin")
         last = len(batches) - 1
         for i, inputs in enumerate(batches):
             acc.gradient_state._set_sync_gradients(i == last)
-            context = NO_CONTEXT if i == last or self.no_sync is None else self.no_sync(model)
-            with context, run.clock.span("forward"):
+            sync = NO_CONTEXT if i == last or self.no_sync is None else self.no_sync(model)
+            with sync, clock.span("forward"):
                 result.losses.append(self.training_step(model, inputs, num_items))
             self.count_work(inputs, result)
             if i != last:
-                run.fire("on_substep_end")
+                events.fire("on_substep_end")
                 if run.control.should_epoch_stop or run.control.should_training_stop:
                     return result
-        with run.clock.span("optimizer"):
+        with clock.span("optimizer"):
             self.optimizer_step(model, result, (epoch, window.first_index, len(batches)))
         run.state.global_step += 1
         run.state.epoch = epoch + (window.first_index + len(batches)) / steps_in_epoch
         result.completed = True
-        run.fire("on_step_end")
+        events.fire("on_step_end")
         return result
 
     def floating_point_ops(self, inputs) -> int:
@@ -434,26 +435,26 @@ class StepStage(Stage):
         max_norm = self.run.args.max_grad_norm if self.run.args.max_grad_norm > 0 else math.inf
         if self.direct:
             return torch.nn.utils.clip_grad_norm_(self.clip_params, max_norm)
-        return self.run.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        return self.context.accelerator.clip_grad_norm_(model.parameters(), max_norm)
 
     def optimizer_step(self, model, result: StepResult, where=None) -> None:
-        run, acc = self.run, self.run.accelerator
-        if run.events.has_listeners("on_gradients_ready"):
+        run, acc, events = self.run, self.context.accelerator, self.context.events
+        if events.has_listeners("on_gradients_ready"):
             acc.unscale_gradients()  # fp16: listeners see true gradients; no-op otherwise
-            run.fire("on_gradients_ready")
+            events.fire("on_gradients_ready")
         result.grad_norm = self.clip_gradients(model)
         if self.nonfinite is not None:
             found_inf = self.nonfinite.observe(run.state.global_step + 1, sum(result.losses), result.grad_norm, where)
             if self.nonfinite.policy in ("skip", "stop") and acc.scaler is None:
                 # The fused optimizer reads these and leaves parameters and state untouched when found_inf is 1.
                 self.inner_optimizer.grad_scale, self.inner_optimizer.found_inf = None, found_inf
-        run.fire("on_pre_optimizer_step")
+        events.fire("on_pre_optimizer_step")
         if self.direct:
             self.inner_optimizer.step()  # what AcceleratedOptimizer.step calls
             run.optimizer._opt_called = True  # what the scheduler's wrapper of optimizer.step records (else: a warning)
         else:
             run.optimizer.step()
-        run.fire("on_optimizer_step")
+        events.fire("on_optimizer_step")
         scheduler = run.lr_scheduler
         # HF's _get_learning_rate: a metric-driven scheduler's LR is the optimizer's.
         result.learning_rate = scheduler.get_last_lr()[0] if not self.scheduler_steps_on_metrics and \

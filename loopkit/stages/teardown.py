@@ -17,11 +17,12 @@ Contract:
 * `export(output_dir, example_inputs, formats)` writes the model in `save_pretrained`, `torch.export` and ONNX
   form, each checked against the live model.
 
-The summary also carries the memory metrics of `skip_memory_metrics=False` (`run.memory`, loopkit/memory.py), added
-before it is logged, as in HF.
+The summary also carries the memory metrics of `skip_memory_metrics=False` (`context.memory`, loopkit/memory.py),
+added before it is logged, as in HF.
 
-Reads `run.args`, `run.accelerator`, `run.state`, `run.model_wrapped`, `run.optimizer`, `run.checkpointer`,
-`run.clock`, `run.processing_class`, `run.preemption`; writes no run-state field.
+Reads `run.args`, `run.state`, `run.model_wrapped`, `run.optimizer`, `run.processing_class`; uses
+`context.accelerator`, `context.checkpointer`, `context.clock`, `context.preemption`, `context.memory`, `context.log`,
+`context.events`; writes no run-state field.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class TeardownStage(Stage):
         self.charts = charts
 
     def finish_training(self, plan, start_time: float, train_loss: float, steps_run: int) -> TrainOutput:
-        run = self.run
+        run, context = self.run, self.context
         state = run.state
         trainer_logging.log_training_completed()
         metrics = speed_metrics("train", start_time,
@@ -58,23 +59,23 @@ class TeardownStage(Stage):
                                 num_steps=steps_run)
         metrics["total_flos"] = state.total_flos
         metrics["train_loss"] = train_loss
-        run.memory.stop_and_update_metrics("train", metrics)
-        run.log(metrics)
-        run.checkpointer.wait()  # an asynchronous save still in flight
+        context.memory.stop_and_update_metrics("train", metrics)
+        context.log(metrics)
+        context.checkpointer.wait()  # an asynchronous save still in flight
         if run.args.load_best_model_at_end and state.best_model_checkpoint is not None:
             trainer_logging.log_loading_best_model(state)
-            run.checkpointer.load_best_model(state.best_model_checkpoint)
-        if not run.preemption.requested:  # an interrupted run keeps the checkpoint it resumes from
-            kept = run.checkpointer.own_checkpoints()
-            run.checkpointer.keep_only_best()
-            trainer_logging.log_deleted_checkpoints(kept, run.checkpointer.own_checkpoints())
-        run.fire("on_train_end")
+            context.checkpointer.load_best_model(state.best_model_checkpoint)
+        if not context.preemption.requested:  # an interrupted run keeps the checkpoint it resumes from
+            kept = context.checkpointer.own_checkpoints()
+            context.checkpointer.keep_only_best()
+            trainer_logging.log_deleted_checkpoints(kept, context.checkpointer.own_checkpoints())
+        context.events.fire("on_train_end")
         return TrainOutput(state.global_step, train_loss, metrics)
 
     def on_train_begin(self, args, state, control, **kwargs):
         """`run_status.json` says "running" until the run's end replaces it: a report rebuilt from a checkpoint
         then tells a run that never reached its end (killed) from one that did."""
-        if self.run.accelerator.is_main_process:
+        if self.context.accelerator.is_main_process:
             try:
                 write_run_status(args.output_dir, self.status_record("running", "running"))
             except OSError as exc:
@@ -82,7 +83,7 @@ class TeardownStage(Stage):
 
     def status_record(self, end: str, status: str) -> dict:
         state = self.run.state
-        return {"end": end, "status": status, "run_id": self.run.checkpointer.run_id,
+        return {"end": end, "status": status, "run_id": self.context.checkpointer.run_id,
                 "global_step": state.global_step, "max_steps": state.max_steps}
 
     def end_of_run(self, status: str) -> tuple[str, str]:
@@ -90,7 +91,7 @@ class TeardownStage(Stage):
         state = self.run.state
         if status.startswith("failed:"):
             return "failed", status
-        if self.run.preemption.interruption() is not None:
+        if self.context.preemption.interruption() is not None:
             return "interrupted", status
         if state.global_step < state.max_steps:
             return "stopped_early", (f"stopped early at step {state.global_step} of {state.max_steps} (training was "
@@ -101,13 +102,13 @@ class TeardownStage(Stage):
         """run_report.json / .md, charts, the console summary (loopkit/report.py) and `run_status.json`; main
         process only. A failure to write them is a warning: it must never hide the run's own outcome. `counters`:
         the input tokens and samples the run trained on."""
-        run = self.run
-        run.clock.stop_watching_compilations()
-        if not run.accelerator.is_main_process:
+        run, context = self.run, self.context
+        context.clock.stop_watching_compilations()
+        if not context.accelerator.is_main_process:
             return
         try:
             end, status = self.end_of_run(status)
-            report = build_report(run, status, end, counters, train_metrics, charts=self.charts)
+            report = build_report(run, context, status, end, counters, train_metrics, charts=self.charts)
             self.last_report = write_report(report, run.args.output_dir)
             write_run_status(run.args.output_dir, self.status_record(end, status))
         except Exception as exc:
@@ -123,7 +124,7 @@ class TeardownStage(Stage):
 
     def export(self, output_dir: str, example_inputs: dict, formats=("pretrained",)) -> dict:
         """Export the trained model (loopkit/export.py); returns {format: (path, max |difference| to the model)}."""
-        run = self.run
-        model = run.accelerator.unwrap_model(run.model_wrapped if run.model_wrapped is not None else run.model,
-                                             keep_torch_compile=False)
+        run, context = self.run, self.context
+        model = context.accelerator.unwrap_model(run.model_wrapped if run.model_wrapped is not None else run.model,
+                                                 keep_torch_compile=False)
         return export_model(model, output_dir, example_inputs, formats, run.processing_class)

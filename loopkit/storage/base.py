@@ -3,7 +3,7 @@
 The user picks the storage: `Loop(..., storage=HFStorage(async_save=True))` (the default, `HFStorage()`: HF
 Trainer's layout, loopkit/storage/hf.py) or `storage=DCPStorage(...)` (torch.distributed.checkpoint,
 loopkit/storage/dcp.py). The `Loop` attaches it to the run (`attach`), and every caller reaches checkpoints through
-`run.checkpointer`, this object:
+`context.checkpointer`, this object:
 
     setup      start(resume_from_checkpoint) -> the folder to resume from; load_model_before_prepare(model, folder)
     step       load_optimizer_and_scheduler(folder)      (after `accelerator.prepare`: model shards, optimizer, ...)
@@ -56,7 +56,7 @@ class CheckpointStorage(RunLineage, AtomicSaves, Rotation, Resuming, abc.ABC):
     `take_snapshot`, `write_files`, `load_model_before_prepare`, `load_optimizer_and_scheduler`, `load_best_model`,
     `holds_model_weights` and `checkpoint_problem`."""
 
-    run = None
+    run = context = None
 
     def __init__(self, *, async_save: bool = False, on_save_error: str = "raise",
                  best_total_limit: int | None = None):
@@ -67,8 +67,9 @@ class CheckpointStorage(RunLineage, AtomicSaves, Rotation, Resuming, abc.ABC):
         return dict(async_save=self.async_save, on_save_error=self.on_save_error,
                     best_total_limit=self.best_total_limit)
 
-    def attach(self, run) -> "CheckpointStorage":
-        """Serve `run` (the `Loop` calls this once). A storage serves one run: it holds that run's lineage."""
+    def attach(self, run, context) -> "CheckpointStorage":
+        """Serve `run`, with the services of `context` (the `Loop` calls this once). A storage serves one run: it
+        holds that run's lineage."""
         from ..args import config_error
 
         if self.run is not None and self.run is not run:
@@ -76,8 +77,8 @@ class CheckpointStorage(RunLineage, AtomicSaves, Rotation, Resuming, abc.ABC):
                                f"pass a new {type(self).__name__}(...) to each Loop")
         from ..hub import HubPush
 
-        self.run = run
-        self.hub = HubPush(run)  # push_to_hub: the uploads of complete checkpoints (loopkit/hub.py)
+        self.run, self.context = run, context
+        self.hub = HubPush(run, context)  # push_to_hub: the uploads of complete checkpoints (loopkit/hub.py)
         return self
 
     # -- the layout: what a storage implements --

@@ -68,10 +68,10 @@ class DCPStorage(CheckpointStorage):
         from ..args import config_error
         from ..distributed import active_engine
 
-        if active_engine(self.run.accelerator) == "DeepSpeed":
+        if active_engine(self.context.accelerator) == "DeepSpeed":
             raise config_error("storage", "DCPStorage()", "DeepSpeed writes its own checkpoints (`global_step*/`)",
                                "use the default storage (HFStorage) with DeepSpeed")
-        if self.run.args.save_on_each_node and self.run.accelerator.num_processes > 1:
+        if self.run.args.save_on_each_node and self.context.accelerator.num_processes > 1:
             raise config_error("save_on_each_node", True, "every process of a DCPStorage save writes into one "
                                "folder (rank 0 its metadata), which needs a disk all nodes see",
                                "use a shared file system with save_on_each_node=False, or the default storage")
@@ -95,10 +95,10 @@ class DCPStorage(CheckpointStorage):
 
     def write_model_description(self, folder: str) -> None:
         """The model's config and the processing class's files, for `convert-dcp` (the writing process only)."""
-        run = self.run
+        run, context = self.run, self.context
         if not self.writes_files:
             return
-        model = run.accelerator.unwrap_model(run.model_wrapped, keep_torch_compile=False)
+        model = context.accelerator.unwrap_model(run.model_wrapped, keep_torch_compile=False)
         config = getattr(model, "config", None)
         if hasattr(config, "save_pretrained"):
             config = copy.copy(config)
@@ -166,22 +166,22 @@ class DCPStorage(CheckpointStorage):
         from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                              set_model_state_dict, set_optimizer_state_dict)
 
-        run = self.run
+        run, context = self.run, self.context
         model, optimizer = run.model_wrapped, getattr(run.optimizer, "optimizer", run.optimizer)
         sched_path = os.path.join(checkpoint, SCHEDULER_NAME)
         with_optimizer = os.path.isfile(sched_path) and self.holds_optimizer(checkpoint)  # as HF: not save_only_model
         state = {"model": get_model_state_dict(model)}
         if with_optimizer:
             state["optimizer"] = get_optimizer_state_dict(model, optimizer)  # the layout to fill
-        run.accelerator.wait_for_everyone()
+        context.accelerator.wait_for_everyone()
         read_dcp(state, os.path.join(checkpoint, DCP_FOLDER))
         set_model_state_dict(model, state["model"])
         if with_optimizer:
             set_optimizer_state_dict(model, optimizer, state["optimizer"])
             run.lr_scheduler.load_state_dict(safe_torch_load(sched_path))
         scaler_path = os.path.join(checkpoint, SCALER_NAME)
-        if os.path.isfile(scaler_path) and run.accelerator.scaler is not None:
-            run.accelerator.scaler.load_state_dict(safe_torch_load(scaler_path))
+        if os.path.isfile(scaler_path) and context.accelerator.scaler is not None:
+            context.accelerator.scaler.load_state_dict(safe_torch_load(scaler_path))
 
     @staticmethod
     def holds_optimizer(checkpoint: str) -> bool:

@@ -27,7 +27,7 @@ class HFStorage(CheckpointStorage):
     to host memory at the step boundary and written by a background thread)."""
 
     def start(self, resume_from_checkpoint) -> str | None:
-        if self.async_save and self.run.accelerator.num_processes > 1:
+        if self.async_save and self.context.accelerator.num_processes > 1:
             from ..args import config_error
 
             raise config_error("async_save", True, "HFStorage's asynchronous saving supports one process only",
@@ -35,7 +35,7 @@ class HFStorage(CheckpointStorage):
         return super().start(resume_from_checkpoint)
 
     def take_snapshot(self, stage_states: dict) -> Snapshot:
-        run, acc = self.run, self.run.accelerator
+        run, acc = self.run, self.context.accelerator
         copy = copy_to_cpu if self.async_save else (lambda x: x)
         unwrapped = acc.unwrap_model(run.model_wrapped, keep_torch_compile=False)
         sharded = active_engine(acc) is not None  # FSDP / DeepSpeed: the optimizer is written by their own path
@@ -45,14 +45,14 @@ class HFStorage(CheckpointStorage):
             optimizer=copy(run.optimizer.state_dict()) if with_optimizer else None)
 
     def write_files(self, snapshot: Snapshot, folder: str) -> None:
-        run, acc = self.run, self.run.accelerator
+        run, acc = self.run, self.context.accelerator
         early = EarlyFlush(folder)
         try:
             if full_state_dict_saved(acc):  # all but FSDP's SHARDED_STATE_DICT: one model.safetensors
                 files.save_model_files(run.model_wrapped, acc, folder, run.processing_class,
                                        state_dict=snapshot.model_state, writer=self.writes_files)
             if active_engine(acc) is not None:  # FSDP / DeepSpeed: Accelerate's paths, on every process
-                save_engine_state(run, folder, with_optimizer=not run.args.save_only_model)
+                save_engine_state(run, self.context, folder, with_optimizer=not run.args.save_only_model)
             early.flush_new_files()  # the weights reach the disk while the optimizer state is serialised
             if snapshot.optimizer is not None:
                 path = os.path.join(folder, OPTIMIZER_NAME)
@@ -63,24 +63,24 @@ class HFStorage(CheckpointStorage):
             early.wait()
 
     def load_model_before_prepare(self, model, checkpoint: str) -> None:
-        if not model_loads_after_prepare(self.run.accelerator, checkpoint):
+        if not model_loads_after_prepare(self.context.accelerator, checkpoint):
             load_model_weights(model, checkpoint)  # whole: sharded (if FSDP runs) by `prepare`
 
     def load_optimizer_and_scheduler(self, checkpoint: str) -> None:
         """After `prepare`, on every process: a sharded model's shards, then (as HF: when the checkpoint has a
         scheduler, i.e. not `save_only_model`) the optimizer in whichever layout it was saved, and the scheduler."""
-        run = self.run
+        run, context = self.run, self.context
         sched_path = os.path.join(checkpoint, SCHEDULER_NAME)
-        load_engine_model(run, checkpoint)
-        if os.path.isfile(sched_path) and load_optimizer_state(run, checkpoint):
+        load_engine_model(run, self.context, checkpoint)
+        if os.path.isfile(sched_path) and load_optimizer_state(run, self.context, checkpoint):
             run.lr_scheduler.load_state_dict(safe_torch_load(sched_path))
         scaler_path = os.path.join(checkpoint, SCALER_NAME)
-        if os.path.isfile(scaler_path) and run.accelerator.scaler is not None:
-            run.accelerator.scaler.load_state_dict(safe_torch_load(scaler_path))
+        if os.path.isfile(scaler_path) and context.accelerator.scaler is not None:
+            context.accelerator.scaler.load_state_dict(safe_torch_load(scaler_path))
 
     def load_best_model(self, checkpoint: str) -> None:
-        run = self.run
-        load_model_weights(run.accelerator.unwrap_model(run.model_wrapped), checkpoint)
+        run, context = self.run, self.context
+        load_model_weights(context.accelerator.unwrap_model(run.model_wrapped), checkpoint)
 
     def holds_model_weights(self, path: str) -> bool:
         return holds_model_weights(path)
@@ -89,6 +89,7 @@ class HFStorage(CheckpointStorage):
         return checkpoint_problem(path)
 
 
-def Checkpointer(run, **options) -> HFStorage:
-    """The default storage attached to `run`: loopkit's earlier name for `HFStorage(**options).attach(run)`."""
-    return HFStorage(**options).attach(run)
+def Checkpointer(run, context, **options) -> HFStorage:
+    """The default storage attached to `run`: loopkit's earlier name for `HFStorage(**options).attach(run,
+    context)`."""
+    return HFStorage(**options).attach(run, context)
