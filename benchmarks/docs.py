@@ -180,7 +180,8 @@ def compile_runs(results: dict) -> str:
         f"{plan['batch_size']} samples of {plan['shortest']}-{plan['longest']} tokens padded by "
         f"`DataCollatorForLanguageModeling`; backend `{plan['backend']}`; {plan['rounds']} round(s), each run a fresh "
         f"process with an empty inductor cache (every compilation cold), one torch thread"
-        + (f"; not run at this size: {'; '.join(skipped)}" if skipped else "") + f". Same work: "
+        + (f"; not run at this size: {'; '.join(repr(label) for label in skipped)}" if skipped else "")
+        + f". Same work: "
         f"{section['loss_check']['detail']}.", "", bench_compile.model_table(section)])
 
 

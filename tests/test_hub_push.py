@@ -23,7 +23,7 @@ from transformers import Trainer, TrainerCallback
 
 import loopkit.hub
 from loopkit import EvalStage, Loop, LoopArgs
-from tests.helpers import IGNORE_PIN_MEMORY_WARNING, Recorder, hf_args, lm_data, runners, tiny_llama
+from tests.helpers import IGNORE_PIN_MEMORY_WARNING, PROCESS_WAIT_S, Recorder, hf_args, lm_data, runners, tiny_llama
 
 pytestmark = IGNORE_PIN_MEMORY_WARNING
 
@@ -33,7 +33,8 @@ SECRET = "hf_loopkitTestTokenNeverWritten"
 HF_ONLY = {"training_args.bin"}
 LOOPKIT_ONLY = {"loopkit_state.json", "loopkit_tensors.safetensors", "run_report.json", "run_report.md", "loss.png",
                 "learning_rate.png", "throughput.png", "eval_metrics.png"}
-GATE_TIMEOUT_S = 120  # an upload held longer than this means training waited for it: the test fails
+# An upload still held after this long means training waited for it: the test fails (generous: a busy machine)
+GATE_TIMEOUT_S = PROCESS_WAIT_S
 
 
 class FakeHub:

@@ -157,18 +157,27 @@ def wallclock_assertions(source: str, filename: str = "<source>") -> list[tuple[
     return found
 
 
+# Waits whose first positional argument is the time limit (threading's Event, Condition, Thread; Popen.wait).
+POSITIONAL_WAITS = {"wait", "join"}
+
+
 def short_timeouts(source: str, filename: str = "<source>") -> list[tuple[str, int, str]]:
-    """Every `timeout=` below PROCESS_WAIT_S, a number or a module-level NAME = number: (filename, line, source)."""
+    """Every `timeout=` (or a wait's positional limit) below PROCESS_WAIT_S, a number or a module-level NAME =
+    number: (filename, line, source)."""
     tree = ast.parse(source)
     numbers = {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, (int, float))
                for target in node.targets if isinstance(target, ast.Name)}
     found = []
     for node in ast.walk(tree):
-        for keyword in node.keywords if isinstance(node, ast.Call) else []:
-            value = keyword.value
+        if not isinstance(node, ast.Call):
+            continue
+        limits = [keyword.value for keyword in node.keywords if keyword.arg == "timeout"]
+        if isinstance(node.func, ast.Attribute) and node.func.attr in POSITIONAL_WAITS and node.args:
+            limits.append(node.args[0])  # `event.wait(120)`, `thread.join(5)`: the limit given positionally
+        for value in limits:
             seconds = value.value if isinstance(value, ast.Constant) else numbers.get(getattr(value, "id", None))
-            if keyword.arg == "timeout" and isinstance(seconds, (int, float)) and seconds < PROCESS_WAIT_S:
+            if isinstance(seconds, (int, float)) and seconds < PROCESS_WAIT_S:
                 found.append((filename, node.lineno, ast.get_source_segment(source, node)))
     return found
 
@@ -246,8 +255,12 @@ def test_the_check_refuses_a_short_timeout_and_allows_the_generous_one():
               "subprocess.run(command, timeout=300)\n"
               "process.communicate(timeout=LAUNCH_TIMEOUT)\n"
               "process.wait(timeout=PROCESS_WAIT_S)\n"
-              f"process.communicate(timeout={PROCESS_WAIT_S})\n")
-    assert [line for _, line, _ in short_timeouts(source)] == [2, 3]
+              f"process.communicate(timeout={PROCESS_WAIT_S})\n"
+              "gate.wait(LAUNCH_TIMEOUT)\n"
+              "thread.join(5)\n"
+              "gate.wait(PROCESS_WAIT_S)\n"
+              "thread.join()\n")
+    assert [line for _, line, _ in short_timeouts(source)] == [2, 3, 6, 7]
 
 
 # ---------------------------------------------------------------------------------------------------------------
