@@ -5,10 +5,10 @@ The time by phase comes from the phase clock (`PhaseClock`, loopkit/phases.py).
 At the end of a run (and when it fails or is interrupted) the teardown stage draws the PNG charts (loss with eval
 loss, the best checkpoint and resumes; the learning rate with its warmup; one axis per evaluation metric; one per key
 a step observer adds to the training logs, loopkit/observers/; throughput), writes `run_report.json` and
-`run_report.md` to the output folder (each atomically: a temporary file, flushed, renamed) and prints a one-screen summary, all before `train()` returns or raises: no thread of loopkit's
-writes into the user's folder afterwards, and every file the summary names exists when it is printed. Drawing is
-timed as part of the "report" phase; `TeardownStage(charts=False)` skips it. Without matplotlib the report says how
-to get the charts.
+`run_report.md` to the output folder (each atomically: a temporary file, flushed, renamed) and prints a one-screen
+summary, all before `train()` returns or raises: no thread of loopkit's writes into the user's folder afterwards,
+and every file the summary names exists when it is printed. Drawing is timed as part of the "report" phase;
+`TeardownStage(charts=False)` skips it. Without matplotlib the report says how to get the charts.
 
 Slow steps: a step slower than 3x the rolling median and beyond the run's normal spread (median + 5 robust standard
 deviations, from the median absolute deviation), its scheduled evaluation and checkpoint left out. Each names its
