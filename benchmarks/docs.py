@@ -80,13 +80,9 @@ def ladder_table(section: dict) -> str:
         lines.append(f"| {label} | {fmt(median([r['tokens_per_second'] for r in replies]))} | "
                      f"{fmt_comparison(ratios[f'{name}/hf-default'], 'amount', '')} | "
                      f"{fmt_comparison(ratios[f'{name}/hf-best'], 'amount', '')} | {compile_cell} | "
-                     f"{padding_cell(replies[0])} | {fmt(median([r['peak_rss_mb'] for r in replies]))} | "
+                     f"{replies[0]['padding_share']:.1%} | {fmt(median([r['peak_rss_mb'] for r in replies]))} | "
                      f"{fmt(median([r['heldout_loss'] for r in replies]), 4)} |")
     return "\n".join(lines)
-
-
-def padding_cell(reply: dict) -> str:
-    return f"{reply['padding_share']:.1%}" if "padding_share" in reply else ""  # recorded since the ladder's v2
 
 
 def ladder_sections(results: dict) -> list[tuple[str, dict]]:
@@ -120,8 +116,6 @@ def ladder(results: dict) -> str:
 def text_line(section: dict) -> str:
     """The training texts' lengths and the share of padding in HF's padded batches (the first round's)."""
     first = section["runs"]["hf-default"][0]
-    if "texts" not in first:  # a results file from before the ladder recorded them
-        return ""
     texts = first["texts"]
     return (f"The training texts: {texts['mean']:.1f} tokens on average, median {fmt(texts['median'])}, at most "
             f"{texts['max']}; HF Trainer's padded batches were {first['padding_share']:.0%} padding (the padding "
