@@ -3,8 +3,9 @@
 `ACCELERATE_USE_CPU=1 torchrun` on gloo processes (loopkit.distributed.shard_on_cpu_processes), against the same
 script run unsharded in one process with the same global batch (tests/scripts/fsdp_child.py).
 
-Launches, started together: the scenarios (2 processes), the kill during a sharded save (2 processes), and one
-optimizer step of a ~33 M-parameter model at 1, 2 and 4 processes for the memory per rank.
+Launches, at most 4 ranks at a time (all 11 at once peaked at 9.4 GB of resident memory, enough for two suites side
+by side to run a 24 GB machine out of memory): the scenarios (2 processes), the kill during a sharded save (2
+processes), and one optimizer step of a ~33 M-parameter model at 1, 2 and 4 processes for the memory per rank.
 """
 
 from __future__ import annotations
@@ -54,6 +55,28 @@ def finish(process: subprocess.Popen, what: str, expect_success: bool = True) ->
     return output
 
 
+RANKS_AT_ONCE = 4
+
+
+def run_launches(launches: dict, may_fail: tuple = (), ranks_at_once: int = RANKS_AT_ONCE) -> dict:
+    """Start the launches {what: (out, mode, processes, *extra)} in order, never more than `ranks_at_once` ranks
+    running; returns {what: output}. Each must exit 0 unless named in `may_fail`."""
+    running, outputs = {}, {}  # what -> (process, ranks), oldest first
+
+    def finish_oldest():
+        what, (process, _) = next(iter(running.items()))
+        del running[what]
+        outputs[what] = finish(process, what, expect_success=what not in may_fail)
+
+    for what, (out, mode, processes, *extra) in launches.items():
+        while running and sum(ranks for _, ranks in running.values()) + processes > ranks_at_once:
+            finish_oldest()
+        running[what] = (launch(out, mode, processes, *extra), processes)
+    while running:
+        finish_oldest()
+    return outputs
+
+
 def result(folder, name: str, rank: int = 0) -> dict:
     with open(os.path.join(folder, f"{name}_rank{rank}.json")) as f:
         return json.load(f)
@@ -65,17 +88,16 @@ def weights(folder, name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every launch, and meanwhile the one-process references here. Returns the folders."""
+    """The one-process references here, then every launch (4 ranks at a time). Returns the folders."""
     two, one = tmp_path_factory.mktemp("sharded"), tmp_path_factory.mktemp("unsharded")
     start = time.time()
     child.run_training(str(one), "whole", 2, sharded=False, save_at=child.SAVE_AT)  # 1 x 2 = 2 x 1 per micro-batch
     child.run_training(str(one), "best", 2, sharded=False, **child.BEST)
     whole_checkpoint = os.path.join(one, "whole", f"checkpoint-{child.SAVE_AT}")
-    launches = {"scenarios": launch(two, "all", 2, whole_checkpoint), "kill": launch(two, "kill", 2)}
+    launches = {"scenarios": (two, "all", 2, whole_checkpoint), "kill": (two, "kill", 2)}
     memory = {n: tmp_path_factory.mktemp(f"memory{n}") for n in (1, 2, 4)}
-    launches.update({f"memory {n}": launch(memory[n], "memory+ram_efficient" if n == 2 else "memory", n)
-                     for n in memory})
-    outputs = {what: finish(p, what, expect_success=what != "kill") for what, p in launches.items()}
+    launches.update({f"memory {n}": (memory[n], "memory+ram_efficient" if n == 2 else "memory", n) for n in memory})
+    outputs = run_launches(launches, may_fail=("kill",))
     # 2 -> 1: the sharded checkpoint resumed by one unsharded process; and the checkpoint the kill left.
     child.run_training(str(one), "from_sharded", 2, sharded=False,
                        resume_from=os.path.join(two, "sharded", f"checkpoint-{child.SAVE_AT}"))
