@@ -234,3 +234,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    dist_child.leave()
