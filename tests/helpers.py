@@ -12,6 +12,7 @@ import csv
 import importlib.util
 import io
 import os
+import socket
 import subprocess
 import time
 
@@ -309,3 +310,10 @@ class JumpingClock:
         monkeypatch.setattr(time, "perf_counter", self)
         monkeypatch.setattr(PhaseClock, "wall", staticmethod(self))
         return self
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a launch's `--master_port`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

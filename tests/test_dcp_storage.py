@@ -28,9 +28,9 @@ from loopkit.checkpoint import checkpoint_dirs
 from loopkit.dcp_reading import UnsafeCheckpointError
 from loopkit.storage import DCPStorage
 from loopkit.storage.dcp import DCP_FOLDER, convert, read_whole_state
-from test_distributed import BIN, child_env, free_port, worst_relative_difference
+from test_distributed import BIN, child_env, worst_relative_difference
 from test_distributed import finish as finish_launch
-from helpers import run_process
+from helpers import free_port, run_process
 
 CHILD = os.path.join(os.path.dirname(__file__), "scripts", "dcp_child.py")
 sys.path.insert(0, os.path.dirname(CHILD))

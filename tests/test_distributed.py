@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from loopkit.checkpoint import checkpoint_dirs
 from loopkit.distributed import DistributedSetupError
 from loopkit.stages.setup import SetupStage
 
-from helpers import run_process, wait_for
+from helpers import free_port, run_process, wait_for
 
 CHILD_PATH = os.path.join(os.path.dirname(__file__), "scripts", "dist_child.py")
 BIN = os.path.dirname(sys.executable)
@@ -50,12 +49,6 @@ def child_env(cpu_mode: bool) -> dict:
     if cpu_mode:
         env["ACCELERATE_USE_CPU"] = "1"
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_torchrun(out, mode: str) -> subprocess.Popen:

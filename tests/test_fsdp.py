@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from loopkit.checkpoint import checkpoint_dirs
-from test_distributed import BIN, assert_same_losses, child_env, free_port, losses, \
-    worst_relative_difference
+from helpers import free_port
+from test_distributed import BIN, assert_same_losses, child_env, losses, worst_relative_difference
 from test_distributed import finish as finish_launch
 
 CHILD_PATH = os.path.join(os.path.dirname(__file__), "scripts", "fsdp_child.py")
@@ -68,12 +68,21 @@ def run_launches(launches: dict, may_fail: tuple = (), ranks_at_once: int = RANK
         del running[what]
         outputs[what] = finish(process, what, expect_success=what not in may_fail)
 
-    for what, (out, mode, processes, *extra) in launches.items():
-        while running and sum(ranks for _, ranks in running.values()) + processes > ranks_at_once:
+    try:
+        for what, (out, mode, processes, *extra) in launches.items():
+            while running and sum(ranks for _, ranks in running.values()) + processes > ranks_at_once:
+                finish_oldest()
+            running[what] = (launch(out, mode, processes, *extra), processes)
+        while running:
             finish_oldest()
-        running[what] = (launch(out, mode, processes, *extra), processes)
-    while running:
-        finish_oldest()
+    finally:  # one launch failed: the others stop now, not write into pytest's folders after the test
+        for process, _ in running.values():
+            process.terminate()  # torchrun passes SIGTERM on to its ranks; SIGKILL would orphan them
+            try:
+                process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
     return outputs
 
 

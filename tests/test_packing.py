@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,7 +17,7 @@ from transformers import BertConfig, BertForMaskedLM, DataCollatorWithFlattening
 from loopkit import Loop, LoopArgs, PackingDataStage
 from loopkit import packing
 
-from helpers import small_run, tiny_llama, wait_for
+from helpers import free_port, small_run, tiny_llama, wait_for
 
 datasets = pytest.importorskip("datasets")
 
@@ -252,7 +251,3 @@ def test_two_processes_train_the_packed_model_of_one_process(tmp_path):
             torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -13,7 +13,6 @@ import copy
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -25,8 +24,8 @@ from transformers import BatchEncoding, TrainerCallback
 from loopkit import Loop, LoopArgs, LoopConfigError, TrainingInterrupted
 from loopkit.checkpoint import checkpoint_problem
 
-from helpers import (IGNORE_PIN_MEMORY_WARNING, TinyRegression, assert_same_weights, hf_args, regression_data,
-                     runners, tiny_llama, tiny_regression, wait_for)
+from helpers import (IGNORE_PIN_MEMORY_WARNING, TinyRegression, assert_same_weights, free_port, hf_args,
+                     regression_data, runners, tiny_llama, tiny_regression, wait_for)
 
 datasets = pytest.importorskip("datasets")
 pytestmark = IGNORE_PIN_MEMORY_WARNING
@@ -260,12 +259,6 @@ def test_parallelism_config_stays_refused_with_the_reason(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # ddp_* fields and save_on_each_node on two processes (launched when this file starts, checked last)
 # ---------------------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ddp_find_unused_parameters_default_follows_trainer(tmp_path):
     cases = [(tiny_llama, {}), (tiny_llama, {"gradient_checkpointing": True}), (tiny_regression, {}),
              (tiny_regression, {"ddp_find_unused_parameters": False})]

@@ -15,10 +15,10 @@ import subprocess
 import pytest
 import torch
 
-from helpers import (IGNORE_PIN_MEMORY_WARNING, hf_args, lm_data, regression_data, runners, tiny_llama,
-                     tiny_regression)
+from helpers import (IGNORE_PIN_MEMORY_WARNING, free_port, hf_args, lm_data, regression_data, runners,
+                     tiny_llama, tiny_regression)
 from loopkit import Loop
-from test_distributed import BIN, child_env, finish, free_port
+from test_distributed import BIN, child_env, finish
 
 pytestmark = IGNORE_PIN_MEMORY_WARNING
 

@@ -5,7 +5,7 @@ with its own output folder OUT/node<R> as on machines without a shared disk:
   then writes what the DDP wrapper got to OUT/ddp_rank<r>.json;
 * trains again with `save_on_each_node=False` into OUT/main_only_node<R>.
 
-It leaves with `os._exit(0)` once everything it reports is written: see `leave`.
+It leaves with `os._exit(0)` once everything it reports is written: see `dist_child.leave`.
 """
 
 import faulthandler
@@ -16,7 +16,10 @@ import sys
 import torch
 from torch import nn
 
-from loopkit import Loop, LoopArgs
+sys.path.insert(0, os.path.dirname(__file__))
+import dist_child  # noqa: E402  (its `leave`: exit without the interpreter's teardown)
+
+from loopkit import Loop, LoopArgs  # noqa: E402
 
 
 class TwoHeads(nn.Module):
@@ -56,19 +59,7 @@ def main(out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def leave() -> None:
-    """Exit without the interpreter's teardown, where only torch's and gloo's code runs: rank 1 aborted there once under
-    load, after both trainings ("terminate called without an active exception"). gloo's threads (two workers, one
-    transport loop) outlive destroy_process_group(), even once gc.collect() leaves no Loop, DDP wrapper, parameter or
-    ProcessGroup object in Python, and a C++ thread that calls into Python while the interpreter finalizes aborts the
-    process with that message. What this child reports is written by now: its JSON files closed, the checkpoints
-    fsynced."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 if __name__ == "__main__":
     faulthandler.enable()  # an abort before `leave` prints every thread's Python stack into the launch's log
     main(sys.argv[1])
-    leave()
+    dist_child.leave()
