@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from loopkit.checkpoint import checkpoint_dirs
-from helpers import free_port
+from helpers import free_port, wait_for
 from test_distributed import BIN, assert_same_losses, child_env, losses, worst_relative_difference
 from test_distributed import finish as finish_launch
 
@@ -76,13 +76,9 @@ def run_launches(launches: dict, may_fail: tuple = (), ranks_at_once: int = RANK
         while running:
             finish_oldest()
     finally:  # one launch failed: the others stop now, not write into pytest's folders after the test
-        for process, _ in running.values():
+        for what, (process, _) in running.items():
             process.terminate()  # torchrun passes SIGTERM on to its ranks; SIGKILL would orphan them
-            try:
-                process.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.communicate()
+            wait_for(process, f"{what} (stopped: another launch failed)")
     return outputs
 
 
