@@ -58,8 +58,8 @@ def finish(process: subprocess.Popen, what: str, expect_success: bool = True) ->
 RANKS_AT_ONCE = 4
 
 
-def run_launches(launches: dict, may_fail: tuple = (), ranks_at_once: int = RANKS_AT_ONCE) -> dict:
-    """Start the launches {what: (out, mode, processes, *extra)} in order, never more than `ranks_at_once` ranks
+def run_launches(launches: dict, may_fail: tuple = ()) -> dict:
+    """Start the launches {what: (out, mode, processes, *extra)} in order, never more than RANKS_AT_ONCE ranks
     running; returns {what: output}. Each must exit 0 unless named in `may_fail`."""
     running, outputs = {}, {}  # what -> (process, ranks), oldest first
 
@@ -70,7 +70,7 @@ def run_launches(launches: dict, may_fail: tuple = (), ranks_at_once: int = RANK
 
     try:
         for what, (out, mode, processes, *extra) in launches.items():
-            while running and sum(ranks for _, ranks in running.values()) + processes > ranks_at_once:
+            while running and sum(ranks for _, ranks in running.values()) + processes > RANKS_AT_ONCE:
                 finish_oldest()
             running[what] = (launch(out, mode, processes, *extra), processes)
         while running:
