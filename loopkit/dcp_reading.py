@@ -18,11 +18,13 @@ What is refused raises `UnsafeCheckpointError`; checkpoints DCP writes load unch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
 import pathlib
 import pickle
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -173,6 +175,30 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
+# torch's notice at every `dcp.save` / `dcp.load` without a process group, even with `no_dist=True`: loopkit calls
+# them so only in one process, on purpose, and says nothing about it.
+SINGLE_PROCESS_NOTICE = (r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to "
+                         r"(save|load) in a single process\.")
+
+
+def distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def one_process_quiet():
+    """Around a DCP call on this thread: in one process, torch's notice that it assumes one process is not shown
+    (that exact message only); with a process group, nothing changes."""
+    if distributed():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_NOTICE, category=UserWarning)
+        yield
+
+
 def read_dcp(state_dict: dict, folder: str) -> None:
     """`dcp.load(state_dict, checkpoint_id=folder)` (in place, resharding to `state_dict`'s layout; a collective
     when a process group is up), reading nothing as a full pickle. A refusal on this process is raised as itself,
@@ -181,7 +207,8 @@ def read_dcp(state_dict: dict, folder: str) -> None:
 
     reader = CheckedFileSystemReader(folder)
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=WeightsOnlyLoadPlanner(reader))
+        with one_process_quiet():
+            dcp.load(state_dict, storage_reader=reader, planner=WeightsOnlyLoadPlanner(reader))
     except (Exception, CheckpointException) as exc:
         if reader.refusal is not None and exc is not reader.refusal:
             raise reader.refusal from exc

@@ -97,6 +97,23 @@ def test_one_process_resume_is_bit_exact(tmp_path, one_process, async_save):
                                                                                                  "resumed")))
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_one_process_saves_and_resumes_without_torchs_single_process_notice(tmp_path, one_process, async_save):
+    """torch warns "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in
+    a single process" at every DCP save and load without a process group: loopkit knows it is one process, so the
+    user sees nothing. A resume (a load) followed by two saves, synchronous and asynchronous (the writer thread's
+    warnings are recorded too)."""
+    out, _ = one_process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dcp_child.run(str(tmp_path), "quiet", async_save=async_save,
+                      resume_from=os.path.join(out, "plain", "checkpoint-4"))
+    assert [os.path.basename(d) for d in checkpoint_dirs(os.path.join(tmp_path, "quiet"))][-2:] == \
+        ["checkpoint-6", "checkpoint-8"]
+    notices = [str(w.message) for w in caught if "torch.distributed is" in str(w.message)]
+    assert notices == []
+
+
 class Payload:
     """Unpickles as `os.system(command)`."""
 

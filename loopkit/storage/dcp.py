@@ -37,16 +37,32 @@ import torch
 
 from ..checkpoint import (OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, read_trainer_state,
                           safe_torch_load, save_state_file)
-from ..dcp_reading import UnsafeCheckpointError, load_metadata, read_dcp
+from ..checkpoint.writing import copy_to_cpu
+from ..dcp_reading import UnsafeCheckpointError, distributed, load_metadata, one_process_quiet, read_dcp
 from .base import CheckpointStorage, Snapshot
 
 DCP_FOLDER = "dcp"
 
 
-def distributed() -> bool:
-    import torch.distributed as dist
+def save_dcp(state: dict, folder: str) -> None:
+    """`dcp.save` into `folder`: collective with a process group; in one process without torch's notice that it
+    assumes one (loopkit knows)."""
+    import torch.distributed.checkpoint as dcp
 
-    return dist.is_available() and dist.is_initialized()
+    with one_process_quiet():
+        dcp.save(state, checkpoint_id=folder, no_dist=not distributed())
+
+
+class OneProcessWrite:
+    """An asynchronous save's write in one process: `save_dcp` of the host copies, called by `result()` on the
+    writer thread (what `dcp.async_save`'s future is with several processes)."""
+
+    def __init__(self, state: dict, folder: str):
+        self.state, self.folder = state, folder
+
+    def result(self) -> None:
+        save_dcp(self.state, self.folder)
+        self.state = None
 
 
 def dcp_metadata(checkpoint: str):
@@ -108,24 +124,26 @@ class DCPStorage(CheckpointStorage):
             run.processing_class.save_pretrained(folder)
 
     def write_files(self, snapshot: Snapshot, folder: str) -> None:
-        import torch.distributed.checkpoint as dcp
-
         self.write_model_description(folder)
         self.write_common_files(snapshot, folder)
-        dcp.save(self.state_to_save(), checkpoint_id=os.path.join(folder, DCP_FOLDER), no_dist=not distributed())
+        save_dcp(self.state_to_save(), os.path.join(folder, DCP_FOLDER))
 
     def start_background_write(self, snapshot: Snapshot, push: str | None) -> threading.Thread | None:
-        """`async_save`: on the training thread, the folder, the small files and DCP's staging (host copies);
-        then a thread waits for DCP's write and, on the writing process, closes the folder (states, fsync,
-        rename) and rotates. DCP's coordinator (rank 0) finishes only once every rank has written its shards."""
+        """`async_save`: on the training thread, the folder, the small files and the staging (host copies: DCP's
+        with several processes, `copy_to_cpu` in one); then a thread waits for (or, in one process, makes) DCP's
+        write and, on the writing process, closes the folder (states, fsync, rename) and rotates. DCP's
+        coordinator (rank 0) finishes only once every rank has written its shards."""
         import torch.distributed.checkpoint as dcp
 
         tmp, final = self.open_folder(snapshot.step)
         try:
             self.write_model_description(tmp)
             self.write_common_files(snapshot, tmp)
-            future = dcp.async_save(self.state_to_save(), checkpoint_id=os.path.join(tmp, DCP_FOLDER),
-                                    process_group=self.async_group(), no_dist=not distributed())
+            path = os.path.join(tmp, DCP_FOLDER)
+            if distributed():
+                future = dcp.async_save(self.state_to_save(), checkpoint_id=path, process_group=self.async_group())
+            else:  # a thread of ours, so that torch's one-process notice is silenced on the thread that saves
+                future = OneProcessWrite(copy_to_cpu(self.state_to_save()), path)
         except Exception as exc:
             self.discard_folder(tmp)
             self.report_failure(snapshot, exc)
@@ -138,8 +156,6 @@ class DCPStorage(CheckpointStorage):
     def async_group(self):
         """A gloo group for the writer thread's collectives, apart from training's (created once, by every
         process at the same save)."""
-        if not distributed():
-            return None
         if self.checkpoint_group is None:
             import torch.distributed as dist
 
