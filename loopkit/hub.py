@@ -15,7 +15,8 @@ As Trainer:
   `output_dir` (`hub_revision`: the branch of every upload).
 
 What loopkit does differently (docs/differences.md):
-* `training_args.bin` (a pickle of the arguments) is neither written nor uploaded;
+* `training_args.bin` (a pickle of the arguments) is written and uploaded as Trainer does only when the arguments are
+  a `TrainingArguments` (none for `LoopArgs`: loopkit/checkpoint/model_files.py);
 * `on_push_begin` fires when a pushing save starts, on the training thread (Trainer: once its files are written),
   and the uploads are queued once the checkpoint folder is complete (renamed into place; with `async_save`, by the
   writer thread, after it has written the folder): no upload sees a half-written checkpoint;
@@ -45,7 +46,7 @@ from concurrent import futures
 from pathlib import Path
 
 from .args import plain
-from .checkpoint import CHECKPOINT_PREFIX, LEFTOVER_PREFIXES
+from .checkpoint import CHECKPOINT_PREFIX, LEFTOVER_PREFIXES, save_training_args
 
 # Trainer's modeling files (CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME, SAFE_WEIGHTS_NAME and PEFT's adapter
 # files), and the index files whose shards are copied too.
@@ -234,6 +235,7 @@ class HubPush:
                 shutil.copy(os.path.join(checkpoint, name), os.path.join(staging, name))
             if processing_class is not None and hasattr(processing_class, "save_pretrained"):
                 processing_class.save_pretrained(staging)
+            save_training_args(self.run.args, staging)  # as Trainer: `training_args.bin` of TrainingArguments
             move_into(staging, output_dir)
         finally:
             shutil.rmtree(staging, ignore_errors=True)

@@ -283,11 +283,14 @@ class TrainerAPI:
 
     def save_model(self, output_dir=None, _internal_call=False) -> None:
         """Weights, config and processing class in `save_pretrained` layout (no `on_save`, as in HF)."""
-        from .checkpoint import save_model_files
+        from .checkpoint import save_model_files, save_training_args
 
         log_model_save(self.run, self.context, output_dir=output_dir)
-        save_model_files(self.model_wrapped, self.context.accelerator, output_dir or self.run.args.output_dir,
-                         self.run.processing_class, writer=self.context.checkpointer.writes_files)
+        folder, writer = output_dir or self.run.args.output_dir, self.context.checkpointer.writes_files
+        save_model_files(self.model_wrapped, self.context.accelerator, folder, self.run.processing_class,
+                         writer=writer)
+        if writer:
+            save_training_args(self.run.args, folder)  # Trainer's `training_args.bin`, for its readers
         if getattr(self.args, "push_to_hub", False) and not _internal_call:  # as Trainer: a user's save pushes
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

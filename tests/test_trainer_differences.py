@@ -7,7 +7,7 @@ import time
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback
 
-from helpers import hf_args, lm_data, tiny_llama
+from helpers import IGNORE_PIN_MEMORY_WARNING, hf_args, lm_data, tiny_llama
 
 from loopkit import Loop, LoopArgs
 
@@ -62,6 +62,33 @@ def test_checkpoints_hold_no_pickled_arguments(tmp_path):
          train_dataset=lm_data(8)).train()
     files = os.listdir(tmp_path / "checkpoint-2")
     assert "training_args.bin" not in files and "trainer_state.json" in files and "model.safetensors" in files
+
+
+LOOPKIT_STATE = {"loopkit_state.json", "loopkit_tensors.safetensors"}  # loopkit's own, in a checkpoint beside Trainer's
+
+
+@IGNORE_PIN_MEMORY_WARNING  # Trainer runs here too
+def test_training_arguments_are_written_as_trainer_writes_them(tmp_path):
+    """With a `TrainingArguments`, `training_args.bin` is in every checkpoint and in output_dir after `save_model`,
+    as Trainer writes it (its readers, and transformers' own tests, read it): the same file names as Trainer's
+    checkpoint and output folder. loopkit never reads it; the user does, as here, from their own file."""
+    args = dict(max_steps=2, save_steps=2, per_device_train_batch_size=4, disable_tqdm=True, report_to="none")
+    folders = {}
+    for name, runner in (("hf", Trainer), ("loop", Loop)):
+        out = tmp_path / name
+        trainer = runner(model=tiny_llama(), args=hf_args(out, **args), train_dataset=lm_data(8))
+        trainer.train()
+        trainer.save_model()
+        folders[name] = (out, trainer.args)
+    for name, (out, training_args) in folders.items():
+        for folder in (out / "checkpoint-2", out):
+            saved = torch.load(folder / "training_args.bin", weights_only=False)  # the user's own file
+            assert type(saved) is type(training_args) and saved == training_args, (name, folder)
+    (hf, _), (loop, _) = folders["hf"], folders["loop"]
+    hf_files, loop_files = set(os.listdir(hf / "checkpoint-2")), set(os.listdir(loop / "checkpoint-2"))
+    assert loop_files - LOOPKIT_STATE == hf_files, sorted((loop_files - LOOPKIT_STATE) ^ hf_files)
+    # output_dir after save_model: Trainer's files, beside loopkit's run report
+    assert {p for p in os.listdir(hf) if not p.startswith("checkpoint-")} <= set(os.listdir(loop))
 
 
 class NaNLossAt(TrainerCallback):

@@ -3,9 +3,10 @@
 
 A checkpoint is `<output_dir>/checkpoint-<global_step>/` holding `model.safetensors` (+ `config.json` through
 `save_pretrained` when the model has it), `optimizer.pt`, `scheduler.pt`, `scaler.pt` (fp16), `rng_state.pth`,
-`trainer_state.json`, and loopkit's own `loopkit_state.json` (stage state, e.g. the running loss) with, when a stage's
-state holds tensors (the data stage's batch read ahead), `loopkit_tensors.safetensors` (one per process:
-`loopkit_tensors_<rank>.safetensors`, stage_tensors.py). HF Trainer resumes from it; loopkit resumes from HF's.
+`trainer_state.json`, `training_args.bin` (Trainer's pickle of the arguments, written only when they are a
+`TrainingArguments`, never read: model_files.py), and loopkit's own `loopkit_state.json` (stage state, e.g. the
+running loss) with, when a stage's state holds tensors (the data stage's batch read ahead),
+`loopkit_tensors.safetensors` (one per process: `loopkit_tensors_<rank>.safetensors`, stage_tensors.py). HF Trainer resumes from it; loopkit resumes from HF's.
 
 Atomicity: everything is written into a hidden sibling `.tmp-checkpoint-<step>`, flushed and fsynced, marked complete
 (`loopkit_state.json` is the last file written) and renamed into place. A kill mid-save leaves only the temporary
@@ -39,7 +40,8 @@ from .lineage import (CHECKPOINT_PREFIX, CHECKPOINT_RE, LEFTOVER_PREFIXES, LOOPK
                       RECORD_KEY, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, WEIGHTS_NAME, CheckpointRecord,
                       checkpoint_dirs, checkpoints_by_recency, last_checkpoint, new_run_id, read_record,
                       set_aside_path)
-from .model_files import holds_model_weights, load_model_weights, save_model_files
+from .model_files import (TRAINING_ARGS_NAME, holds_model_weights, load_model_weights, save_model_files,
+                          save_training_args)
 from .rng import read_rng_file, restore_rng_state, rng_file_name, rng_state, saved_world_size
 from .validation import checkpoint_problem, read_stage_states, read_trainer_state, warn_if_checkpoint_args_differ
 from .writing import SAVE_ERROR_POLICIES, Snapshot, copy_to_cpu

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from ..distributed import (FSDP_MODEL_FOLDER, active_engine, engine_checkpoint_present, load_sharded_model,
                            sharded_model_saved)
@@ -32,6 +33,29 @@ def save_model_files(model, accelerator, output_dir: str, processing_class=None,
         save_file(state, os.path.join(output_dir, WEIGHTS_NAME), metadata={"format": "pt"})
     if processing_class is not None and writer and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(output_dir)
+
+
+TRAINING_ARGS_NAME = "training_args.bin"
+
+
+def save_training_args(args, folder: str) -> None:
+    """Trainer's `training_args.bin` (`torch.save` of the arguments) when they are a `TrainingArguments`, where
+    Trainer writes it: tools written for Trainer read it. Secrets (`hub_token`: the fields `to_dict` masks) are left
+    out, where Trainer writes them in clear into a file it uploads. loopkit never reads it (a pickle runs code when
+    loaded: docs/differences.md); for `LoopArgs` none is written (no tool written for Trainer reads a `LoopArgs`)."""
+    module = sys.modules.get("transformers.training_args")  # not imported: the args cannot be a TrainingArguments
+    if module is None or not isinstance(args, module.TrainingArguments):
+        return
+    import copy
+
+    import torch
+
+    secrets = [name for name, value in vars(args).items() if name.endswith("_token") and value is not None]
+    if secrets:
+        args = copy.copy(args)
+        for name in secrets:
+            setattr(args, name, None)
+    torch.save(args, os.path.join(folder, TRAINING_ARGS_NAME))
 
 
 def load_model_weights(model, checkpoint: str) -> None:

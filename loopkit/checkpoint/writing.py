@@ -104,12 +104,15 @@ class AtomicSaves:
         )
 
     def write_common_files(self, snapshot: Snapshot, folder: str) -> None:
-        """Scheduler, scaler, this process's RNG states and stage tensors (every process calls it)."""
+        """Scheduler, scaler, `training_args.bin`, this process's RNG states and stage tensors (every process calls
+        it)."""
         acc = self.context.accelerator
         if snapshot.scheduler is not None:
             files.save_state_file(snapshot.scheduler, os.path.join(folder, files.SCHEDULER_NAME))
         if snapshot.scaler is not None and self.writes_files:
             files.save_state_file(snapshot.scaler, os.path.join(folder, files.SCALER_NAME))
+        if self.writes_files:
+            files.save_training_args(self.run.args, folder)  # Trainer's pickle, for its readers (never ours)
         if snapshot.rng is not None:
             files.save_state_file(snapshot.rng, os.path.join(folder, files.rng_file_name(acc.num_processes,
                                                                                       acc.process_index)))
