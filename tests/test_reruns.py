@@ -1,6 +1,8 @@
 """Reruns into the same `output_dir` lose nothing (issue 12, item 6): each checkpoint records its run and save
 number; rotation deletes only the current run's checkpoints; `resume_from_checkpoint=True` takes the most recently
-saved checkpoint (not the highest step, not the newest mtime) and names it.
+saved checkpoint (not the highest step, not the newest mtime) and names it. The disk stays bounded (issue 34, item
+8): with `save_total_limit`, a run's first save removes the runs older than the previous one, in one short line; a
+fresh run says what it found in one short line.
 
 File modification times are set explicitly, against the order of the saves (as a copy or a backup restore leaves
 them), so no test depends on the clock and each shows that mtimes do not decide."""
@@ -15,7 +17,7 @@ import warnings
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from helpers import IGNORE_PIN_MEMORY_WARNING, hf_args, regression_data, tiny_regression
 
@@ -72,10 +74,11 @@ def test_rerun_keeps_the_other_runs_checkpoints_and_resume_takes_the_newest_save
     before = {name: digest(out / name) for name in checkpoints(out)}
 
     # Run B: a fresh rerun (another learning rate) for 4 steps into the same folder. It says what it found.
-    with pytest.warns(UserWarning, match=r"already holds checkpoints of another run: ") as caught:
+    with pytest.warns(UserWarning, match=r"holds other runs' checkpoints: ") as caught:
         make_loop(out, max_steps=4, learning_rate=0.2).train()
-    message = next(str(w.message) for w in caught if "already holds" in str(w.message))
-    assert f"checkpoint-6 (run {run_a}, save #3" in message and f"checkpoint-8 (run {run_a}, save #4" in message
+    message = next(str(w.message) for w in caught if "holds other runs'" in str(w.message))
+    assert f"run {run_a} checkpoint-6, checkpoint-8 (previous run: kept)" in message
+    assert len(message.replace(str(out), "")) < 250  # one short line (it was about 700 characters)
     assert checkpoints(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
     assert {name: digest(out / name) for name in ("checkpoint-6", "checkpoint-8")} == before  # A's untouched
     run_b = record(out, "checkpoint-4")["run_id"]
@@ -116,12 +119,12 @@ def test_resume_names_its_pick_and_warns_when_it_is_another_runs(tmp_path, caplo
     # Another run then saves checkpoint-2 in the same folder; this Loop's resume=True takes that one, and says so.
     set_mtime(out, ["checkpoint-3", "checkpoint-4"], YEAR_2100)
     mine_saved = {name: digest(out / name) for name in ("checkpoint-3", "checkpoint-4")}
-    with pytest.warns(UserWarning, match="already holds checkpoints of another run"):
+    with pytest.warns(UserWarning, match="holds other runs' checkpoints"):
         make_loop(out, max_steps=2, save_steps=2).train()
     run_other = record(out, "checkpoint-2")["run_id"]
     set_mtime(out, ["checkpoint-2"], YEAR_2000)
     mine.args.max_steps = 4
-    with pytest.warns(UserWarning) as caught:
+    with pytest.warns(UserWarning) as caught, caplog.at_level(logging.INFO, logger="loopkit.checkpoint"):
         mine.train(resume_from_checkpoint=True)
     messages = [str(w.message) for w in caught if "resume_from_checkpoint=True" in str(w.message)]
     assert len(messages) == 1, [str(w.message) for w in caught]
@@ -132,7 +135,7 @@ def test_resume_names_its_pick_and_warns_when_it_is_another_runs(tmp_path, caplo
     assert mine.initial_global_step == 2 and mine.state.global_step == 4
     # It continued the other run (save_steps=2, from its checkpoint), whose save at 4 took that name: "mine"'s
     # checkpoint-4 was renamed, not lost, and rotation (the other run's 2 and 4 now) deleted nothing.
-    assert any(f"kept as {out / f'checkpoint-4-of-run-{run_mine}'}" in str(w.message) for w in caught)
+    assert f"kept as {out / f'checkpoint-4-of-run-{run_mine}'}" in caplog.text  # announced at the start: INFO
     assert checkpoints(out) == ["checkpoint-2", "checkpoint-3", "checkpoint-4"]
     assert record(out, "checkpoint-4")["run_id"] == run_other
     assert digest(out / f"checkpoint-4-of-run-{run_mine}") == mine_saved["checkpoint-4"]
@@ -161,7 +164,7 @@ def test_hf_trainer_folder_still_resumes_and_is_never_rotated_away(tmp_path):
     assert digest(out / "checkpoint-4") == hf_four
     assert record(out, "checkpoint-6")["run_id"] == record(out, "checkpoint-8")["run_id"]
     # A fresh rerun names HF's folders as unrecorded.
-    with pytest.warns(UserWarning, match=r"checkpoint-2 \(no run recorded: HF Trainer's"):
+    with pytest.warns(UserWarning, match=r"unrecorded checkpoint-2, checkpoint-4 \(no run recorded: kept\)"):
         make_loop(out, max_steps=1, save_steps=1).train()
 
 
@@ -175,10 +178,62 @@ def test_a_reruns_best_is_never_the_other_runs_folder(tmp_path):
                 args=args(out, max_steps=4, eval_strategy="steps", eval_steps=2, save_steps=4,
                           metric_for_best_model="score", load_best_model_at_end=True),
                 compute_metrics=lambda _: {"score": scores[loop.state.global_step]})
-    with pytest.warns(UserWarning, match="already holds checkpoints of another run"):
+    with pytest.warns(UserWarning, match="holds other runs' checkpoints"):
         loop.train()
     assert loop.state.best_global_step == 2 and loop.state.best_model_checkpoint is None
     final = load_file(out / "checkpoint-4" / "model.safetensors")
     assert all(torch.equal(final[k], v) for k, v in loop.model.state_dict().items())
     assert not torch.equal(load_file(out / "checkpoint-2" / "model.safetensors")["linear.weight"],
                            final["linear.weight"])
+
+
+class FailAtStep(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        raise RuntimeError("the user's code failed at step 1")
+
+
+def test_a_rerun_keeps_the_previous_run_and_removes_older_ones_in_one_line(tmp_path):
+    """The disk stays bounded: with save_total_limit, a run's first complete save removes the folders of the runs
+    older than the previous one (checkpoints and set-aside ones); the previous run stays whole; a run that fails
+    before its first save removes nothing; with save_total_limit=None nothing is removed."""
+    out = tmp_path / "out"
+    make_loop(out, max_steps=4).train()  # run A: checkpoint-2, checkpoint-4
+    run_a = record(out, "checkpoint-4")["run_id"]
+    with pytest.warns(UserWarning, match="holds other runs' checkpoints"):
+        make_loop(out, max_steps=2).train()  # run B: its checkpoint-2 sets A's aside
+    run_b = record(out, "checkpoint-2")["run_id"]
+    assert sorted(os.listdir(out)).count(f"checkpoint-2-of-run-{run_a}") == 1
+    b_saved = digest(out / "checkpoint-2")
+
+    # Run C: says in one line what it found and what happens to it, then removes A's folders at its first save.
+    with pytest.warns(UserWarning) as caught:
+        make_loop(out, max_steps=2).train()
+    messages = [str(w.message) for w in caught]
+    found = next(m for m in messages if "holds other runs' checkpoints" in m)
+    assert f"run {run_a} checkpoint-2-of-run-{run_a}, checkpoint-4 (older: removed at the first save); " \
+           f"run {run_b} checkpoint-2 " \
+           f"(previous run: kept)" in found and len(found.replace(str(out), "")) < 250, found
+    removed = next(m for m in messages if m.startswith("Removed"))
+    assert removed.startswith(f"Removed 2 checkpoint folder(s) of runs older than the previous one (checkpoint-4, "
+                              f"checkpoint-2-of-run-{run_a}) from output_dir: save_total_limit=2 keeps") and \
+        "One output_dir per run keeps them all." in removed and len(removed) < 250, removed
+    run_c = record(out, "checkpoint-2")["run_id"]
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == \
+        ["checkpoint-2", f"checkpoint-2-of-run-{run_b}"]
+    assert digest(out / f"checkpoint-2-of-run-{run_b}") == b_saved  # the previous run, untouched
+
+    # A run that fails before its first save removes nothing (B is now older than the previous run, C).
+    failing = Loop(model=tiny_regression(), args=args(out, max_steps=2), train_dataset=regression_data(16),
+                   callbacks=[FailAtStep()])
+    with pytest.warns(UserWarning, match="older: removed at the first save"), \
+            pytest.raises(RuntimeError, match="failed at step 1"):
+        failing.train()
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == \
+        ["checkpoint-2", f"checkpoint-2-of-run-{run_b}"]
+
+    # save_total_limit=None keeps everything, and says so.
+    with pytest.warns(UserWarning, match=r"older: kept, save_total_limit=None") as caught:
+        make_loop(out, max_steps=2, save_total_limit=None).train()
+    assert not [w for w in caught if str(w.message).startswith("Removed")]
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == \
+        ["checkpoint-2", f"checkpoint-2-of-run-{run_b}", f"checkpoint-2-of-run-{run_c}"]

@@ -19,7 +19,10 @@ which a copy or a restore changes). "Most recently saved" means the highest save
 (HF Trainer's, or loopkit's before run ids) rank below every numbered one and among themselves by folder mtime (all
 they have). Such folders count as another run: nothing in them says who wrote them, so this run never deletes them.
 Rotation deletes only the current run's checkpoints; `resume_from_checkpoint=True` takes the most recently saved
-complete checkpoint and names it; a fresh run into a folder holding other runs' checkpoints says what it found.
+complete checkpoint and names it; a fresh run into a folder holding other runs' checkpoints says what it found, in
+one line. The previous run (the last to save before this `train()`) is kept whole; with `save_total_limit`, the
+recorded folders of older runs are removed at this run's first complete save, in one line (rotation.py), so the
+folder holds at most two runs' checkpoints.
 
 Security: weights go through safetensors, state through JSON, and every `torch.load` uses `weights_only=True`
 (`rng_state.pth` needs numpy's RNG tuple, allowed by an explicit list of numpy classes). Sharded FSDP folders

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 CHECKPOINT_PREFIX = "checkpoint"
 CHECKPOINT_RE = re.compile(r"^" + CHECKPOINT_PREFIX + r"-(\d+)$")
+SET_ASIDE_RE = re.compile(r"^" + CHECKPOINT_PREFIX + r"-(\d+)-of-run-")  # another run's folder a save renamed
 TRAINER_STATE_NAME = "trainer_state.json"
 LOOPKIT_STATE_NAME = "loopkit_state.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -23,13 +24,13 @@ RECORD_KEY = "checkpoint"  # the entry of `loopkit_state.json` that says which r
 LEFTOVER_PREFIXES = (".tmp-", ".old-", ".deleting-")  # a killed save's, replace's or rotation's folders
 
 
-def checkpoint_dirs(output_dir: str) -> list[str]:
-    """Complete checkpoint folders under `output_dir`, in step order."""
+def checkpoint_dirs(output_dir: str, pattern: re.Pattern = CHECKPOINT_RE) -> list[str]:
+    """Complete checkpoint folders under `output_dir` (with `SET_ASIDE_RE`: the set-aside ones), in step order."""
     if not os.path.isdir(output_dir):
         return []
     found = []
     for name in os.listdir(output_dir):
-        match = CHECKPOINT_RE.match(name)
+        match = pattern.match(name)
         path = os.path.join(output_dir, name)
         if match and os.path.isdir(path):
             found.append((int(match.group(1)), path))
@@ -62,7 +63,8 @@ class CheckpointRecord:
 
 def read_record(path: str) -> CheckpointRecord:
     """The record of checkpoint folder `path`; a missing or unreadable one counts as not recorded."""
-    match = CHECKPOINT_RE.match(os.path.basename(os.path.normpath(path)))
+    name = os.path.basename(os.path.normpath(path))
+    match = CHECKPOINT_RE.match(name) or SET_ASIDE_RE.match(name)
     entry = {}
     try:
         with open(os.path.join(path, LOOPKIT_STATE_NAME), encoding="utf-8") as f:
@@ -112,18 +114,23 @@ class RunLineage:
 
     run_id: str | None = None
     next_save_index = 1
+    previous_run: str | None = None  # the most recently saved other run at this train()'s start: never deleted
+    older_runs_pending = False  # this train()'s first save still has older runs' folders to remove (Rotation)
 
     def start(self, resume_from_checkpoint) -> str | None:
         """The start of a `train()`: remove a killed save's leftovers, resolve the checkpoint to resume from, and
-        set the run the coming saves belong to (the checkpoint's when resuming, else a new one). Says what it found:
-        a fresh run next to other runs' checkpoints warns; `resume_from_checkpoint=True` names its pick. Returns
-        the checkpoint path or None."""
+        set the run the coming saves belong to (the checkpoint's when resuming, else a new one) and the previous
+        run (kept whole). Says what it found: a fresh run next to other runs' checkpoints warns in one line;
+        `resume_from_checkpoint=True` names its pick. Returns the checkpoint path or None."""
         self.remove_leftovers()
         records = checkpoints_by_recency(self.run.args.output_dir)
         checkpoint = self.resolve(resume_from_checkpoint)
         previous_run = self.run_id
         resumed = read_record(checkpoint) if checkpoint is not None else None
         self.begin_run((resumed.run_id if resumed is not None else None) or new_run_id(), records)
+        others = [r for r in self.recorded_folders() if r.run_id != self.run_id]
+        self.previous_run = max(others, key=CheckpointRecord.recency).run_id if others else None
+        self.older_runs_pending = True
         if self.context.accelerator.is_main_process:
             if checkpoint is None:
                 self.report_other_runs(records)
@@ -141,17 +148,34 @@ class RunLineage:
         self.run_id = run_id
         self.next_save_index = 1 + max((r.save_index for r in records if r.save_index is not None), default=0)
 
+    def recorded_folders(self) -> list[CheckpointRecord]:
+        """Every folder in `output_dir` that records its run: checkpoints and the set-aside `-of-run-` ones."""
+        run_dir = self.run.args.output_dir
+        folders = checkpoint_dirs(run_dir) + checkpoint_dirs(run_dir, SET_ASIDE_RE)
+        return [r for r in map(read_record, folders) if r.run_id is not None]
+
+    def older_runs(self) -> list[CheckpointRecord]:
+        """The recorded folders of runs other than this one and the previous one (Rotation removes them)."""
+        return [r for r in self.recorded_folders() if r.run_id not in (self.run_id, self.previous_run)]
+
     def report_other_runs(self, records: list[CheckpointRecord]) -> None:
-        """A fresh run into an `output_dir` that holds checkpoints: say whose they are and what happens to them."""
+        """A fresh run into an `output_dir` that holds checkpoints: one line saying whose they are and what
+        happens to them (docs/checkpoints.md, "Reruns")."""
+        set_aside = [r for r in self.recorded_folders() if SET_ASIDE_RE.match(os.path.basename(r.path))]
+        records = sorted(records + set_aside, key=CheckpointRecord.recency)
         if not records:
             return
-        found = ", ".join(r.describe() for r in records)
-        warnings.warn(
-            f"output_dir={self.run.args.output_dir!r} already holds checkpoints of another run: {found}. This fresh "
-            f"run (run {self.run_id}) keeps them: rotation (save_total_limit) deletes only this run's checkpoints, "
-            f"and a save at the same step renames the other one to <name>-of-run-<id>. resume_from_checkpoint=True "
-            f"takes the most recently saved checkpoint, whichever run wrote it. Use a new output_dir to keep runs "
-            f"apart, or resume_from_checkpoint=True to continue the other run.")
+        runs: dict = {}
+        for record in records:
+            runs.setdefault(record.run_id, []).append(os.path.basename(record.path))
+        limit = self.run.args.save_total_limit
+        fate = {self.previous_run: "previous run: kept", None: "no run recorded: kept"}
+        older = "older: removed at the first save" if limit and limit > 0 else "older: kept, save_total_limit=None"
+        found = "; ".join(f"{'run ' + run_id if run_id else 'unrecorded'} {', '.join(names[:3])}"
+                          f"{f' +{len(names) - 3}' if len(names) > 3 else ''} ({fate.get(run_id, older)})"
+                          for run_id, names in runs.items())
+        warnings.warn(f"output_dir={self.run.args.output_dir!r} holds other runs' checkpoints: {found}. One "
+                      f"output_dir per run keeps them all.")
 
     def report_resume_pick(self, picked: CheckpointRecord, records: list[CheckpointRecord],
                            previous_run: str | None) -> None:
@@ -206,7 +230,7 @@ class RunLineage:
         os.replace(tmp, final)
         if own:
             shutil.rmtree(aside, ignore_errors=True)
-        else:
-            warnings.warn(f"This run (run {self.run_id}) saved {name}, where {record.describe()} "
-                          f"was: that one is kept as {aside} (pass it to resume_from_checkpoint to resume it).")
+        else:  # announced at the start (report_other_runs); the path, for whoever looks for it
+            logger.info(f"This run (run {self.run_id}) saved {name}, where {record.describe()} was: that one is "
+                        f"kept as {aside} (pass it to resume_from_checkpoint to resume it).")
 

@@ -1,10 +1,12 @@
-"""Rotation: HF's `save_total_limit` rule over this run's checkpoints only, with the best ones kept."""
+"""Rotation: HF's `save_total_limit` rule over this run's checkpoints only, with the best ones kept; and, at a run's
+first save, the folders of runs older than the previous one (docs/checkpoints.md, "Reruns")."""
 
 from __future__ import annotations
 
 import math
 import os
 import shutil
+import warnings
 
 from .lineage import CHECKPOINT_RE
 from ..state import best_metric_key
@@ -63,6 +65,7 @@ class Rotation:
         limit = self.run.args.save_total_limit
         if limit is None or limit <= 0:
             return
+        self.remove_older_runs()
         dirs = self.own_checkpoints()
         if not dirs:
             return
@@ -81,6 +84,24 @@ class Rotation:
                 self.rotation_deferred = True
             else:
                 self.delete(path)
+
+    def remove_older_runs(self) -> None:
+        """At this run's first complete save, with `save_total_limit`: delete the folders (checkpoints and set-aside
+        `-of-run-` ones) of the runs older than the previous run, which stays whole, and say so in one line. So a
+        folder rerun again and again holds this run's checkpoints and the previous run's, and a rerun that fails
+        before its first save has deleted nothing. Folders that record no run are never deleted."""
+        if not self.older_runs_pending:
+            return
+        self.older_runs_pending = False
+        doomed = self.older_runs()
+        for record in doomed:
+            self.delete(record.path)
+        if doomed:
+            names = ", ".join(os.path.basename(r.path) for r in doomed[:4]) + (
+                f" +{len(doomed) - 4}" if len(doomed) > 4 else "")
+            warnings.warn(f"Removed {len(doomed)} checkpoint folder(s) of runs older than the previous one "
+                          f"({names}) from output_dir: save_total_limit={self.run.args.save_total_limit} keeps this "
+                          f"run's and the previous run's. One output_dir per run keeps them all.")
 
     def finish_uploads(self) -> None:
         """The end of `train()`: wait for the push in progress (Trainer's `_finish_current_push`), then delete what
