@@ -247,3 +247,69 @@ def test_label_check_runs_once_per_train_and_accepts_ignored_positions(tmp_path,
     assert len(calls) == 1  # 8 micro-batches, one check: the hot path only tests a flag
     loop.train()
     assert len(calls) == 2  # once per train()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A collator that cannot stack the examples it gets (issue 34, item 10)
+# ---------------------------------------------------------------------------------------------------------------
+def reviews_tokenized(n: int) -> list[dict]:
+    """Real reviews through the real MiniLM tokenizer, unpadded (as `dataset.map(tokenize)` leaves them)."""
+    from helpers import rotten_tomatoes
+
+    tokenizer = minilm_tokenizer()
+    return [dict(tokenizer(text, truncation=True, max_length=64), label=label) for text, label in rotten_tomatoes(n)]
+
+
+def minilm_vocab_bert():
+    """A small BERT classifier over the real MiniLM tokenizer's vocabulary (30,522 ids, 64 positions)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=minilm_tokenizer().vocab_size, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=64, num_labels=2))
+
+
+def test_default_collator_on_unpadded_examples_names_the_collator_the_field_and_the_fix(tmp_path):
+    from transformers import default_data_collator
+
+    rows = reviews_tokenized(8)
+    assert len({len(r["input_ids"]) for r in rows[:4]}) > 1  # the first batch is uneven
+    # Trainer, live: torch's words, naming neither the collator nor the fix.
+    assert "expected sequence of length" in hf_fails(tmp_path, minilm_vocab_bert(), rows,
+                                                     data_collator=default_data_collator)
+    loop = Loop(model=minilm_vocab_bert(), args=loop_args(tmp_path, max_steps=2), train_dataset=rows,
+                data_collator=default_data_collator)
+    with pytest.raises(LoopConfigError) as error:
+        loop.train()
+    assert loop.state.global_step == 0
+    assert_names(error, "data_collator='default_data_collator'",
+                 "'input_ids', 'token_type_ids', 'attention_mask' of different lengths",
+                 "DataCollatorWithPadding(tokenizer)", "DataCollatorForLanguageModeling", "processing_class=tokenizer",
+                 "expected sequence of length")  # torch's own words kept, for whoever searches them
+    assert isinstance(error.value, ValueError) and "expected sequence of length" in str(error.value.__cause__)
+    # The fix named works: the same rows, padded by DataCollatorWithPadding, train.
+    from transformers import DataCollatorWithPadding
+
+    fixed = Loop(model=minilm_vocab_bert(), args=loop_args(tmp_path / "fixed", max_steps=2), train_dataset=rows,
+                 data_collator=DataCollatorWithPadding(minilm_tokenizer()))
+    fixed.train()
+    assert fixed.state.global_step == 2
+
+
+def test_padding_collator_with_unpadded_token_labels_names_the_labels(tmp_path):
+    from transformers import BertConfig, BertForTokenClassification, DataCollatorWithPadding
+
+    rows = [dict(r, labels=[i % 2] * len(r["input_ids"])) for i, r in enumerate(token_rows(8))]
+    for r in rows:
+        del r["label"]
+    torch.manual_seed(0)
+    model = BertForTokenClassification(BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
+                                                  num_attention_heads=2, intermediate_size=32,
+                                                  max_position_embeddings=32, num_labels=2))
+    loop = Loop(model=model, args=loop_args(tmp_path, max_steps=2), train_dataset=rows,
+                data_collator=DataCollatorWithPadding(minilm_tokenizer()))
+    with pytest.raises(LoopConfigError) as error:
+        loop.train()
+    assert_names(error, "data_collator='DataCollatorWithPadding'", "'labels' of different lengths",
+                 "DataCollatorForTokenClassification(tokenizer)")

@@ -40,6 +40,7 @@ from ..data_order import (LengthGroupedOrder, PositionSeededDataset, ReadAhead, 
                           batch_state, collator_generators, generator_state, is_seekable, sample_lengths,
                           set_generator_state)
 from ..distributed import prepare_iterable_train_loader
+from ..first_batch import ExplainedCollator
 from ..columns import check_eval_labels, check_padding, with_model_columns
 from ..packing import exact_flattening
 from .base import Stage
@@ -167,7 +168,9 @@ class DataStage(Stage):
                 self.check_padding(self.collator)
             collator = self.collator
         dataset, collator = self.with_model_columns(dataset, collator, description)
-        params = dict(batch_size=batch_size, collate_fn=collator, num_workers=args.dataloader_num_workers,
+        # ExplainedCollator: a collator that cannot stack uneven examples is named, with the fix (first_batch.py)
+        params = dict(batch_size=batch_size, collate_fn=ExplainedCollator(collator),
+                      num_workers=args.dataloader_num_workers,
                       pin_memory=args.dataloader_pin_memory and context.accelerator.device.type != "cpu",
                       persistent_workers=args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
                       prefetch_factor=args.dataloader_prefetch_factor, in_order=args.dataloader_in_order)
