@@ -432,7 +432,7 @@ def summarize(settings: dict, replies: dict, title: str) -> dict:
         samples = {name: [r[key] for r in runs] for name, runs in replies.items()}
         rows.append(comparison_row(unit, unit, samples, check, higher_is_better=key == "tokens_per_second"))
     rows[0]["name"], rows[1]["name"] = "real tokens/s", "peak RSS over the timed epoch"
-    rows[1]["noisy"] = []  # memory: no floor and no timing noise rule
+    rows[1]["noisy"] = rows[1]["untrusted"] = []  # memory: no floor and no timing noise rule
     ratios = {}
     for other in ("hf-default", "hf-best"):
         for name in RUNGS:

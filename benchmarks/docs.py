@@ -1,7 +1,11 @@
-"""The benchmark numbers in README.md and docs/, generated from the committed results files.
+"""The benchmark numbers in README.md and docs/, and the tables of the committed results.md files, generated from the
+committed results files.
 
-    python -m benchmarks.docs            # rewrite the generated sections from benchmarks/results/
+    python -m benchmarks.docs            # rewrite the generated sections (and results.md) from benchmarks/results/
     python -m benchmarks.docs --check    # exit 1 if a page differs from what the results files give
+
+`results.md` beside a committed `results.json` is written again from it, every row computed again from its raw
+samples by today's verdict rules (`harness.rebuilt_row`), with the charts already in its folder: no benchmark runs.
 
 A generated section sits between `<!-- generated: NAME from FILE -->` and `<!-- end generated: NAME -->`; nothing
 inside is written by hand, so every number there is a value of FILE (tests/test_docs.py checks each page against
@@ -19,12 +23,15 @@ from pathlib import Path
 
 from . import bench_compile, bench_storage
 from .bench_ladder import COMPILED, DATASETS, RUNGS
-from .harness import REPO_ROOT, comparison_row, fmt, fmt_comparison, median, paired_ratio
-from .report import with_range
+from .harness import REPO_ROOT, fmt, fmt_comparison, median, paired_ratio, rebuilt_row, verdict
+from .report import markdown, rebuilt, with_range
 
 FULL_RESULTS = "benchmarks/results/results.json"
 LADDER_RESULTS = "benchmarks/results/quick/results.json"
 PAGES = ("README.md", "docs/performance.md", "docs/packing.md", "docs/evaluation.md")
+# The results.md files written again from their results.json (quick-under-load/: an older format, left as run)
+RESULTS_PAGES = ("benchmarks/results/results.md", "benchmarks/results/quick/results.md")
+NUMBERED = re.compile(r"^## (\d+)\. [^\n]*\n\n", re.MULTILINE)
 SECTION = re.compile(r"^(?P<indent> *)<!-- generated: (?P<name>[\w-]+) from (?P<file>\S+) -->\n(?P<body>.*?)"
                      r"^(?P=indent)<!-- end generated: (?P=name) -->", re.DOTALL | re.MULTILINE)
 # (benchmark, what its row's name contains, which of the matching rows, kind): the summary table's rows, one results
@@ -51,22 +58,24 @@ def load(path: str) -> dict:
 
 
 def summary_table(results: dict) -> str:
-    """Medians (min-max of the rounds) per contender and loopkit's paired comparisons, rebuilt from each row's raw
-    samples (so times are compared by ratios and the save's slowdowns by differences)."""
-    lines = ["| benchmark | unit | hand-written loop | HF Trainer | loopkit | loopkit vs raw | loopkit vs HF |",
-             "|---|---|---|---|---|---|---|"]
+    """Medians (min-max of the rounds) per contender, loopkit's paired comparisons and its verdict against HF
+    Trainer, rebuilt from each row's raw samples (so times are compared by ratios and the save's slowdowns by
+    differences)."""
+    lines = ["| benchmark | unit | hand-written loop | HF Trainer | loopkit | loopkit vs raw | loopkit vs HF | "
+             "verdict against HF Trainer |", "|---|---|---|---|---|---|---|---|"]
     for benchmark, needle, nth, kind in SUMMARY:
         stored = [r for r in results["benchmarks"][benchmark]["rows"] if needle in r["name"]][nth]
-        row = comparison_row(stored["name"], stored["unit"], stored["samples"], kind=kind)
+        row = rebuilt_row(dict(stored, kind=kind))
         cells = [with_range(row["median"][c], row["samples"][c]) if c in row["samples"] else ""
                  for c in ("raw", "hf", "loopkit")]
         compared = row["ratios"] if kind == "amount" else row["differences"]
         cells += [fmt_comparison(compared[p], kind, row["unit"]) if compared.get(p) else ""
                   for p in ("loopkit/raw", "loopkit/hf")]
+        cells.append(verdict(row, "hf") or "")
         lines.append(f"| {benchmark}: {row['name']} | {row['unit']} | " + " | ".join(cells) + " |")
     syncs = results["benchmarks"]["overhead"]["rows"][0]["extra"]["syncs_per_step"]
     lines.append("| overhead: host reads per step (near-null model) | reads/step | " +
-                 " | ".join(fmt(syncs[c]) for c in ("raw", "hf", "loopkit")) + " | | |")
+                 " | ".join(fmt(syncs[c]) for c in ("raw", "hf", "loopkit")) + " | | | |")
     return "\n".join(lines)
 
 
@@ -280,16 +289,27 @@ def render(text: str) -> str:
     return SECTION.sub(section, text)
 
 
+def results_markdown(page: str) -> str:
+    """A committed results.md, written again from the results.json beside it (module docstring). A section of an
+    older results format than today's code reads (the full run's ladder) keeps the text its run wrote."""
+    folder = (REPO_ROOT / page).parent
+    charts = sorted(path.name for path in folder.glob("*.png"))
+    text = (REPO_ROOT / page).read_text()
+    starts = list(NUMBERED.finditer(text)) + [re.search(r"^## (?!\d+\.)", text, re.MULTILINE)]
+    kept = {int(a[1]): text[a.end():b.start()].rstrip("\n") + "\n" for a, b in zip(starts, starts[1:])}
+    return markdown(rebuilt(json.loads((folder / "results.json").read_text())), charts, kept)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.docs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="report pages that differ; write nothing")
     args = parser.parse_args(argv)
     stale = []
-    for page in PAGES:
+    for page in PAGES + RESULTS_PAGES:
         path = REPO_ROOT / page
         text = path.read_text()
-        rendered = render(text)
+        rendered = results_markdown(page) if page in RESULTS_PAGES else render(text)
         if rendered != text:
             stale.append(page)
             if not args.check:

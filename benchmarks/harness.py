@@ -258,9 +258,11 @@ def fmt(value, digits: int = 3) -> str:
     return f"{value:.{digits}g}"
 
 
-# A row is too noisy for a verdict when one contender's measured rounds spread over more than this fraction of their
-# median, or when a contender beats the physical limit (`floor`: the hand-written loop doing the same work with
-# nothing extra) by more than FLOOR_MARGIN: neither can be a real difference, so the row's ratios are not to be trusted.
+# A row gets no verdict when a contender's rounds include a non-positive amount (no ratio exists), or when a contender
+# beats the physical limit (`floor`: the hand-written loop doing the same work with nothing extra) by more than
+# FLOOR_MARGIN: neither can be a real difference, so the row's ratios are not to be trusted. A pair whose rounds point
+# both ways gets no verdict. A contender whose measured rounds spread over NOISE_SPREAD of their median is stated
+# beside the verdict, which stands when every round points the same way (the rounds are paired, run side by side).
 NOISE_SPREAD = 0.20
 FLOOR_MARGIN = 0.05
 
@@ -284,30 +286,42 @@ def comparisons(samples: dict, kind: str, floor: str | None) -> dict:
     return {f"{a}/{b}": compare(samples[a], samples[b]) for a, b in pairs}
 
 
-def noise_reasons(unit: str, samples: dict, kind: str, compared: dict, floor: str | None) -> list[str]:
-    """Why this row's rounds cannot back a verdict ([] when they agree): an amount that is not positive, an amount
-    whose rounds spread over NOISE_SPREAD, a pair whose rounds point both ways, a contender beating the floor."""
+def untrusted_reasons(unit: str, samples: dict, kind: str, compared: dict, floor: str | None) -> list[str]:
+    """Why no pair of this row can have a verdict ([] when one can): an amount that is not positive, a contender
+    beating the floor."""
     reasons = []
     for contender, values in samples.items():
         if kind == "amount" and any(v is not None and v <= 0 for v in values):
             reasons.append(f"{contender}'s rounds include values <= 0 ({', '.join(fmt(v) for v in values)} {unit}): "
                            f"not a positive amount, so no ratio")
-            continue
-        fraction = spread(values) if kind == "amount" else None
-        if fraction is not None and fraction > NOISE_SPREAD:
-            reasons.append(f"{contender}'s rounds spread {fraction:.0%} "
-                           f"({fmt(min(values))}-{fmt(max(values))} {unit})")
-    neutral = 1.0 if kind == "amount" else 0.0
-    for pair, comparison in compared.items():
-        if comparison is not None and comparison["n"] > 1 and direction(comparison, neutral) is None:
-            reasons.append(f"{pair.replace('/', ' vs ')} points both ways over the rounds "
-                           f"({fmt_comparison(comparison, kind, unit)})")
     for contender in samples:
         ratio = compared.get(f"{contender}/{floor}") if kind == "amount" else None
         if contender != floor and ratio and ratio["median"] < 1 - FLOOR_MARGIN:
             reasons.append(f"{contender} faster than {floor}, the physical limit ({fmt(median(samples[contender]))} "
                            f"vs {fmt(median(samples[floor]))} {unit}, {ratio['median']:.3f}x)")
     return reasons
+
+
+def noise_reasons(unit: str, samples: dict, kind: str, compared: dict, floor: str | None) -> list[str]:
+    """Why some verdict of this row is withheld ([] when none is): the row's untrusted reasons, and each pair whose
+    rounds point both ways."""
+    reasons = untrusted_reasons(unit, samples, kind, compared, floor)
+    neutral = 1.0 if kind == "amount" else 0.0
+    for pair, comparison in compared.items():
+        if comparison is not None and comparison["n"] > 1 and direction(comparison, neutral) is None:
+            reasons.append(f"{pair.replace('/', ' vs ')} points both ways over the rounds "
+                           f"({fmt_comparison(comparison, kind, unit)})")
+    return reasons
+
+
+def wide_spreads(unit: str, samples: dict, kind: str) -> list[str]:
+    """The contenders whose rounds of an amount spread over NOISE_SPREAD of their median, each with its range."""
+    notes = []
+    for contender, values in samples.items():
+        fraction = spread(values) if kind == "amount" else None
+        if fraction is not None and fraction > NOISE_SPREAD:
+            notes.append(f"{contender}'s rounds spread {fraction:.0%} ({fmt(min(values))}-{fmt(max(values))} {unit})")
+    return notes
 
 
 def fmt_comparison(comparison: dict | None, kind: str, unit: str) -> str:
@@ -325,9 +339,11 @@ def fmt_comparison(comparison: dict | None, kind: str, unit: str) -> str:
 def comparison_row(name: str, unit: str, samples: dict, check: dict | None = None, extra: dict | None = None,
                    higher_is_better: bool = False, floor: str | None = None, kind: str = "amount") -> dict:
     """A row comparing contenders on one measurement: raw samples (per measured round), medians, paired comparisons
-    (`ratios` for an amount, `differences` for a difference: see KINDS), each contender's spread, and `noisy` (the
-    reasons the rounds disagree). `floor` names the contender no other can beat doing the same work (the raw loop,
-    for times of the same training); leave it None where a contender may do less.
+    (`ratios` for an amount, `differences` for a difference: see KINDS), each contender's spread, `noisy` (the
+    reasons a verdict is withheld), `untrusted` (those of them that withhold every verdict of the row) and
+    `wide_spread` (contenders whose rounds spread over NOISE_SPREAD: stated beside the verdicts). `floor` names the
+    contender no other can beat doing the same work (the raw loop, for times of the same training); leave it None
+    where a contender may do less.
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: choose one of {', '.join(KINDS)}")
@@ -340,6 +356,8 @@ def comparison_row(name: str, unit: str, samples: dict, check: dict | None = Non
         "differences": compared if kind == "difference" else {},
         "floor": floor,
         "noisy": noise_reasons(unit, samples, kind, compared, floor),
+        "untrusted": untrusted_reasons(unit, samples, kind, compared, floor),
+        "wide_spread": wide_spreads(unit, samples, kind),
         "check": check or {"ok": True, "detail": "", "mismatched": [], "values": None},
         "extra": extra or {},
     }
@@ -352,13 +370,74 @@ MEMORY_TOLERANCE = 0.01
 RAW_MARGIN = 0.02
 
 
+def rebuilt_row(stored: dict) -> dict:
+    """A results file's row computed again from its raw samples by today's rules (a results file keeps the row as
+    its run computed it). A row stored with no noise reasons keeps none: its benchmark applies no noise rule to it
+    (memory rows), and today's reasons are a subset of those a run stored."""
+    row = comparison_row(stored["name"], stored["unit"], stored["samples"], check=stored.get("check"),
+                         extra=stored.get("extra"), higher_is_better=stored.get("higher_is_better", False),
+                         floor=stored.get("floor"), kind=stored.get("kind", "amount"))
+    if stored.get("noisy") == []:
+        row["noisy"], row["untrusted"] = [], []
+    return row
+
+
 def loopkit_flags(row: dict) -> list[str]:
     """Where loopkit is worse than HF Trainer, or more than 2% worse than the raw loop, on this row (slower for
-    times, larger for memory and sizes), each with both medians beside the comparison. Only where every round says
-    so: a noisy row, or a pair whose rounds point both ways, gets no verdict (see `noise_reasons`)."""
-    if row.get("noisy") or "loopkit" in row["check"]["mismatched"] or row["higher_is_better"]:
+    times, larger for memory and sizes), each with both medians beside the comparison. Only where every round of
+    that pair says so, and the row's amounts can be trusted (see `untrusted_reasons`); a wide spread does not
+    withhold it."""
+    if row.get("untrusted", row.get("noisy")) or "loopkit" in row["check"]["mismatched"] or row["higher_is_better"]:
         return []
     return [flag for other in ("hf", "raw") for flag in [worse_than(row, other)] if flag]
+
+
+OTHER_LABELS = {"hf": "HF Trainer", "raw": "the raw loop"}
+
+
+def verdict(row: dict, other: str) -> str | None:
+    """loopkit against `other` on this row, in words (None where the row does not compare them): where loopkit is
+    worse, `worse_than`'s words; else the way every round points, with the rounds' range ("faster in every round
+    (0.81-0.97x)"); else why there is no verdict. A wide spread does not withhold it (the table states the spread
+    beside it): the rounds are paired, each run side by side."""
+    kind = row.get("kind", "amount")
+    pairs = row["differences"] if kind == "difference" else row["ratios"]
+    if f"loopkit/{other}" not in pairs:
+        return None
+    comparison = pairs[f"loopkit/{other}"]
+    none = f"no verdict against {OTHER_LABELS[other]}"
+    if {"loopkit", other} & set(row["check"]["mismatched"]):
+        return f"{none}: not the same work"
+    if comparison is None or row.get("untrusted", row.get("noisy")):
+        return f"{none}: the rounds cannot be compared (see rounds agree?)"
+    way = direction(comparison, 0.0 if kind == "difference" else 1.0)
+    if way is None:
+        return f"{none}: the rounds point both ways ({fmt_comparison(comparison, kind, row['unit'])})"
+    worse = None if row["higher_is_better"] else worse_than(row, other)
+    if worse:
+        return worse
+    if way == 0:
+        return f"equal to {OTHER_LABELS[other]} in every round"
+    if row["unit"] in SIZE_UNITS and kind == "amount" and \
+            1 - MEMORY_TOLERANCE <= comparison["min"] and comparison["max"] <= 1 + margin_of(row, other):
+        return f"the same as {OTHER_LABELS[other]} within {margin_of(row, other):.0%} " \
+               f"({fmt_comparison(comparison, kind, row['unit'])})"
+    words = {"difference": ("smaller", "larger"), "size": ("smaller", "larger"), "better": ("lower", "higher"),
+             "time": ("faster", "slower")}
+    what = "difference" if kind == "difference" else "better" if row["higher_is_better"] else \
+        "size" if row["unit"] in SIZE_UNITS else "time"
+    word = words[what][0 if way < 0 else 1]
+    span = (f"{comparison['min']:+.3g} to {comparison['max']:+.3g} {row['unit']}" if kind == "difference" else
+            f"{comparison['min']:.2f}-{comparison['max']:.2f}x")
+    margin = f", within the {margin_of(row, other):.0%} margin" if way > 0 and what in ("time", "size") else ""
+    if comparison["n"] == 1:
+        return f"{word} than {OTHER_LABELS[other]} (one round: {fmt_comparison(comparison, kind, row['unit'])}{margin})"
+    return f"{word} than {OTHER_LABELS[other]} in every round ({span}{margin})"
+
+
+def margin_of(row: dict, other: str) -> float:
+    """How much worse than `other` loopkit may measure on an amount row before it is flagged."""
+    return max(RAW_MARGIN if other == "raw" else 0.0, MEMORY_TOLERANCE if row["unit"] in SIZE_UNITS else 0.0)
 
 
 def worse_than(row: dict, other: str) -> str | None:
@@ -369,15 +448,14 @@ def worse_than(row: dict, other: str) -> str | None:
         return None
     memory = row["unit"] in SIZE_UNITS
     worse = "larger" if memory else "slower"
-    label = {"hf": "HF Trainer", "raw": "the raw loop"}[other]
+    label = OTHER_LABELS[other]
     medians = f"medians {fmt(row['median']['loopkit'])} vs {fmt(row['median'][other])} {row['unit']}"
     if kind == "difference":
         difference = comparison
         return (f"{worse} than {label} by {fmt(difference['median'])} {row['unit']} ({medians}; "
                 f"loopkit - {other} per round {fmt_comparison(difference, kind, row['unit'])})")
     ratio = comparison
-    margin = max(RAW_MARGIN if other == "raw" else 0.0, MEMORY_TOLERANCE if memory else 0.0)
-    if ratio["median"] <= 1 + margin:
+    if ratio["median"] <= 1 + margin_of(row, other):
         return None
     details = f"{medians}, {ratio['median']:.3f}x"
     if ratio["n"] > 1:

@@ -10,7 +10,7 @@ import importlib
 import json
 from pathlib import Path
 
-from .harness import FLOOR_MARGIN, NOISE_SPREAD, fmt, fmt_comparison, loopkit_flags, median
+from .harness import FLOOR_MARGIN, NOISE_SPREAD, fmt, fmt_comparison, loopkit_flags, median, rebuilt_row, verdict
 from .spec import CONTENDERS, LABELS
 
 CHARTS_HINT = "Charts need matplotlib: pip install matplotlib (or pip install 'loopkit[charts]'), then re-run."
@@ -30,22 +30,36 @@ def compared(row: dict) -> dict:
 
 
 def agreement(row: dict) -> str:
-    """The "rounds agree?" cell of a row with no noise reasons."""
+    """The "rounds agree?" cell: why a verdict is withheld, or the spread of the rounds (a spread over NOISE_SPREAD
+    stated, the verdicts standing where every round of a pair points one way)."""
+    wide = row.get("wide_spread") or []
+    if row.get("noisy"):
+        return f"NO, no verdict: {'; '.join(row['noisy'] + wide)}"
     if row.get("kind") == "difference":
         several = any(c and c["n"] > 1 for c in row["differences"].values())
         return "yes (every pair's rounds differ in the same direction)" if several else "one round: unknown"
     spreads = [v for v in row.get("spread", {}).values() if v is not None]
-    return f"yes (spread up to {max(spreads):.0%})" if spreads else "one round: unknown"
+    if not spreads:
+        return "one round: unknown"
+    if wide:
+        return (f"yes, every round of each pair points one way, though the rounds spread up to {max(spreads):.0%}: "
+                f"{'; '.join(wide)}")
+    return f"yes (spread up to {max(spreads):.0%})"
+
+
+def verdicts(row: dict) -> str:
+    """The "verdict" cell: loopkit against HF Trainer and against the raw loop, each in words (`verdict`)."""
+    return "; ".join(text for other in ("hf", "raw") for text in [verdict(row, other)] if text) or "-"
 
 
 def comparison_table(rows: list, contenders=CONTENDERS) -> str:
-    """Medians per contender, paired ratios, the same-work check and whether the rounds agree. A contender whose run
-    did not end where the reference did shows MISMATCH instead of a number; a noisy row says why, and gets no
-    verdict."""
+    """Medians per contender, paired ratios, the same-work check, loopkit's verdicts and whether the rounds agree. A
+    contender whose run did not end where the reference did shows MISMATCH instead of a number; a row whose rounds
+    cannot back a verdict says why."""
     present = [c for c in contenders if any(c in row["samples"] for row in rows)]
     pairs = [p for p in ("loopkit/raw", "loopkit/hf", "hf/raw") if any(p in compared(row) for row in rows)]
     header = ["benchmark", "unit"] + [LABELS[c] for c in present] + \
-        [p.replace("hf", "HF").replace("/", " vs ") for p in pairs] + ["same work?", "rounds agree?"]
+        [p.replace("hf", "HF").replace("/", " vs ") for p in pairs] + ["same work?", "verdict", "rounds agree?"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         mismatched = row["check"]["mismatched"]
@@ -57,20 +71,27 @@ def comparison_table(rows: list, contenders=CONTENDERS) -> str:
             a, b = pair.split("/")
             cells.append("n/a" if a in mismatched or b in mismatched else
                          fmt_comparison(compared(row).get(pair), kind, row["unit"]))
-        check = "yes" if row["check"]["ok"] else f"NO: {row['check']['detail']}"
-        flags = loopkit_flags(row)
-        cells.append(check + (f" (loopkit {'; '.join(flags)})" if flags else ""))
-        cells.append(f"NO, no verdict: {'; '.join(row['noisy'])}" if row.get("noisy") else agreement(row))
+        cells.append("yes" if row["check"]["ok"] else f"NO: {row['check']['detail']}")
+        cells.append(verdicts(row))
+        cells.append(agreement(row))
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("\nEach value is the median of the measured rounds (their min-max in brackets). \"A vs B\": for "
                  "times and sizes the median of round-by-round ratios A/B (min-max in brackets; below 1 means A takes "
                  "less); for differences (a slowdown, a blocked time: any sign) the median of round-by-round "
-                 "differences A - B in the row's unit (below 0 means A's is smaller). Every round must point the same "
-                 "way for a verdict. Spread: (max - min) / median of a contender's measured rounds. A row is "
-                 f"noisy when one contender's rounds spread over {NOISE_SPREAD:.0%} of their median, when a pair's "
-                 f"rounds point both ways, or when a contender beats the hand-written loop doing the same work by "
-                 f"over {FLOOR_MARGIN:.0%}.")
+                 "differences A - B in the row's unit (below 0 means A's is smaller). A verdict needs every round of "
+                 "its pair to point the same way (the rounds run side by side, so a busy moment slows both sides of "
+                 "a round). Spread: (max - min) / median of a contender's measured rounds; one over "
+                 f"{NOISE_SPREAD:.0%} is stated beside the verdicts. No verdict where a pair's rounds point both "
+                 f"ways, where an amount is not positive, or where a contender beats the hand-written loop doing the "
+                 f"same work by over {FLOOR_MARGIN:.0%}.")
     return "\n".join(lines)
+
+
+def rebuilt(results: dict) -> dict:
+    """`results` with every comparison row computed again from its raw samples (`rebuilt_row`)."""
+    sections = {name: dict(section, rows=[rebuilt_row(row) for row in section["rows"]]) if "rows" in section
+                else section for name, section in results["benchmarks"].items()}
+    return dict(results, benchmarks=sections)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -116,10 +137,25 @@ def noisy_rows(results: dict) -> list[str]:
 
 
 def write_markdown(results: dict, path: Path, charts: list[str]) -> str:
+    text = markdown(results, charts)
+    path.write_text(text)
+    return text
+
+
+def markdown(results: dict, charts: list[str], kept: dict | None = None) -> str:
+    """results.md's text: the environment, each benchmark's tables (with its chart when drawn), the rows where
+    loopkit is slower, and the rows too noisy for a verdict. `kept` (section number -> its text in an earlier
+    results.md): the text of a section today's code cannot read (a results file of an older format)."""
     parts = ["# loopkit benchmarks\n", environment_markdown(results["environment"]), ""]
     for number, (name, section) in enumerate(results["benchmarks"].items(), start=1):
         parts.append(f"## {number}. {section.get('title', name)}\n")
-        parts.append(section_markdown(name, section))
+        try:
+            parts.append(section_markdown(name, section))
+        except KeyError:
+            if number not in (kept or {}):
+                raise
+            parts.append(kept[number])
+            continue
         chart = f"{name}.png"
         if chart in charts:
             parts.append(f"\n![{section.get('title', name)}]({chart})")
@@ -133,9 +169,7 @@ def write_markdown(results: dict, path: Path, charts: list[str]) -> str:
         parts.append("\n".join(noisy))
     if not charts:
         parts.append(f"\n{CHARTS_HINT}")
-    text = "\n".join(parts) + "\n"
-    path.write_text(text)
-    return text
+    return "\n".join(parts) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -333,6 +333,10 @@ def test_benchmark_numbers_in_the_docs_are_generated_from_the_committed_results_
     for page in PAGES:
         text = read_page(page)
         assert render(text) == text, f"{page}: its benchmark numbers differ from the results files"
+    from benchmarks.docs import RESULTS_PAGES, results_markdown
+
+    for page in RESULTS_PAGES:  # the committed results.md, by today's verdict rules, from its results.json
+        assert results_markdown(page) == read_page(page), f"{page} differs: run python -m benchmarks.docs"
 
 
 def test_a_quick_run_resolves_every_generated_number_and_the_headline_spans_two_datasets():
