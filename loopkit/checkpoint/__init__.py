@@ -6,7 +6,8 @@ A checkpoint is `<output_dir>/checkpoint-<global_step>/` holding `model.safetens
 `trainer_state.json`, `training_args.bin` (Trainer's pickle of the arguments, written only when they are a
 `TrainingArguments`, never read: model_files.py), and loopkit's own `loopkit_state.json` (stage state, e.g. the
 running loss) with, when a stage's state holds tensors (the data stage's batch read ahead),
-`loopkit_tensors.safetensors` (one per process: `loopkit_tensors_<rank>.safetensors`, stage_tensors.py). HF Trainer resumes from it; loopkit resumes from HF's.
+`loopkit_tensors.safetensors` (one per process: `loopkit_tensors_<rank>.safetensors`, stage_tensors.py). HF Trainer
+resumes from it; loopkit resumes from HF's.
 
 Atomicity: everything is written into a hidden sibling `.tmp-checkpoint-<step>`, flushed and fsynced, marked complete
 (`loopkit_state.json` is the last file written) and renamed into place. A kill mid-save leaves only the temporary
