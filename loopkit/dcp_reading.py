@@ -189,8 +189,10 @@ def distributed() -> bool:
 
 @contextlib.contextmanager
 def one_process_quiet():
-    """Around a DCP call on this thread: in one process, torch's notice that it assumes one process is not shown
-    (that exact message only); with a process group, nothing changes."""
+    """Around a DCP call: in one process, torch's notice that it assumes one process is not shown (that exact
+    message only); with a process group, nothing changes. Python's warning filters are process-wide, so during the
+    call (on a one-process asynchronous save's writer thread: the write) the filter holds for every thread, and a
+    filter another thread adds meanwhile is undone with it at the end (`warnings.catch_warnings`)."""
     if distributed():
         yield
         return

@@ -1,6 +1,7 @@
 """`DCPStorage`: checkpoints through PyTorch's distributed checkpoint (torch.distributed.checkpoint, DCP), the engine
 large runs use: every process writes its own shards (nothing is gathered), `async_save=True` stages the state in
-host memory at the step boundary and writes it on a background thread while training goes on (`dcp.async_save`),
+host memory at the step boundary and writes it on a background thread while training goes on (`dcp.async_save`;
+in one process `dcp.save` of a host copy on loopkit's writer thread, where torch's one-process notice is silenced),
 and a checkpoint loads at any number of processes, sharded or not (DCP reshards on load). Plain, DDP and FSDP2
 models alike: the state is taken with torch's `get_state_dict` (parameter names without wrapper prefixes; FSDP2's
 DTensor shards as they are).
