@@ -62,10 +62,10 @@ class Rotation:
         Only this run's checkpoints are counted and deleted (another run's are never this run's to delete), in the
         order they were saved (their save numbers; HF uses mtimes, which a copy or a restore can reorder).
         """
+        self.remove_older_runs()
         limit = self.run.args.save_total_limit
         if limit is None or limit <= 0:
             return
-        self.remove_older_runs()
         dirs = self.own_checkpoints()
         if not dirs:
             return
@@ -92,7 +92,10 @@ class Rotation:
         before its first save has deleted nothing. Folders that record no run are never deleted."""
         if not self.older_runs_pending:
             return
-        self.older_runs_pending = False
+        self.older_runs_pending = False  # once per train(), at its first save
+        limit = self.run.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
         doomed = self.older_runs()
         for record in doomed:
             self.delete(record.path)
