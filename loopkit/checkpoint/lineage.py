@@ -171,11 +171,18 @@ class RunLineage:
         limit = self.run.args.save_total_limit
         fate = {self.previous_run: "previous run: kept", None: "no run recorded: kept"}
         older = "older: removed at the first save" if limit and limit > 0 else "older: kept, save_total_limit=None"
-        found = "; ".join(f"{'run ' + run_id if run_id else 'unrecorded'} {', '.join(names[:3])}"
-                          f"{f' +{len(names) - 3}' if len(names) > 3 else ''} ({fate.get(run_id, older)})"
-                          for run_id, names in runs.items())
+        found = "; ".join(f"{'run ' + run_id if run_id else 'unrecorded'} {self.named(names, run_id in fate)} "
+                          f"({fate.get(run_id, older)})" for run_id, names in runs.items())
         warnings.warn(f"output_dir={self.run.args.output_dir!r} holds other runs' checkpoints: {found}. One "
                       f"output_dir per run keeps them all.")
+
+    @staticmethod
+    def named(names: list[str], kept: bool) -> str:
+        """The folders of one run in the start line: named when kept (up to 3), counted when older (the removal
+        line names them)."""
+        if not kept:
+            return f"{len(names)} folder{'s' if len(names) > 1 else ''}"
+        return ", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "")
 
     def report_resume_pick(self, picked: CheckpointRecord, records: list[CheckpointRecord],
                            previous_run: str | None) -> None:
