@@ -360,6 +360,8 @@ class EvalStage(Stage):
         with torch.no_grad():
             if through_loss:
                 num_items = context.count_loss_items([inputs])
+                if run.args.use_liger_kernel and prediction_loss_only and isinstance(inputs, Mapping):
+                    inputs = {**inputs, "skip_logits": True}  # as Trainer: Liger's loss without the logits
                 with context.compute_loss_context_manager():
                     loss, outputs = context.compute_loss(model, inputs, return_outputs=True,
                                                          num_items_in_batch=num_items)

@@ -7,7 +7,8 @@ Contract:
   `create_accelerator_and_postprocess()` hands to the context; `track_memory()` returns the memory metrics, for the
   context too; `build(model)` builds the model from `model_init` if no model was given and moves it to the device.
 * `begin_training(resume_from_checkpoint, trial)` runs at the start of every `train()`: re-seeds and rebuilds the
-  model when `model_init` is used, turns on activation checkpointing, resolves the checkpoint to resume from and
+  model when `model_init` is used, applies Liger's kernels (`use_liger_kernel`, through transformers' own
+  `apply_liger_kernel`), turns on activation checkpointing, resolves the checkpoint to resume from and
   loads its weights (before `accelerator.prepare`, as HF does). It returns the checkpoint path or None. With
   `neftune_noise_alpha` it adds HF's NEFTune hook to the input embeddings (removed at `on_train_end`), with
   `debug="underflow_overflow"` HF's `DebugUnderflowOverflow` hooks, as `Trainer.train` does.
@@ -224,6 +225,10 @@ class SetupStage(Stage):
         if run.model_init is not None:  # a new model: the step stage then builds a new optimizer for it
             self.seed()
             self.set_model(self.call_model_init(trial))
+        if args.use_liger_kernel:  # where Trainer.train applies them: at every train(), on model_init's model too
+            from transformers.integrations.liger import apply_liger_kernel  # Trainer's own (and its ImportError)
+
+            apply_liger_kernel(run.model, args.liger_kernel_config)
         if args.activation_checkpointing:
             enable = (getattr(run.model, "activation_checkpointing_enable", None)
                       or getattr(run.model, "gradient_checkpointing_enable", None))
