@@ -34,8 +34,9 @@ import torch
 
 from ..args import config_error
 from ..compilation import should_watch
-from ..distributed import (active_engine, check_engines_active, check_launch, engine_plugins, requested_engines,
-                           shard_on_cpu_processes)
+from ..distributed import (active_engine, check_engines_active, check_launch, engine_plugins, launched_world_size,
+                           requested_engines, shard_on_cpu_processes)
+from ..parallelism import accelerator_parallelism, attach_on_cpu_processes, check_parallelism, cuda_processes
 from .. import trainer_logging
 from ..memory import MemoryTracker
 from .base import Stage, base_model
@@ -181,11 +182,18 @@ class SetupStage(Stage):
             kwargs_handlers=[DistributedDataParallelKwargs(**ddp_options(args, self.model_given))],
         )
         kwargs["dynamo_plugin"] = dynamo_plugin(args)
+        parallelism = accelerator_parallelism(args, self.model_given)  # as Trainer builds it (loopkit/parallelism.py)
+        check_parallelism(parallelism, args, requested)
+        on_cpu_processes = parallelism is not None and launched_world_size() > 1 and not cuda_processes(args)
+        if parallelism is not None and not on_cpu_processes:
+            kwargs["parallelism_config"] = parallelism  # as Trainer hands it over
         accelerator = Accelerator(**kwargs, **plugins)
         # Accelerate's state is one per process and keeps the first Accelerator's plugin: without this, a Loop after
         # one with torch_compile=True (a notebook, a test suite) would compile its model too.
         accelerator.state.dynamo_plugin = kwargs["dynamo_plugin"]
         shard_on_cpu_processes(accelerator, plugins, requested)  # FSDP2 on gloo processes (distributed.py)
+        if on_cpu_processes:  # the device mesh on gloo processes (loopkit/parallelism.py)
+            attach_on_cpu_processes(accelerator, parallelism)
         check_engines_active(accelerator, requested)  # an engine Accelerate dropped silently: refuse instead
         return accelerator
 
