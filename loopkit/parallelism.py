@@ -93,9 +93,9 @@ def accelerator_parallelism(args, model) -> object | None:
 def attach_on_cpu_processes(accelerator, config) -> None:
     """What `Accelerator.__init__` does with a `ParallelismConfig` (the device mesh, then Accelerate's check), done
     after the `Accelerator` exists, once FSDP2 is set on CPU processes."""
-    state = accelerator.state
-    state.parallelism_config = config
-    state.device_mesh = config.get_device_mesh(accelerator.device.type)
+    shared = accelerator.state  # Accelerate's AcceleratorState (shared by every Accelerator of the process)
+    shared.parallelism_config = config
+    shared.device_mesh = config.get_device_mesh(accelerator.device.type)
     if accelerator.is_fsdp2:
         config._validate_accelerator(accelerator)  # Accelerate's own check, which FSDP2 passes on any device
         return
