@@ -15,6 +15,9 @@ accelerator process group or DeepSpeed, and on `MULTI_CPU` FSDP is only set afte
 check). That is how the CPU test suite proves it (tests/test_parallelism.py), a step beyond Trainer, which raises
 Accelerate's ValueError on CPU processes.
 
+Resuming a tensor-parallel run is refused at `train()` (`check_resume`): its checkpoint's optimizer state holds rank
+0's shards only, as Trainer writes it.
+
 Refused at construction, naming what they need (`check_parallelism`): context parallelism (`cp_size > 1`: torch's
 ring attention over SDPA on CUDA GPUs, with FSDP2), sequence parallelism (`sp_size > 1`: DeepSpeed's Ulysses, on
 GPUs), `dp_shard_size > 1` without FSDP (Accelerate would run plain DDP and shard nothing), and tensor parallelism
@@ -107,3 +110,16 @@ def attach_on_cpu_processes(accelerator, config) -> None:
         raise ValueError(f"ParallelismConfig total_size ({config.total_size}) does not match num_processes "
                          f"({accelerator.num_processes}). Please adjust dp_replicate_size/dp_shard_size/tp_size/"
                          f"cp_size/sp_size.")
+
+
+def check_resume(accelerator, checkpoint: str) -> None:
+    """Resuming a tensor-parallel run is refused: its checkpoint holds the whole model (`save_pretrained` gathers
+    it), but `optimizer.pt` holds rank 0's DTensor shards only, as HF Trainer 5.24 writes it, and loading the whole
+    weights into the sharded parameters fails."""
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is not None and config.tp_enabled:
+        raise config_error("resume_from_checkpoint", checkpoint, f"this run is tensor parallel (tp_size="
+                           f"{config.tp_size}), and resuming one is not supported: a checkpoint's optimizer.pt "
+                           "holds rank 0's shards only (as HF Trainer writes it)", "start the run anew from the "
+                           "checkpoint's weights: from_pretrained(checkpoint, tp_plan='auto'); its model.safetensors "
+                           "holds the whole model")

@@ -7,7 +7,8 @@ tests/scripts/parallelism_child.py trains, from a user's `TrainingArguments`,
 * tensor parallelism 4 ways: a 4-head Llama loaded with transformers' `from_pretrained(..., tp_plan="auto")`, from
   which Trainer's rule builds `ParallelismConfig(tp_size=4)`;
 
-each against one process with the same global batch, and HF Trainer with the same arguments, live, which Accelerate
+each against one process with the same global batch (and an HSDP checkpoint resumed, a tensor-parallel one loaded
+back), and HF Trainer with the same arguments, live, which Accelerate
 refuses on CPU processes (its check accepts a mesh only under FSDP2, an accelerator process group or DeepSpeed, and
 FSDP is not set on MULTI_CPU when it checks). On one process Trainer runs a `ParallelismConfig`, and the Loop matches
 it. What cannot run on the user's machine is refused at construction, naming what it needs (loopkit/parallelism.py).
@@ -114,6 +115,28 @@ def test_each_mesh_runs_as_asked_and_trains_as_one_process(runs, name):
     print(f"{name} vs one process: losses {worst_loss:.1e}, grad norms (rel) {worst_norm:.1e}, weights {weights:.1e}")
     assert worst_loss <= 1e-5 and worst_norm <= 1e-5 and weights <= 1e-5
     assert all(norm > child.MAX_GRAD_NORM for norm in expected_norms.values())  # every step clipped
+
+
+def test_an_hsdp_checkpoint_resumes_bit_exactly(runs):
+    """HSDP (2 x 2) saved at step 3 and resumed by the same mesh: the log history (steps 1-3 from the checkpoint,
+    4-6 trained again) and the weights are those of the uninterrupted run."""
+    four, _ = runs
+    whole, resumed = result(four, "hsdp"), result(four, "hsdp_resume")
+    assert logged(resumed, "loss") == logged(whole, "loss") and len(logged(whole, "loss")) == child.MAX_STEPS
+    got, expected = (load_file(os.path.join(four, f"{name}.safetensors")) for name in ("hsdp_resume", "hsdp"))
+    assert [k for k in expected if not torch.equal(got[k], expected[k])] == []
+
+
+def test_a_tensor_parallel_checkpoint_loads_with_tp_plan_and_its_resume_is_refused(runs):
+    """The checkpoint's model.safetensors is the whole model: `from_pretrained(checkpoint, tp_plan="auto")` gives
+    back the trained weights exactly. Resuming is refused on every rank (its optimizer.pt holds rank 0's shards,
+    as Trainer writes it), naming the way out."""
+    four, _ = runs
+    loaded, trained = (load_file(os.path.join(four, f"{name}.safetensors")) for name in ("tp_checkpoint", "tp"))
+    assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)
+    for rank in range(4):
+        error = result(four, "tp_checkpoint", rank)["resume_error"]
+        assert error.startswith("LoopConfigError: resume_from_checkpoint=") and "tp_plan='auto'" in error, error
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -36,7 +36,8 @@ from ..args import config_error
 from ..compilation import should_watch
 from ..distributed import (active_engine, check_engines_active, check_launch, engine_plugins, launched_world_size,
                            requested_engines, shard_on_cpu_processes)
-from ..parallelism import accelerator_parallelism, attach_on_cpu_processes, check_parallelism, cuda_processes
+from ..parallelism import (accelerator_parallelism, attach_on_cpu_processes, check_parallelism, check_resume,
+                           cuda_processes)
 from .. import trainer_logging
 from ..memory import MemoryTracker
 from .base import Stage, base_model
@@ -250,6 +251,7 @@ class SetupStage(Stage):
         checkpoint = context.checkpointer.start(resume_from_checkpoint)  # also: which run the coming saves belong to
         trainer_logging.log_loading_checkpoint(checkpoint)
         if checkpoint is not None:
+            check_resume(context.accelerator, checkpoint)  # tensor parallel: refused (loopkit/parallelism.py)
             context.checkpointer.load_model_before_prepare(run.model, checkpoint)
         return checkpoint
 

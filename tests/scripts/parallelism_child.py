@@ -11,8 +11,11 @@ come before the sharded ones):
   `<name>_rank<r>.json` with the error it raised (Accelerate refuses a mesh on MULTI_CPU) or its losses.
 * `replicate`: ParallelismConfig(dp_replicate_size=4): 4 DDP replicas.
 * `tp`: the 4-head Llama in TP_MODEL_DIR loaded with `from_pretrained(..., tp_plan="auto")` (transformers' tp_plan,
-  4 ways), no parallelism_config: Trainer's rule makes one (tp_size=4) from the model.
-* `hsdp`: ParallelismConfig(dp_replicate_size=2, dp_shard_size=2) with FSDP2: 2 replicas of a model sharded 2 ways.
+  4 ways), no parallelism_config: Trainer's rule makes one (tp_size=4) from the model. Its last checkpoint is loaded
+  back with `tp_plan="auto"` (rank 0 writes `tp_checkpoint.safetensors`), and resuming it is refused
+  (`tp_checkpoint_rank<r>.json`).
+* `hsdp`: ParallelismConfig(dp_replicate_size=2, dp_shard_size=2) with FSDP2: 2 replicas of a model sharded 2 ways,
+  a checkpoint at SAVE_AT; `hsdp_resume` resumes it.
 * `shard`: ParallelismConfig(dp_shard_size=4) with FSDP2.
 Each Loop run writes `<name>_rank<r>.json` (log history, the mesh, the first parameter's placements) and rank 0
 `<name>.safetensors` (the whole trained model).
@@ -30,7 +33,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, os.path.dirname(__file__))
 import dist_child  # noqa: E402
 
-MAX_STEPS, MAX_GRAD_NORM = 6, 0.5
+MAX_STEPS, MAX_GRAD_NORM, SAVE_AT = 6, 0.5, 3
 CONFIGS = {"replicate": dict(dp_replicate_size=4), "hsdp": dict(dp_replicate_size=2, dp_shard_size=2),
            "shard": dict(dp_shard_size=4)}
 
@@ -88,15 +91,17 @@ def load_llama(folder: str, tensor_parallel: bool):
     return LlamaForCausalLM.from_pretrained(folder, **({"tp_plan": "auto"} if tensor_parallel else {}))
 
 
-def run_training(out: str, name: str, per_device_batch: int, sizes: dict | None, runner=None, model=None) -> dict:
-    """Train `name` with the Loop (or `runner`); write the result; returns it."""
+def run_training(out: str, name: str, per_device_batch: int, sizes: dict | None, runner=None, model=None,
+                 save_at: int | None = None, resume_from: str | None = None) -> dict:
+    """Train `name` with the Loop (or `runner`), with one checkpoint at `save_at`; write the result; returns it."""
     from loopkit import Loop
 
     runner = runner or Loop
     trainer = runner(model=model if model is not None else dist_child.tiny_llama(),
                      args=training_args(os.path.join(out, name), per_device_batch, sizes),
-                     train_dataset=dist_child.lm_samples(dist_child.TRAIN_SAMPLES, 1))
-    trainer.train()
+                     train_dataset=dist_child.lm_samples(dist_child.TRAIN_SAMPLES, 1),
+                     callbacks=[dist_child.SaveOnceAt(save_at)] if save_at else [])
+    trainer.train(resume_from_checkpoint=resume_from)
     rank = trainer.accelerator.process_index
     weights = whole_weights(trainer.accelerator.unwrap_model(trainer.model_wrapped))
     if rank == 0:
@@ -126,14 +131,36 @@ def trainer_attempt(out: str, name: str, per_device_batch: int, sizes: dict | No
         json.dump({"error": error, "log_history": losses}, f)
 
 
+def tensor_parallel_checkpoint(out: str, checkpoint: str) -> None:
+    """A tensor-parallel run's checkpoint: `from_pretrained(checkpoint, tp_plan="auto")` loads its weights (the
+    whole model, gathered), and resuming it is refused with loopkit's error. Writes `tp_checkpoint_rank<r>.json`."""
+    from loopkit import Loop
+
+    rank = int(os.environ["RANK"])
+    model = load_llama(checkpoint, tensor_parallel=True)
+    loaded = whole_weights(model)
+    if rank == 0:
+        save_file(loaded, os.path.join(out, "tp_checkpoint.safetensors"))
+    try:
+        Loop(model=model, args=training_args(os.path.join(out, "tp_resume"), 4, None),
+             train_dataset=dist_child.lm_samples(dist_child.TRAIN_SAMPLES, 1)).train(resume_from_checkpoint=checkpoint)
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out, f"tp_checkpoint_rank{rank}.json"), "w") as f:
+        json.dump({"resume_error": error}, f)
+
+
 def main() -> None:
     out, tp_folder = sys.argv[1], sys.argv[2]
     trainer_attempt(out, "trainer_hsdp", 1, CONFIGS["hsdp"])
     trainer_attempt(out, "trainer_tp", 4, None, model=load_llama(tp_folder, tensor_parallel=True))
     run_training(out, "replicate", 1, CONFIGS["replicate"])
-    run_training(out, "tp", 4, None, model=load_llama(tp_folder, tensor_parallel=True))  # every rank: the batch
-    for name in ("hsdp", "shard"):
-        run_training(out, name, 1, CONFIGS[name])
+    run_training(out, "tp", 4, None, model=load_llama(tp_folder, tensor_parallel=True), save_at=MAX_STEPS)
+    tensor_parallel_checkpoint(out, os.path.join(out, "tp", f"checkpoint-{MAX_STEPS}"))
+    run_training(out, "hsdp", 1, CONFIGS["hsdp"], save_at=SAVE_AT)
+    run_training(out, "hsdp_resume", 1, CONFIGS["hsdp"], resume_from=os.path.join(out, "hsdp", f"checkpoint-{SAVE_AT}"))
+    run_training(out, "shard", 1, CONFIGS["shard"])
     torch.distributed.barrier()
 
 
