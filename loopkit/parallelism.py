@@ -15,7 +15,9 @@ accelerator process group or DeepSpeed, and on `MULTI_CPU` FSDP is only set afte
 check). That is how the CPU test suite proves it (tests/test_parallelism.py), a step beyond Trainer, which raises
 Accelerate's ValueError on CPU processes.
 
-Resuming a tensor-parallel run is refused at `train()` (`check_resume`): its checkpoint's optimizer state holds rank
+Where the ranks share their batches (tensor parallel over the whole launch), the evaluation keeps each rank's outputs
+instead of gathering copies (`local_gather`), and loopkit's streaming metrics are refused when an evaluation starts
+(`check_streaming_metrics`). Resuming a tensor-parallel run is refused at `train()` (`check_resume`): its checkpoint's optimizer state holds rank
 0's shards only, as Trainer writes it.
 
 Refused at construction, naming what they need (`check_parallelism`): context parallelism (`cp_size > 1`: torch's
@@ -123,3 +125,40 @@ def check_resume(accelerator, checkpoint: str) -> None:
                            "holds rank 0's shards only (as HF Trainer writes it)", "start the run anew from the "
                            "checkpoint's weights: from_pretrained(checkpoint, tp_plan='auto'); its model.safetensors "
                            "holds the whole model")
+
+
+def ranks_share_batches(accelerator) -> bool:
+    """Tensor (or context) parallel over the whole launch: one data-parallel group, so every rank evaluates every
+    sample and holds the same outputs."""
+    config = getattr(accelerator, "parallelism_config", None)
+    return (accelerator.num_processes > 1 and config is not None and config.non_data_parallel_size > 1
+            and config.data_parallel_size == 1)
+
+
+def local_gather(accelerator):
+    """The evaluation's gather where the ranks share batches: each rank already holds every sample's outputs, and
+    gathering them would repeat each sample once per rank (Accelerate's `gather_for_metrics` does: 25 rows from a
+    13-sample set on 2 tensor-parallel ranks). What stays of `gather_for_metrics` is what it does on one process:
+    the last batch cut to the samples the dataset has (`gradient_state.remainder`)."""
+    from accelerate.utils import recursively_apply
+
+    def gather(value, use_gather_object: bool = False):
+        state = accelerator.gradient_state
+        if not state.end_of_dataloader or state.remainder is None or state.remainder <= 0:
+            return value
+        cut = lambda part: part[:state.remainder]  # noqa: E731
+        return cut(value) if use_gather_object else recursively_apply(cut, value)
+
+    return gather
+
+
+def check_streaming_metrics(accelerator, metrics) -> None:
+    """loopkit's streaming metrics reduce their states over every process, which repeats each sample once per rank
+    where the ranks share batches: refused there, before a wrong number."""
+    if metrics and ranks_share_batches(accelerator):
+        config = accelerator.parallelism_config
+        raise config_error("metrics", [type(m).__name__ for m in metrics], f"the ranks share their batches "
+                           f"(tensor/context parallel over all {accelerator.num_processes} processes, tp_size="
+                           f"{config.tp_size}, cp_size={config.cp_size}), and streaming metrics would count each "
+                           "sample once per rank", "use compute_metrics (its predictions are each sample's once), or "
+                           "train without tensor parallelism")

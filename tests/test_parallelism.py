@@ -114,6 +114,15 @@ def test_each_mesh_runs_as_asked_and_trains_as_one_process(runs, name):
                                         load_file(os.path.join(one, f"{reference_name}.safetensors")))
     print(f"{name} vs one process: losses {worst_loss:.1e}, grad norms (rel) {worst_norm:.1e}, weights {weights:.1e}")
     assert worst_loss <= 1e-5 and worst_norm <= 1e-5 and weights <= 1e-5
+    evaluation, expected_evaluation = ranks[0]["eval_after"], reference["eval_after"]
+    if name == "tp":  # one data-parallel group: the evaluation is one process's (eval_loss included)
+        assert evaluation["eval_loss"] == pytest.approx(expected_evaluation["eval_loss"], abs=1e-5)
+    # (with data-parallel ranks, Trainer's eval_loss divides each rank's token sum by the count over all ranks:
+    # not comparable with one process, as tests/test_fsdp.py notes)
+    # compute_metrics sees each evaluation sample once, on every mesh (not once per rank)
+    assert evaluation["eval_rows"] == expected_evaluation["eval_rows"] == child.dist_child.EVAL_SAMPLES
+    assert evaluation["eval_gathered_accuracy"] == pytest.approx(expected_evaluation["eval_gathered_accuracy"],
+                                                                 abs=1e-9)
     assert all(norm > child.MAX_GRAD_NORM for norm in expected_norms.values())  # every step clipped
 
 
@@ -135,8 +144,12 @@ def test_a_tensor_parallel_checkpoint_loads_with_tp_plan_and_its_resume_is_refus
     loaded, trained = (load_file(os.path.join(four, f"{name}.safetensors")) for name in ("tp_checkpoint", "tp"))
     assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)
     for rank in range(4):
-        error = result(four, "tp_checkpoint", rank)["resume_error"]
-        assert error.startswith("LoopConfigError: resume_from_checkpoint=") and "tp_plan='auto'" in error, error
+        errors = result(four, "tp_checkpoint", rank)
+        assert errors["resume"].startswith("LoopConfigError: resume_from_checkpoint=") and "tp_plan='auto'" in \
+            errors["resume"], errors
+        # streaming metrics would reduce over ranks that share their batches: refused before a wrong number
+        assert errors["streaming_metrics"].startswith("LoopConfigError: metrics=['TokenAccuracy']") and \
+            "compute_metrics" in errors["streaming_metrics"], errors
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from ..compilation import should_watch
 from ..distributed import (active_engine, check_engines_active, check_launch, engine_plugins, launched_world_size,
                            requested_engines, shard_on_cpu_processes)
 from ..parallelism import (accelerator_parallelism, attach_on_cpu_processes, check_parallelism, check_resume,
-                           cuda_processes)
+                           cuda_processes, local_gather, ranks_share_batches)
 from .. import trainer_logging
 from ..memory import MemoryTracker
 from .base import Stage, base_model
@@ -140,7 +140,8 @@ class SetupStage(Stage):
         """The run's `Accelerator` and its gather function, returned for the context (the `Loop`'s HF hook
         `create_accelerator_and_postprocess` hands them over)."""
         accelerator = self.create_accelerator()
-        gather = accelerator.gather_for_metrics
+        # Tensor parallel over the whole launch: every rank already holds every sample (loopkit/parallelism.py).
+        gather = local_gather(accelerator) if ranks_share_batches(accelerator) else accelerator.gather_for_metrics
         if self.run.args.eval_use_gather_object:  # HF: gather_for_metrics(use_gather_object=...) for non-tensor outputs
             gather = functools.partial(gather, use_gather_object=True)
         return accelerator, gather

@@ -12,12 +12,13 @@ come before the sharded ones):
 * `replicate`: ParallelismConfig(dp_replicate_size=4): 4 DDP replicas.
 * `tp`: the 4-head Llama in TP_MODEL_DIR loaded with `from_pretrained(..., tp_plan="auto")` (transformers' tp_plan,
   4 ways), no parallelism_config: Trainer's rule makes one (tp_size=4) from the model. Its last checkpoint is loaded
-  back with `tp_plan="auto"` (rank 0 writes `tp_checkpoint.safetensors`), and resuming it is refused
-  (`tp_checkpoint_rank<r>.json`).
+  back with `tp_plan="auto"` (rank 0 writes `tp_checkpoint.safetensors`); resuming it, and an evaluation with
+  streaming metrics, are refused (`tp_checkpoint_rank<r>.json`).
 * `hsdp`: ParallelismConfig(dp_replicate_size=2, dp_shard_size=2) with FSDP2: 2 replicas of a model sharded 2 ways,
   a checkpoint at SAVE_AT; `hsdp_resume` resumes it.
 * `shard`: ParallelismConfig(dp_shard_size=4) with FSDP2.
-Each Loop run writes `<name>_rank<r>.json` (log history, the mesh, the first parameter's placements) and rank 0
+Each run evaluates after training (13 samples, batch 1, compute_metrics counting the rows it gets). Each Loop run
+writes `<name>_rank<r>.json` (log history, evaluation, the mesh, placements of two weights) and rank 0
 `<name>.safetensors` (the whole trained model).
 """
 
@@ -47,7 +48,7 @@ def training_args(output_dir: str, per_device_batch: int, sizes: dict | None):
         output_dir=output_dir, max_steps=MAX_STEPS, per_device_train_batch_size=per_device_batch,
         gradient_accumulation_steps=2, learning_rate=3e-3, warmup_steps=2, weight_decay=0.01,
         max_grad_norm=MAX_GRAD_NORM, logging_steps=1, optim="adamw_torch", save_strategy="no", report_to="none",
-        disable_tqdm=True, seed=7, parallelism_config=ParallelismConfig(**sizes) if sizes else None,
+        per_device_eval_batch_size=1, disable_tqdm=True, seed=7, parallelism_config=ParallelismConfig(**sizes) if sizes else None,
         fsdp="full_shard" if sharded else "", fsdp_config={"version": 2} if sharded else None)
 
 
@@ -85,6 +86,11 @@ def tp_llama():
                                         max_position_embeddings=32, attention_dropout=0.0))
 
 
+def rows_and_accuracy(prediction) -> dict:
+    """compute_metrics: the samples it was given (each once, whatever the mesh) and next-token accuracy."""
+    return {"rows": int(prediction.label_ids.shape[0]), **dist_child.token_accuracy(prediction)}
+
+
 def load_llama(folder: str, tensor_parallel: bool):
     from transformers import LlamaForCausalLM
 
@@ -100,13 +106,15 @@ def run_training(out: str, name: str, per_device_batch: int, sizes: dict | None,
     trainer = runner(model=model if model is not None else dist_child.tiny_llama(),
                      args=training_args(os.path.join(out, name), per_device_batch, sizes),
                      train_dataset=dist_child.lm_samples(dist_child.TRAIN_SAMPLES, 1),
+                     eval_dataset=dist_child.lm_samples(dist_child.EVAL_SAMPLES, 2), compute_metrics=rows_and_accuracy,
                      callbacks=[dist_child.SaveOnceAt(save_at)] if save_at else [])
     trainer.train(resume_from_checkpoint=resume_from)
+    after = trainer.evaluate()
     rank = trainer.accelerator.process_index
     weights = whole_weights(trainer.accelerator.unwrap_model(trainer.model_wrapped))
     if rank == 0:
         save_file(weights, os.path.join(out, f"{name}.safetensors"))
-    result = {"log_history": trainer.state.log_history, "global_step": trainer.state.global_step,
+    result = {"log_history": trainer.state.log_history, "global_step": trainer.state.global_step, "eval_after": after,
               **mesh_evidence(trainer)}
     with open(os.path.join(out, f"{name}_rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
@@ -135,20 +143,26 @@ def tensor_parallel_checkpoint(out: str, checkpoint: str) -> None:
     """A tensor-parallel run's checkpoint: `from_pretrained(checkpoint, tp_plan="auto")` loads its weights (the
     whole model, gathered), and resuming it is refused with loopkit's error. Writes `tp_checkpoint_rank<r>.json`."""
     from loopkit import Loop
+    from loopkit.metrics import TokenAccuracy
 
     rank = int(os.environ["RANK"])
     model = load_llama(checkpoint, tensor_parallel=True)
     loaded = whole_weights(model)
     if rank == 0:
         save_file(loaded, os.path.join(out, "tp_checkpoint.safetensors"))
-    try:
-        Loop(model=model, args=training_args(os.path.join(out, "tp_resume"), 4, None),
-             train_dataset=dist_child.lm_samples(dist_child.TRAIN_SAMPLES, 1)).train(resume_from_checkpoint=checkpoint)
-        error = None
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
+    errors = {}
+    for what in ("resume", "streaming_metrics"):
+        try:
+            loop = Loop(model=model, args=training_args(os.path.join(out, f"tp_{what}"), 4, None),
+                        train_dataset=dist_child.lm_samples(dist_child.TRAIN_SAMPLES, 1),
+                        eval_dataset=dist_child.lm_samples(dist_child.EVAL_SAMPLES, 2),
+                        metrics=[TokenAccuracy()] if what == "streaming_metrics" else None)
+            loop.train(resume_from_checkpoint=checkpoint) if what == "resume" else loop.evaluate()
+            errors[what] = None
+        except Exception as exc:
+            errors[what] = f"{type(exc).__name__}: {exc}"
     with open(os.path.join(out, f"tp_checkpoint_rank{rank}.json"), "w") as f:
-        json.dump({"resume_error": error}, f)
+        json.dump(errors, f)
 
 
 def main() -> None:
