@@ -17,12 +17,12 @@ Accelerate's ValueError on CPU processes.
 
 Where the ranks share their batches (tensor parallel over the whole launch), the evaluation keeps each rank's outputs
 instead of gathering copies (`local_gather`), and loopkit's streaming metrics are refused when an evaluation starts
-(`check_streaming_metrics`). Resuming a tensor-parallel run is refused at `train()` (`check_resume`): its checkpoint's optimizer state holds rank
-0's shards only, as Trainer writes it.
+(`check_streaming_metrics`). Resuming a tensor-parallel run is refused at `train()` (`check_resume`): its
+checkpoint's optimizer state holds rank 0's shards only, as Trainer writes it.
 
 Refused at construction, naming what they need (`check_parallelism`): context parallelism (`cp_size > 1`: torch's
-ring attention over SDPA on CUDA GPUs, with FSDP2), sequence parallelism (`sp_size > 1`: DeepSpeed's Ulysses, on
-GPUs), `dp_shard_size > 1` without FSDP (Accelerate would run plain DDP and shard nothing), and tensor parallelism
+ring attention over SDPA on CUDA GPUs, with FSDP2) and sequence parallelism (`sp_size > 1`: DeepSpeed's Ulysses, on
+GPUs), whose per-step input splitting loopkit does not implement, `dp_shard_size > 1` without FSDP (Accelerate would run plain DDP and shard nothing), and tensor parallelism
 with FSDP2 where Accelerate's preparation of it fails with the installed transformers (Accelerate 1.15 imports a
 class transformers 5.24 removed; Trainer fails there at `train()`).
 """
@@ -43,14 +43,18 @@ def check_parallelism(config, args, engines: list[str]) -> None:
     if not isinstance(config, ParallelismConfig):
         raise config_error("parallelism_config", type(config).__name__, "it must be Accelerate's ParallelismConfig",
                            "pass accelerate.ParallelismConfig(dp_replicate_size=..., dp_shard_size=..., tp_size=...)")
-    if config.cp_size > 1 and not cuda_processes(args):
-        raise config_error("parallelism_config.cp_size", config.cp_size, "context parallelism is torch's ring "
-                           "attention over SDPA, which Accelerate runs on CUDA GPUs with FSDP2, and this run's "
-                           "processes have no CUDA device", "run it on CUDA GPUs, or set cp_size=1")
-    if config.sp_size > 1 and "DeepSpeed" not in engines:
-        raise config_error("parallelism_config.sp_size", config.sp_size, "sequence parallelism (sp_backend="
-                           f"{config.sp_backend!r}) is DeepSpeed's Ulysses, which needs DeepSpeed on GPUs",
-                           "configure DeepSpeed (deepspeed=...) on GPUs, or set sp_size=1")
+    if config.cp_size > 1:
+        machine = "" if cuda_processes(args) else "; it also needs CUDA GPUs, and this run's processes have none"
+        raise config_error("parallelism_config.cp_size", config.cp_size, "context parallelism (torch's ring attention "
+                           "over SDPA, with FSDP2) splits every batch along the sequence inside the training step "
+                           f"(Trainer's _prepare_context_parallel_inputs), which loopkit does not implement{machine}",
+                           "set cp_size=1, or train with transformers.Trainer on CUDA GPUs")
+    if config.sp_size > 1:
+        machine = "" if "DeepSpeed" in engines else "; it also needs DeepSpeed, on GPUs, which this run does not use"
+        raise config_error("parallelism_config.sp_size", config.sp_size, f"sequence parallelism (sp_backend="
+                           f"{config.sp_backend!r}: DeepSpeed's Ulysses) needs its own loss and data loader adapter "
+                           f"in the training step, which loopkit does not implement{machine}",
+                           "set sp_size=1, or train with transformers.Trainer and DeepSpeed on GPUs")
     if config.tp_size > 1 and "FSDP" in engines and not replicate_parallel_available():
         # Accelerate's `_prepare_tp` under FSDP2 imports transformers' ReplicateParallel, which this transformers no
         # longer has: HF Trainer fails there at train().

@@ -194,13 +194,16 @@ def test_a_mesh_on_a_process_without_a_launcher_gets_the_error_trainer_gets(tmp_
 
 
 @pytest.mark.parametrize("sizes, fields, named", [
-    (dict(cp_size=2, dp_shard_size=1), {}, ("parallelism_config.cp_size=2", "CUDA", "cp_size=1")),
-    (dict(sp_size=2), {}, ("parallelism_config.sp_size=2", "DeepSpeed", "sp_size=1")),
+    (dict(cp_size=2, dp_shard_size=1), {}, ("parallelism_config.cp_size=2", "loopkit does not implement",
+                                             "CUDA GPUs, and this run's processes have none", "cp_size=1")),
+    (dict(sp_size=2), {}, ("parallelism_config.sp_size=2", "loopkit does not implement", "DeepSpeed", "sp_size=1")),
     (dict(dp_shard_size=2), {}, ("parallelism_config.dp_shard_size=2", "plain DDP", "fsdp='full_shard'")),
     (dict(tp_size=2, dp_shard_size=2), dict(fsdp="full_shard", fsdp_config={"version": 2}),
      ("parallelism_config.tp_size=2", "ReplicateParallel", "without FSDP")),
 ])
-def test_what_cannot_run_here_is_refused_at_construction(tmp_path, sizes, fields, named):
+def test_what_cannot_run_is_refused_at_construction(tmp_path, sizes, fields, named):
+    """Context and sequence parallelism (not implemented; on this machine there is no CUDA GPU and no DeepSpeed
+    either), dp_shard without FSDP, and tensor parallelism with FSDP2 where Accelerate's preparation fails."""
     from accelerate import ParallelismConfig
 
     from helpers import tiny_llama

@@ -48,7 +48,8 @@ def training_args(output_dir: str, per_device_batch: int, sizes: dict | None):
         output_dir=output_dir, max_steps=MAX_STEPS, per_device_train_batch_size=per_device_batch,
         gradient_accumulation_steps=2, learning_rate=3e-3, warmup_steps=2, weight_decay=0.01,
         max_grad_norm=MAX_GRAD_NORM, logging_steps=1, optim="adamw_torch", save_strategy="no", report_to="none",
-        per_device_eval_batch_size=1, disable_tqdm=True, seed=7, parallelism_config=ParallelismConfig(**sizes) if sizes else None,
+        per_device_eval_batch_size=1, disable_tqdm=True, seed=7,
+        parallelism_config=ParallelismConfig(**sizes) if sizes else None,
         fsdp="full_shard" if sharded else "", fsdp_config={"version": 2} if sharded else None)
 
 
