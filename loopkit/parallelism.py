@@ -22,9 +22,10 @@ checkpoint's optimizer state holds rank 0's shards only, as Trainer writes it.
 
 Refused at construction, naming what they need (`check_parallelism`): context parallelism (`cp_size > 1`: torch's
 ring attention over SDPA on CUDA GPUs, with FSDP2) and sequence parallelism (`sp_size > 1`: DeepSpeed's Ulysses, on
-GPUs), whose per-step input splitting loopkit does not implement, `dp_shard_size > 1` without FSDP (Accelerate would run plain DDP and shard nothing), and tensor parallelism
-with FSDP2 where Accelerate's preparation of it fails with the installed transformers (Accelerate 1.15 imports a
-class transformers 5.24 removed; Trainer fails there at `train()`).
+GPUs), whose per-step input splitting loopkit does not implement; `dp_shard_size > 1` without FSDP (Accelerate
+would run plain DDP and shard nothing); and tensor parallelism with FSDP2 where Accelerate's preparation of it fails
+with the installed transformers (Accelerate 1.15 imports a class transformers 5.24 removed; Trainer fails there at
+`train()`).
 """
 
 from __future__ import annotations
