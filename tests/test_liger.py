@@ -142,6 +142,10 @@ def test_train_applies_liger_kernels_as_trainer(tmp_path, config):
         assert norms | mlps | {""} <= changed
     else:  # the config reaches liger-kernel: those two stay Llama's
         assert "" in changed and not changed & (norms | mlps)
+    # Nothing of Liger outlives the runs (the module's classes are put back): a new Llama runs on torch's kernels.
+    fresh = tiny_llama()
+    assert patched_parts(fresh) == plain
+    assert torch.isfinite(fresh(**{k: v.unsqueeze(0) for k, v in lm_data(1)[0].items()}).loss)
     if torch.cuda.is_available():  # a GPU: the kernels run, and both trained
         assert hf_error is None and loop_error is None
     else:  # Triton has no CPU driver: the same failure for both, from the patched forward
