@@ -10,12 +10,22 @@ build of torch):
     python -m benchmarks.gpu --device cpu --tiny      # a seconds-long dry run of the same code on a CPU
     python -m benchmarks.gpu --fsdp 8                 # loopkit sharded (FSDP2) on 8 GPUs: gpu-fsdp-<device>.{json,md}
     python -m benchmarks.gpu --device cpu --tiny --fsdp 2   # its dry run on 2 CPU processes (gloo)
+    python -m benchmarks.gpu --liger                  # HF Trainer and loopkit with use_liger_kernel: gpu-liger-<device>
+    python -m benchmarks.gpu --device cpu --tiny --liger    # its dry run (every Liger kernel off: Triton needs a GPU)
 
 The FSDP2 variant launches `torchrun --nproc_per_node N -m benchmarks.gpu --fsdp-worker ...` (with
 `ACCELERATE_USE_CPU=1` on a CPU): loopkit with Accelerate's FSDP2 plugin (one unit per decoder layer, sharded
 state dict, bf16 mixed precision), the same model, data and steps; per rank it reports tokens/s, peak CUDA memory
 and the bytes of the local shards of parameters, gradients and AdamW state. One GPU (`--fsdp 1`) runs the same path
 without sharding anything: the per-rank memory falls only with N.
+
+The Liger variant trains the same model with HF Trainer and loopkit, each with `use_liger_kernel=True` (Liger's
+Triton kernels: RMSNorm, SwiGLU, RoPE and the fused linear cross-entropy, applied by transformers'
+`apply_liger_kernel` at `train()`) and without, one worker process per run kind (Liger patches transformers' Llama
+module for the whole process). It reports time per step and peak CUDA memory for each, how many modules run a Liger
+forward, and checks that Trainer and loopkit with Liger end at the same probe loss. On a CPU (`--device cpu`) the
+kernels cannot run (Triton has no CPU driver), so the dry run passes a `liger_kernel_config` that turns every kernel
+off: it checks the script, not the kernels (tests/test_liger.py checks that both apply the same kernels).
 
 MFU = achieved model FLOP/s / the device's dense bf16 peak, with model FLOPs per token = 6 N + 12 L H T (N: the
 parameters that take part in matmuls, the tied output projection included; L layers, H hidden size, T sequence
@@ -149,6 +159,101 @@ def fsdp_train_steps(args) -> dict:
             "device_name": torch.cuda.get_device_name() if cuda else "cpu"}
 
 
+# Every Liger kernel off (apply_liger_kernel_to_llama's switches): the CPU dry run, where Triton cannot run.
+LIGER_OFF = {"rope": False, "cross_entropy": False, "fused_linear_cross_entropy": False, "rms_norm": False,
+             "swiglu": False}
+LIGER_RUNS = {"hf": ("hf", True), "loopkit": ("loopkit", True), "hf-plain": ("hf", False),
+              "loopkit-plain": ("loopkit", False)}
+
+
+def liger_modules(model) -> int:
+    """Modules whose forward is Liger's (the model's own forward counts too, for the fused loss)."""
+    return sum(getattr(module.forward, "__module__", "").startswith("liger_kernel") for module in model.modules())
+
+
+def liger_train_steps(run_kind: str, spec: dict, warmup_steps: int, output_dir: str) -> dict:
+    """One run of the Liger variant: `run_kind` names the contender and whether Liger is on (LIGER_RUNS)."""
+    import torch
+
+    from . import workloads
+    from .contenders import ClockCallback, StepClock, build_trainer
+
+    contender, liger = LIGER_RUNS[run_kind]
+    spec = TrainSpec.from_dict(spec)
+    cuda = spec.device.startswith("cuda")
+    clock = StepClock(sync_at=(warmup_steps, spec.max_steps), synchronize=torch.cuda.synchronize if cuda else None)
+    overrides = {"use_liger_kernel": liger, "liger_kernel_config": None if cuda or not liger else LIGER_OFF}
+    model = workloads.build_model(spec)
+    trainer = build_trainer(contender, spec, model, output_dir, workloads.train_dataset(spec),
+                            callbacks=[ClockCallback(clock)], args_overrides=overrides)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    seconds_per_step = (clock.ends[-1] - clock.ends[warmup_steps - 1]) / (spec.max_steps - warmup_steps)
+    reply = {"seconds_per_step": seconds_per_step,
+             "tokens_per_second": spec.samples_per_step * spec.seq_len / seconds_per_step,
+             "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+             "liger_modules": liger_modules(trainer.model), "global_step": trainer.state.global_step,
+             "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+             "probe_loss": workloads.probe_loss(trainer.model, workloads.heldout_rows(spec, 8), spec.device),
+             "device_name": torch.cuda.get_device_name(0) if cuda else "cpu"}
+    del trainer, model
+    if cuda:
+        torch.cuda.empty_cache()
+    return reply
+
+
+def run_liger(args) -> dict:
+    """HF Trainer and loopkit, with and without Liger, alternating round by round (one worker per run kind)."""
+    suite = Suite(size="full", out_dir=args.out, threads=0 if args.device.startswith("cuda") else 1)
+    spec, warmup = spec_from(args), warmup_steps_of(args)
+    rounds = (1, args.rounds) if not args.tiny else (0, 1)
+    replies = {kind: [] for kind in LIGER_RUNS}
+    try:
+        with suite.workers(names=tuple(LIGER_RUNS), prefix="gpu-liger-") as workers:
+            for _, is_warmup in suite.rounds(*rounds):
+                for kind in LIGER_RUNS:
+                    reply = workers[kind].request(MODULE, "liger_train_steps", run_kind=kind, spec=spec.to_dict(),
+                                                  warmup_steps=warmup, output_dir=suite.scratch_dir(f"gpu-{kind}"))
+                    if not is_warmup:
+                        replies[kind].append(reply)
+    finally:
+        suite.cleanup()
+    with_liger = {c: replies[c] for c in ("hf", "loopkit")}
+    # bf16 on a GPU is not bitwise reproducible across differently ordered kernels: a loose tolerance.
+    check = merge_checks(*check_runs(with_liger, "probe_loss", 2e-2, "final probe loss"),
+                         *check_runs(with_liger, "global_step", 0, "optimizer steps"))
+    rows = [comparison_row("time per optimizer step, Liger on", "ms/step",
+                           {c: [r["seconds_per_step"] * 1e3 for r in with_liger[c]] for c in with_liger}, check)]
+    summary = {kind: {"ms_per_step": median([r["seconds_per_step"] * 1e3 for r in runs]),
+                      "peak_memory_gb": max((r["peak_memory_gb"] or 0) for r in runs) or None,
+                      "liger_modules": runs[0]["liger_modules"], "probe_loss": runs[-1]["probe_loss"]}
+               for kind, runs in replies.items()}
+    return {"title": "GPU: Liger kernels (use_liger_kernel) under HF Trainer and loopkit, bf16", "rows": rows,
+            "runs": summary, "kernels_off": not args.device.startswith("cuda"),
+            "device_name": replies["hf"][0]["device_name"], "spec": spec.to_dict(),
+            "environment": describe(0),
+            "started_at": time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(suite.started))}
+
+
+def liger_markdown(section: dict) -> str:
+    from .report import comparison_table, fmt
+
+    spec = section["spec"]
+    lines = [f"# {section['title']}\n",
+             f"- Device: {section['device_name']}"
+             + ("; every Liger kernel off (a dry run: Triton needs a GPU)" if section["kernels_off"] else ""),
+             f"- Work: batch {spec['batch_size']} x accumulation {spec['grad_accum']} x {spec['seq_len']} tokens "
+             f"per step; run {section['started_at']}\n", comparison_table(section["rows"]), "",
+             "| run | ms/step (median) | peak CUDA memory (GB) | modules on Liger's forward | probe loss |",
+             "|---|---|---|---|---|"]
+    for kind, run in section["runs"].items():
+        lines.append(f"| {kind} | {fmt(run['ms_per_step'])} | {fmt(run['peak_memory_gb'])} | "
+                     f"{run['liger_modules']} | {fmt(run['probe_loss'])} |")
+    return "\n".join(lines)
+
+
 def run_fsdp(args) -> dict:
     """Launch the FSDP2 variant on `args.fsdp` processes and collect each rank's reply."""
     import subprocess
@@ -231,6 +336,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fsdp", type=int, default=None, metavar="N",
                         help="the FSDP2 variant: loopkit sharded over N processes (one per GPU)")
     parser.add_argument("--fsdp-worker", default=None, help=argparse.SUPPRESS)  # set by the FSDP2 launch
+    parser.add_argument("--liger", action="store_true",
+                        help="the Liger variant: HF Trainer and loopkit with and without use_liger_kernel")
     return parser.parse_args(argv)
 
 
@@ -327,6 +434,14 @@ def main(argv=None) -> int:
         (args.out / f"{name}.md").write_text(fsdp_markdown(section) + "\n")
         print(fsdp_markdown(section))
         return 0
+    if args.liger:
+        section = run_liger(args)
+        name = "gpu-liger-" + "".join(ch if ch.isalnum() else "-" for ch in section["device_name"]).strip("-")
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}.json").write_text(json.dumps(section, indent=1, default=str))
+        (args.out / f"{name}.md").write_text(liger_markdown(section) + "\n")
+        print(liger_markdown(section))
+        return 0 if all(row["check"]["ok"] for row in section["rows"]) else 1
     section = run(args)
     name = "gpu-" + "".join(ch if ch.isalnum() else "-" for ch in section["device"]["device_name"]).strip("-")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -124,6 +124,11 @@ class LoopArgs:
     torch_compile: bool = False
     torch_compile_backend: str | None = None
     torch_compile_mode: str | None = None
+    # Liger's Triton kernels, applied at train() as Trainer applies them (loopkit/stages/setup.py)
+    use_liger_kernel: bool = False
+    liger_kernel_config: dict | None = None
+    # Accelerate's ParallelismConfig (data-parallel replicate / shard, tensor parallel), handed to the Accelerator
+    parallelism_config: Any = None
     # training options (loopkit/stages/step.py, schedule.py, stages/setup.py, memory.py)
     label_smoothing_factor: float = 0.0
     include_num_input_tokens_seen: str | bool = "no"  # True / False become "all" / "no", as TrainingArguments does
@@ -308,19 +313,6 @@ FIXES = {
                          "scheduler) to Loop or override create_scheduler",
     "train_sampling_strategy": "use one of those, or return your sampler from a DataStage subclass's "
                                "train_sampler(dataset) and pass Loop(..., data=YourDataStage())",
-    "parallelism_config": "leave it None (plain data parallelism, DDP, runs under any launcher; FSDP2 through fsdp "
-                          "and fsdp_config)",
-    "use_liger_kernel": "leave it False; for the memory saving on large vocabularies use "
-                        "Loop(..., step=loopkit.ChunkedLossStep())",
-    "liger_kernel_config": "leave it None",
-}
-# Why each remaining refusal: what loopkit does not implement. (What a user's machine lacks is checked on it when the
-# refusal is made, as for `debug` below and `optim` in loopkit/optimizers.py.)
-REFUSAL_REASONS = {
-    "parallelism_config": "loopkit does not implement it: it hands no ParallelismConfig to Accelerate, so the tensor, "
-                          "context and sequence parallelism and the FSDP2 device mesh it describes are not built",
-    "use_liger_kernel": "loopkit does not apply Liger's kernels (liger-kernel's fused Triton kernels)",
-    "liger_kernel_config": "loopkit does not apply Liger's kernels, which it configures (see use_liger_kernel)",
 }
 
 
@@ -351,9 +343,10 @@ def check_best_model_schedule(args) -> None:
 
 def unsupported_field_error(name: str, value: Any, default: Any) -> LoopConfigError:
     fix = FIXES.get(name, f"leave {name} at its default ({default!r}), or train with transformers.Trainer")
-    reason = REFUSAL_REASONS.get(name, "loopkit does not support this TrainingArguments field, and will not ignore "
-                                       "it silently")
-    return config_error(name, value, reason, fix)
+    # A field a later transformers adds, until it is reviewed. (What a user's machine lacks is checked on it when
+    # the refusal is made, as for `debug` below and `optim` in loopkit/optimizers.py.)
+    return config_error(name, value, "loopkit does not support this TrainingArguments field, and will not ignore it "
+                        "silently", fix)
 
 
 def check_unsupported_fields(args) -> None:

@@ -388,6 +388,7 @@ def draw_charts(report: dict, folder: str, prefix: str = "") -> list[str]:
     figure registry. Each PNG appears complete or not at all (written under a temporary name, then renamed), and a
     failure or an interruption mid-way leaves no temporary file behind."""
     written = []
+    os.makedirs(folder, exist_ok=True)  # a run that failed before writing anything has no output folder yet
     for name in chart_names(report):
         path = os.path.join(folder, prefix + name)
         try:

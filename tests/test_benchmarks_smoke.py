@@ -187,6 +187,25 @@ def test_the_gpu_benchmark_fsdp2_variant_dry_runs_on_two_cpu_processes(tmp_path)
     assert "| rank | ms/step |" in (tmp_path / "gpu-fsdp-cpu.md").read_text()
 
 
+def test_the_gpu_benchmark_liger_variant_dry_runs_on_cpu(tmp_path):
+    """`python -m benchmarks.gpu --device cpu --tiny --liger`: HF Trainer and loopkit, each with use_liger_kernel
+    and without, in their own workers. On a CPU every Liger kernel is off (Triton needs a GPU), so no module runs
+    Liger's forward and the four runs train the same model: the same probe loss. On a GPU machine the same command
+    without `--device cpu --tiny` measures the kernels."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    finished = run_process([sys.executable, "-m", "benchmarks.gpu", "--device", "cpu", "--tiny", "--liger",
+                            "--out", str(tmp_path)], "python -m benchmarks.gpu --device cpu --tiny --liger",
+                           cwd=REPO_ROOT, env=env)
+    assert finished.returncode == 0, (finished.stdout + finished.stderr)[-4000:]
+    section = json.loads((tmp_path / "gpu-liger-cpu.json").read_text())
+    runs = section["runs"]
+    assert section["kernels_off"] and set(runs) == {"hf", "loopkit", "hf-plain", "loopkit-plain"}
+    assert all(run["liger_modules"] == 0 and run["ms_per_step"] > 0 for run in runs.values())
+    assert len({run["probe_loss"] for run in runs.values()}) == 1
+    assert section["rows"][0]["check"]["ok"]
+    assert "| run | ms/step (median) |" in (tmp_path / "gpu-liger-cpu.md").read_text()
+
+
 def test_the_ladder_flags_a_rung_whose_held_out_loss_leaves_the_order_noise():
     from benchmarks.bench_ladder import loss_check
 

@@ -248,14 +248,6 @@ def test_enable_jit_checkpoint_is_loopkits_preemption_save(tmp_path):
     assert all(torch.equal(saved[k], v) for k, v in loop.model.state_dict().items())
 
 
-def test_parallelism_config_stays_refused_with_the_reason(tmp_path):
-    from accelerate import ParallelismConfig
-
-    args = hf_args(tmp_path, parallelism_config=ParallelismConfig(dp_replicate_size=1))
-    with pytest.raises(LoopConfigError, match="(?s)parallelism_config=.*loopkit does not implement it"):
-        Loop(model=tiny_regression(), args=args)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # ddp_* fields and save_on_each_node on two processes (launched when this file starts, checked last)
 # ---------------------------------------------------------------------------------------------------------------

@@ -64,10 +64,10 @@ def test_training_arguments_subclass_with_its_own_fields_trains_as_trainer(tmp_p
         trained[name] = trainer
     assert logged_losses(trained["loopkit"]) == pytest.approx(logged_losses(trained["hf"]), rel=1e-6)
     assert len(logged_losses(trained["hf"])) == 4
-    # A TrainingArguments field loopkit does not implement stays refused on a subclass too.
+    # A value loopkit refuses stays refused on a subclass too.
     args = ScriptArguments(output_dir=str(tmp_path / "refused"), report_to="none", threshold=0.5)
-    args.use_liger_kernel = True
-    with pytest.raises(LoopConfigError, match="use_liger_kernel=True"):
+    args.debug = ["tpu_metrics_debug"]
+    with pytest.raises(LoopConfigError, match="debug='tpu_metrics_debug'"):
         Loop(model=tiny_regression(), args=args)
 
 

@@ -31,6 +31,7 @@ from ..batches import (carries_labels, concat_padded, find_batch_size, has_lengt
 from ..errors import config_error
 from ..guards import EvaluationInterrupted
 from ..metrics import BatchOutputs, compute_all, real_rows, reset_all, update_all, warn_no_rows
+from ..parallelism import check_streaming_metrics
 from .. import trainer_logging
 from ..phases import speed_metrics
 from ..state import EvalLoopOutput, EvalPrediction, PredictionOutput
@@ -223,6 +224,7 @@ class EvalStage(Stage):
         acc = EvalAccumulators(context.accelerator.device, args.eval_do_concat_batches,
                                keep=not args.batch_eval_metrics or description == "Prediction",
                                description=description)
+        check_streaming_metrics(context.accelerator, run.metrics)  # tensor parallel: refused (parallelism.py)
         reset_all(run.metrics, context.accelerator.device)
         batch_metrics = None
         for step, inputs in enumerate(dataloader):
@@ -360,6 +362,8 @@ class EvalStage(Stage):
         with torch.no_grad():
             if through_loss:
                 num_items = context.count_loss_items([inputs])
+                if run.args.use_liger_kernel and prediction_loss_only and isinstance(inputs, Mapping):
+                    inputs = {**inputs, "skip_logits": True}  # as Trainer: Liger's loss without the logits
                 with context.compute_loss_context_manager():
                     loss, outputs = context.compute_loss(model, inputs, return_outputs=True,
                                                          num_items_in_batch=num_items)

@@ -7,7 +7,8 @@ Contract:
   `create_accelerator_and_postprocess()` hands to the context; `track_memory()` returns the memory metrics, for the
   context too; `build(model)` builds the model from `model_init` if no model was given and moves it to the device.
 * `begin_training(resume_from_checkpoint, trial)` runs at the start of every `train()`: re-seeds and rebuilds the
-  model when `model_init` is used, turns on activation checkpointing, resolves the checkpoint to resume from and
+  model when `model_init` is used, applies Liger's kernels (`use_liger_kernel`, through transformers' own
+  `apply_liger_kernel`), turns on activation checkpointing, resolves the checkpoint to resume from and
   loads its weights (before `accelerator.prepare`, as HF does). It returns the checkpoint path or None. With
   `neftune_noise_alpha` it adds HF's NEFTune hook to the input embeddings (removed at `on_train_end`), with
   `debug="underflow_overflow"` HF's `DebugUnderflowOverflow` hooks, as `Trainer.train` does.
@@ -33,8 +34,10 @@ import torch
 
 from ..args import config_error
 from ..compilation import should_watch
-from ..distributed import (active_engine, check_engines_active, check_launch, engine_plugins, requested_engines,
-                           shard_on_cpu_processes)
+from ..distributed import (active_engine, check_engines_active, check_launch, engine_plugins, launched_world_size,
+                           requested_engines, shard_on_cpu_processes)
+from ..parallelism import (accelerator_parallelism, attach_on_cpu_processes, check_parallelism, check_resume,
+                           cuda_processes, local_gather, ranks_share_batches)
 from .. import trainer_logging
 from ..memory import MemoryTracker
 from .base import Stage, base_model
@@ -137,7 +140,8 @@ class SetupStage(Stage):
         """The run's `Accelerator` and its gather function, returned for the context (the `Loop`'s HF hook
         `create_accelerator_and_postprocess` hands them over)."""
         accelerator = self.create_accelerator()
-        gather = accelerator.gather_for_metrics
+        # Tensor parallel over the whole launch: every rank already holds every sample (loopkit/parallelism.py).
+        gather = local_gather(accelerator) if ranks_share_batches(accelerator) else accelerator.gather_for_metrics
         if self.run.args.eval_use_gather_object:  # HF: gather_for_metrics(use_gather_object=...) for non-tensor outputs
             gather = functools.partial(gather, use_gather_object=True)
         return accelerator, gather
@@ -180,11 +184,18 @@ class SetupStage(Stage):
             kwargs_handlers=[DistributedDataParallelKwargs(**ddp_options(args, self.model_given))],
         )
         kwargs["dynamo_plugin"] = dynamo_plugin(args)
+        parallelism = accelerator_parallelism(args, self.model_given)  # as Trainer builds it (loopkit/parallelism.py)
+        check_parallelism(parallelism, args, requested)
+        on_cpu_processes = parallelism is not None and launched_world_size() > 1 and not cuda_processes(args)
+        if parallelism is not None and not on_cpu_processes:
+            kwargs["parallelism_config"] = parallelism  # as Trainer hands it over
         accelerator = Accelerator(**kwargs, **plugins)
         # Accelerate's state is one per process and keeps the first Accelerator's plugin: without this, a Loop after
         # one with torch_compile=True (a notebook, a test suite) would compile its model too.
         accelerator.state.dynamo_plugin = kwargs["dynamo_plugin"]
         shard_on_cpu_processes(accelerator, plugins, requested)  # FSDP2 on gloo processes (distributed.py)
+        if on_cpu_processes:  # the device mesh on gloo processes (loopkit/parallelism.py)
+            attach_on_cpu_processes(accelerator, parallelism)
         check_engines_active(accelerator, requested)  # an engine Accelerate dropped silently: refuse instead
         return accelerator
 
@@ -224,6 +235,10 @@ class SetupStage(Stage):
         if run.model_init is not None:  # a new model: the step stage then builds a new optimizer for it
             self.seed()
             self.set_model(self.call_model_init(trial))
+        if args.use_liger_kernel:  # where Trainer.train applies them: at every train(), on model_init's model too
+            from transformers.integrations.liger import apply_liger_kernel  # Trainer's own (and its ImportError)
+
+            apply_liger_kernel(run.model, args.liger_kernel_config)
         if args.activation_checkpointing:
             enable = (getattr(run.model, "activation_checkpointing_enable", None)
                       or getattr(run.model, "gradient_checkpointing_enable", None))
@@ -237,6 +252,7 @@ class SetupStage(Stage):
         checkpoint = context.checkpointer.start(resume_from_checkpoint)  # also: which run the coming saves belong to
         trainer_logging.log_loading_checkpoint(checkpoint)
         if checkpoint is not None:
+            check_resume(context.accelerator, checkpoint)  # tensor parallel: refused (loopkit/parallelism.py)
             context.checkpointer.load_model_before_prepare(run.model, checkpoint)
         return checkpoint
 

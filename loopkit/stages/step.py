@@ -234,8 +234,11 @@ class StepStage(Stage):
         from accelerate.utils import DistributedType
 
         # LOMO keeps Accelerate's path: its backward takes the learning rate, and only Accelerate skips its step().
+        # Tensor parallelism keeps it too: its DTensor gradients beside plain ones need Accelerate's clip.
+        mesh = getattr(acc, "parallelism_config", None)
         self.direct = acc.scaler is None and not updates_in_backward(run.args) and acc.distributed_type in (
-            DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+            DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU) and not (
+            mesh is not None and mesh.tp_enabled)
         self.clip_params = list(run.model_wrapped.parameters())
         self.inner_optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
         # Accelerate's no_sync asks the process state whether it is distributed at every call (a PartialState
