@@ -182,6 +182,39 @@ def shard_on_cpu_processes(accelerator, plugins: dict, requested: list[str]) -> 
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
+def deepspeed_on_cpu_processes(args, deepspeed_plugin=None) -> None:
+    """DeepSpeed on CPU processes (gloo), the way a GPU launch sets it up (nccl). Accelerate 1.15 picks a backend only
+    for a device (its gloo branch is for `cpu=True`, which turns DeepSpeed off), so on a machine without one it hands
+    DeepSpeed none: each process joins torch.distributed (DeepSpeed's CPU default, gloo), but Accelerate counts one
+    process and DeepSpeed refuses the batch sizes (under HF Trainer too). Where DeepSpeed was asked for under a
+    launch of several processes and torch sees no accelerator device, this builds Accelerate's process state with
+    gloo, before the `Accelerator`: a state the user set up with a backend (`use_configured_state`) is kept, one set up
+    without (`TrainingArguments` builds it) is reset, as `TrainingArguments` itself resets it. The DeepSpeed config
+    that `TrainingArguments` filled for the one process it saw ("auto" batch sizes) is filled again for this world
+    size, as `TrainingArguments.__post_init__` fills it."""
+    import torch
+    from accelerate.state import AcceleratorState, PartialState
+
+    asked = (deepspeed_plugin is not None or getattr(args, "deepspeed_plugin", None) is not None
+             or env_flag("ACCELERATE_USE_DEEPSPEED"))
+    if not asked or launched_world_size() <= 1 or torch.accelerator.is_available():
+        return
+    if PartialState._shared_state.get("backend") is not None:
+        return
+    from datetime import timedelta
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # as Accelerator(deepspeed_plugin=...) sets it for its state
+    PartialState(backend="gloo", timeout=timedelta(seconds=getattr(args, "ddp_timeout", 1800)))
+    if getattr(args, "hf_deepspeed_config", None) is not None and getattr(args, "deepspeed", None):
+        from accelerate.utils import DeepSpeedPlugin
+        from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+        args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(args.deepspeed)
+        args.hf_deepspeed_config.trainer_config_process(args)
+        args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
+
+
 def active_engine(accelerator) -> str | None:
     """"FSDP", "DeepSpeed" or None (DDP or a single process), as Accelerate runs it."""
     kind = getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type))

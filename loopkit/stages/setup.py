@@ -33,8 +33,8 @@ import torch
 
 from ..args import config_error
 from ..compilation import should_watch
-from ..distributed import (active_engine, check_engines_active, check_launch, engine_plugins, requested_engines,
-                           shard_on_cpu_processes)
+from ..distributed import (active_engine, check_engines_active, check_launch, deepspeed_on_cpu_processes,
+                           engine_plugins, requested_engines, shard_on_cpu_processes)
 from .. import trainer_logging
 from ..memory import MemoryTracker
 from .base import Stage, base_model
@@ -168,6 +168,7 @@ class SetupStage(Stage):
         from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin
 
         args = self.run.args
+        deepspeed_on_cpu_processes(args, self.deepspeed_plugin)  # gloo where no GPU (distributed.py)
         plugins = engine_plugins(args, self.fsdp_plugin, self.deepspeed_plugin)
         requested = requested_engines(plugins)  # read before the Accelerator, which exports its own flags
         dataloader_config, accumulation_kwargs = accelerator_options(args)

@@ -1,0 +1,135 @@
+"""The DeepSpeed script that tests/test_deepspeed.py launches with `torchrun --nproc_per_node 2` on CPU processes:
+HF Trainer and loopkit's Loop, each run live on the real DeepSpeed engine (ZeRO-2 or ZeRO-3), in the same processes,
+with the same tiny Llama and ragged causal-LM data as tests/scripts/dist_child.py.
+
+Usage (under a launcher, with DS_ACCELERATOR=cpu): python deepspeed_child.py OUT_DIR CONFIG
+CONFIG: zero2, zero3 (DeepSpeed's defaults: no 16-bit weights gathered at save) or zero3_gather
+(`stage3_gather_16bit_weights_on_model_save: true`).
+
+Runs, one after the other, each writing `<name>_rank<r>.json` (log history, evaluation, the files of its checkpoint
+and of `save_model()`, the engine's configuration) and rank 0 `<name>.safetensors` (the final weights, gathered):
+* trainer, loop: 6 optimizer steps of 2 processes x 2 samples x 2 accumulated micro-batches, clipping at 0.5 (every
+  step clips), a checkpoint at step 4 (`save_steps=4`), an evaluation, then the user's `save_model(<name>/saved)`.
+* loop_from_loop, loop_from_trainer, trainer_from_loop, trainer_from_trainer: resumed from those checkpoint-4s.
+
+How each gets its processes: Accelerate hands DeepSpeed no backend on a machine without GPUs. Loop chooses gloo
+itself (loopkit.distributed.deepspeed_on_cpu_processes); a Trainer user configures Accelerate's process state with
+gloo and passes `accelerator_config={"use_configured_state": True}` (`trainer_process_state`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, os.path.dirname(__file__))
+import dist_child  # noqa: E402  (the model and data shared with the DDP tests)
+
+MAX_STEPS, SAVE_AT, MAX_GRAD_NORM = 6, 4, 0.5
+RESUMES = {"loop_from_loop": ("loop", "loop"), "loop_from_trainer": ("loop", "trainer"),
+           "trainer_from_loop": ("trainer", "loop"), "trainer_from_trainer": ("trainer", "trainer")}
+
+
+def deepspeed_config(config: str) -> dict:
+    """A user's DeepSpeed config with HF's "auto" values (filled from the training arguments)."""
+    zero = {"stage": 2 if config == "zero2" else 3}
+    if config == "zero3_gather":
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "zero_optimization": zero}
+
+
+def trainer_process_state() -> None:
+    """HF Trainer on CPU processes: Accelerate's process state set up with gloo for DeepSpeed, before the
+    `TrainingArguments` that use it (`use_configured_state`). The state of an earlier run's Accelerator is dropped
+    (a new one may not be handed a DeepSpeed plugin otherwise), as a new process would start."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    if PartialState._shared_state.get("backend") != "gloo":
+        PartialState._reset_state()
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        PartialState(backend="gloo")
+
+
+def training_args(who: str, output_dir: str, config: str):
+    from transformers import TrainingArguments
+
+    extra = {"accelerator_config": {"use_configured_state": True}} if who == "trainer" else {}
+    return TrainingArguments(
+        output_dir=output_dir, max_steps=MAX_STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        per_device_eval_batch_size=3, learning_rate=3e-3, warmup_steps=2, weight_decay=0.01,
+        max_grad_norm=MAX_GRAD_NORM, logging_steps=1, save_strategy="steps", save_steps=SAVE_AT, optim="adamw_torch",
+        disable_tqdm=True, seed=7, report_to="none", deepspeed=deepspeed_config(config), **extra)
+
+
+def build(who: str, output_dir: str, config: str):
+    if who == "trainer":
+        from transformers import Trainer as cls
+
+        trainer_process_state()
+    else:
+        from loopkit import Loop as cls
+    return cls(model=dist_child.tiny_llama(), args=training_args(who, output_dir, config),
+               train_dataset=dist_child.lm_samples(dist_child.TRAIN_SAMPLES, 1),
+               eval_dataset=dist_child.lm_samples(dist_child.EVAL_SAMPLES, 2))
+
+
+def full_weights(trainer) -> dict:
+    """The whole model, on every rank (ZeRO-3: gathered from the partitions, a collective)."""
+    import deepspeed
+
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        return {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+def files_under(folder: str) -> list[str]:
+    if not os.path.isdir(folder):
+        return []
+    return sorted(os.path.relpath(os.path.join(root, name), folder)
+                  for root, _, names in os.walk(folder) for name in names)
+
+
+def run(out: str, name: str, who: str, config: str, resume_from: str | None = None) -> None:
+    output_dir = os.path.join(out, name)
+    trainer = build(who, output_dir, config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=resume_from)
+    evaluation = trainer.evaluate()
+    saved = os.path.join(output_dir, "saved")
+    trainer.save_model(saved)
+    weights = full_weights(trainer)
+    acc, rank = trainer.accelerator, trainer.accelerator.process_index
+    acc.wait_for_everyone()
+    engine = trainer.model_wrapped
+    result = {"who": who, "distributed_type": str(acc.distributed_type), "num_processes": acc.num_processes,
+              "zero_stage": engine.zero_optimization_stage(), "engine_config": engine.config,
+              "global_step": trainer.state.global_step, "log_history": trainer.state.log_history,
+              "evaluation": evaluation, "checkpoint_files": files_under(os.path.join(output_dir,
+                                                                                  f"checkpoint-{SAVE_AT}")),
+              "saved_files": files_under(saved), "warnings": [str(w.message) for w in caught]}
+    if rank == 0:
+        save_file(weights, os.path.join(out, f"{name}.safetensors"))
+    with open(os.path.join(out, f"{name}_rank{rank}.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    acc.wait_for_everyone()
+
+
+def main() -> None:
+    out, config = sys.argv[1], sys.argv[2]
+    run(out, "trainer", "trainer", config)
+    run(out, "loop", "loop", config)
+    for name, (who, source) in RESUMES.items():
+        run(out, name, who, config, resume_from=os.path.join(out, source, f"checkpoint-{SAVE_AT}"))
+
+
+if __name__ == "__main__":
+    main()
+    dist_child.leave()
