@@ -262,10 +262,29 @@ def sharded_model_saved(checkpoint: str) -> bool:
 
 
 def model_loads_after_prepare(accelerator, checkpoint: str) -> bool:
-    """A sharded model folder resumed by a sharded run with SHARDED_STATE_DICT: each rank reads its own shards after
-    `prepare` (`load_engine_model`). Every other combination loads the whole model before `prepare`
-    (`load_model_weights`), which then shards it when FSDP is active."""
+    """The model is loaded after `prepare` (`load_engine_model`) from a sharded model folder resumed by a sharded run
+    with SHARDED_STATE_DICT (each rank reads its own shards), and under DeepSpeed from the engine's checkpoint
+    (`global_step*/`, model and optimizer, as HF's `deepspeed_load_checkpoint`; under ZeRO-3 it is the only copy of
+    the weights). Every other combination loads the whole model before `prepare` (`load_model_weights`), which then
+    shards it when FSDP or DeepSpeed is active."""
+    if active_engine(accelerator) == "DeepSpeed":
+        return deepspeed_checkpoint_present(checkpoint)
     return sharded_model_saved(checkpoint) and not full_state_dict_saved(accelerator)
+
+
+def deepspeed_keeps_weights(accelerator, engine) -> bool:
+    """DeepSpeed ZeRO-3 without `stage3_gather_16bit_weights_on_model_save` (DeepSpeed's default): the whole model
+    cannot be gathered into one state dict (Accelerate's `get_state_dict` raises), and only the engine's own
+    checkpoint (`global_step*/`) holds the weights."""
+    return (active_engine(accelerator) == "DeepSpeed" and engine.zero_optimization_partition_weights()
+            and not engine.zero_gather_16bit_weights_on_model_save())
+
+
+def deepspeed_checkpoint_present(path: str) -> bool:
+    """A DeepSpeed engine checkpoint (`global_step*/`) in the folder: what HF's `deepspeed_load_checkpoint` looks
+    for."""
+    return any(name.startswith("global_step") and os.path.isdir(os.path.join(path, name))
+               for name in os.listdir(path))
 
 
 def save_engine_state(run, context, folder: str, with_optimizer: bool) -> None:
@@ -274,8 +293,9 @@ def save_engine_state(run, context, folder: str, with_optimizer: bool) -> None:
     its own shards (`pytorch_model_fsdp_0/`, `optimizer_0/`); nothing is gathered."""
     acc, engine = context.accelerator, active_engine(context.accelerator)
     if engine == "DeepSpeed":
-        # The engine writes its own sharded model + optimizer state (`global_step*/`), as HF Trainer does.
-        if with_optimizer:
+        # The engine writes its own sharded model + optimizer state (`global_step*/`), as HF Trainer does; where it
+        # keeps the weights, the model files already had it write them (save_model_files).
+        if with_optimizer and not deepspeed_keeps_weights(acc, run.model_wrapped):
             run.model_wrapped.save_checkpoint(folder)
         return
     if engine == "FSDP":
@@ -291,10 +311,14 @@ def save_engine_state(run, context, folder: str, with_optimizer: bool) -> None:
 def load_engine_model(run, context, checkpoint: str) -> bool:
     """The model shards of a sharded checkpoint, after `accelerator.prepare` (`model_loads_after_prepare`), as
     Accelerate's `load_fsdp_model` reads them (its state-dict options, between two barriers) but through
-    `read_dcp`: Accelerate's builds DCP's own reader, which unpickles `.metadata`. Returns whether it did."""
+    `read_dcp`: Accelerate's builds DCP's own reader, which unpickles `.metadata`. Under DeepSpeed, the engine's
+    checkpoint (model and optimizer). Returns whether it loaded one."""
     acc = context.accelerator
     if not model_loads_after_prepare(acc, checkpoint):
         return False
+    if active_engine(acc) == "DeepSpeed":  # the model and the optimizer (load_optimizer_state has nothing left to do)
+        load_deepspeed_checkpoint(run.model_wrapped, checkpoint)
+        return True
     acc.wait_for_everyone()
     load_sharded_model(run.model_wrapped, os.path.join(checkpoint, FSDP_MODEL_FOLDER),
                        sharded_state_dict_options(acc.state.fsdp_plugin))
@@ -333,9 +357,8 @@ def load_optimizer_state(run, context, checkpoint: str) -> bool:
     from .checkpoint.lineage import OPTIMIZER_NAME
 
     acc, engine = context.accelerator, active_engine(context.accelerator)
-    if engine == "DeepSpeed":
-        load_deepspeed_checkpoint(run.model_wrapped, checkpoint)
-        return True
+    if engine == "DeepSpeed":  # loaded with the model from the engine's checkpoint (load_engine_model)
+        return deepspeed_checkpoint_present(checkpoint)
     model, optimizer = acc.unwrap_model(run.model_wrapped), getattr(run.optimizer, "optimizer", run.optimizer)
     sharded, whole = os.path.join(checkpoint, FSDP_OPTIMIZER_FOLDER), os.path.join(checkpoint, OPTIMIZER_NAME)
     if os.path.isdir(sharded):
