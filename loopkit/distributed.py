@@ -11,8 +11,7 @@ Two ways a launch can silently train something other than what was asked, both r
   data and the copies drift apart, with no error. `check_launch` raises instead.
 * **An engine that was dropped.** Accelerate uses FSDP only under a distributed launch: with an FSDP plugin in a
   plain `python train.py` it runs one unsharded process, silently; a second `Accelerator` in a process ignores any
-  plugin passed to it; DeepSpeed needs GPUs. `check_engines_active` raises when FSDP or DeepSpeed was asked for and
-  is not active.
+  plugin passed to it. `check_engines_active` raises when FSDP or DeepSpeed was asked for and is not active.
 
 FSDP and DeepSpeed are configured as with HF Trainer (`TrainingArguments(fsdp=..., fsdp_config=...)`, which builds
 `fsdp_plugin_args`, or `deepspeed=...`, which builds `deepspeed_plugin`), by Accelerate plugin objects
@@ -24,7 +23,8 @@ the optimizer through Accelerate's FSDP functions or the DeepSpeed engine (`save
 writes its shards (`pytorch_model_fsdp_0/`, `optimizer_0/`), and such a checkpoint resumes at any number of
 processes, sharded or not, as does an ordinary one in a sharded run. Sharded folders are read by loopkit, with
 Accelerate's options, through loopkit/dcp_reading.py: torch's own reader, which Accelerate's `load_fsdp_*` build,
-unpickles a folder's `.metadata`. DeepSpeed is not exercised by the tests.
+unpickles a folder's `.metadata`. DeepSpeed runs on GPUs and, through `deepspeed_on_cpu_processes`, on CPU processes
+(gloo), where the CPU test suite runs the real engine against HF Trainer (tests/test_deepspeed.py).
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def check_engines_active(accelerator, requested: list[str]) -> None:
         f"{engine} was asked for (a plugin, the training arguments or ACCELERATE_USE_{engine.upper()}), but "
         f"Accelerate runs distributed_type={accelerator.distributed_type.value} with {accelerator.num_processes} "
         f"process(es) on {accelerator.device}, so training would silently run without {engine}. Accelerate uses "
-        f"{engine} only under a distributed launch{' (DeepSpeed: on GPUs)' if engine == 'DeepSpeed' else ''}, and "
+        f"{engine} only under a distributed launch, and "
         f"only from the first Accelerator of a process. Fix: launch with `accelerate launch --num_processes 2 "
         f"{'--use_fsdp ' if engine == 'FSDP' else '--use_deepspeed '}train.py`"
         f"{' (on CPU: ' + CPU_LAUNCH.format(n=2) + ')' if engine == 'FSDP' else ''}, or drop the {engine} "
@@ -393,25 +393,32 @@ DEEPSPEED_STATE_CLASSES = ("deepspeed.runtime.zero.config.ZeroStageEnum",
                            "deepspeed.utils.tensor_fragment.fragment_address")
 
 
-def load_deepspeed_checkpoint(engine, checkpoint: str) -> None:
-    """The engine's `load_checkpoint` (model and optimizer from `global_step*/`, as HF Trainer resumes), with every
-    `torch.load` it makes forced to `weights_only=True`: DeepSpeed's checkpoint engine passes `weights_only=False`.
-    Its own state classes (`DEEPSPEED_STATE_CLASSES`, those this DeepSpeed has) are admitted besides tensors and
-    plain values; anything else is refused, naming the folder."""
+def deepspeed_state_classes() -> list:
+    """The classes of `DEEPSPEED_STATE_CLASSES` that this DeepSpeed has (another version: what it does not have, it
+    does not save)."""
     import importlib
-    import pickle
-
-    from .dcp_reading import UnsafeCheckpointError
 
     allowed = []
     for path in DEEPSPEED_STATE_CLASSES:
         module, name = path.rsplit(".", 1)
         try:
             allowed.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):  # another DeepSpeed version: what it does not have, it does not save
+        except (ImportError, AttributeError):
             pass
+    return allowed
+
+
+def load_deepspeed_checkpoint(engine, checkpoint: str) -> None:
+    """The engine's `load_checkpoint` (model and optimizer from `global_step*/`, as HF Trainer resumes), with every
+    `torch.load` it makes forced to `weights_only=True`: DeepSpeed's checkpoint engine passes `weights_only=False`.
+    Its own state classes (`DEEPSPEED_STATE_CLASSES`, those this DeepSpeed has) are admitted besides tensors and
+    plain values; anything else is refused, naming the folder."""
+    import pickle
+
+    from .dcp_reading import UnsafeCheckpointError
+
     try:
-        with weights_only_loads(allowed):
+        with weights_only_loads(deepspeed_state_classes()):
             engine.load_checkpoint(checkpoint, load_module_strict=False)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(f"Refusing to load the DeepSpeed checkpoint in {checkpoint}: {exc}") from exc

@@ -9,7 +9,9 @@ CONFIG: zero2, zero3 (DeepSpeed's defaults: no 16-bit weights gathered at save) 
 Runs, one after the other, each writing `<name>_rank<r>.json` (log history, evaluation, the files of its checkpoint
 and of `save_model()`, the engine's configuration) and rank 0 `<name>.safetensors` (the final weights, gathered):
 * trainer, loop: 6 optimizer steps of 2 processes x 2 samples x 2 accumulated micro-batches, clipping at 0.5 (every
-  step clips), a checkpoint at step 4 (`save_steps=4`), an evaluation, then the user's `save_model(<name>/saved)`.
+  step clips), a checkpoint at step 4 (`save_steps=4`), an evaluation, then the user's `save_model(<name>/saved)`;
+  where that holds no model file (ZeRO-3's default), rank 0 recovers the weights from the engine's files with
+  DeepSpeed's zero_to_fp32 into `<name>_recovered.safetensors`.
 * loop_from_loop, loop_from_trainer, trainer_from_loop, trainer_from_trainer: resumed from those checkpoint-4s.
 
 How each gets its processes: Accelerate hands DeepSpeed no backend on a machine without GPUs. Loop chooses gloo
@@ -89,6 +91,18 @@ def full_weights(trainer) -> dict:
         return {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
 
 
+def weights_from_engine_checkpoint(folder: str) -> dict:
+    """DeepSpeed's own recovery of the whole fp32 model from the ZeRO-3 partitions in `folder` (zero_to_fp32), with
+    every torch.load it makes held to weights_only=True (loopkit's reader of DeepSpeed checkpoints)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from loopkit.distributed import deepspeed_state_classes, weights_only_loads
+
+    with weights_only_loads(deepspeed_state_classes()):
+        state = get_fp32_state_dict_from_zero_checkpoint(folder)
+    return {k: v.contiguous() for k, v in state.items()}
+
+
 def files_under(folder: str) -> list[str]:
     if not os.path.isdir(folder):
         return []
@@ -117,6 +131,8 @@ def run(out: str, name: str, who: str, config: str, resume_from: str | None = No
               "saved_files": files_under(saved), "warnings": [str(w.message) for w in caught]}
     if rank == 0:
         save_file(weights, os.path.join(out, f"{name}.safetensors"))
+        if not os.path.isfile(os.path.join(saved, "model.safetensors")):  # ZeRO-3's default: the engine's files
+            save_file(weights_from_engine_checkpoint(saved), os.path.join(out, f"{name}_recovered.safetensors"))
     with open(os.path.join(out, f"{name}_rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     acc.wait_for_everyone()
