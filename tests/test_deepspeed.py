@@ -2,7 +2,7 @@
 one `torchrun --nproc_per_node 2` launch of tests/scripts/deepspeed_child.py (DS_ACCELERATOR=cpu, gloo), which runs
 Trainer and Loop in the same processes on the same tiny Llama and data (gradient accumulation 2, clipping at every
 step, a checkpoint at step 4, evaluation, `save_model()`), then four resumes: Loop from Loop's and from Trainer's
-checkpoint, Trainer from Loop's and from its own.
+checkpoint, Trainer from Loop's and from its own; then each with `load_best_model_at_end`.
 
 Configs: ZeRO-2, ZeRO-3 with DeepSpeed's defaults (no 16-bit weights gathered at save: no `model.safetensors`, the
 engine's `global_step*/` holds the weights) and ZeRO-3 with `stage3_gather_16bit_weights_on_model_save: true`.
@@ -189,3 +189,17 @@ def test_save_model_writes_what_trainers_writes(runs, config):
         assert saved.keys() <= final.keys()
         assert_equal_weights(saved, {k: final[k] for k in saved}, f"{config}: saved vs trained")
 
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_load_best_model_at_end_loads_the_engine_checkpoint_as_trainer(runs, config):
+    """Evaluated and saved every 2 steps: the best checkpoint (not the last) is loaded through the engine, as
+    Trainer's `_load_best_model` does (ZeRO-3's default checkpoints have no model file)."""
+    folder = runs[config]
+    trainer, loop = result(folder, "trainer_best"), result(folder, "loop_best")
+    best = os.path.basename(loop["best_model_checkpoint"])
+    assert best == os.path.basename(trainer["best_model_checkpoint"]) and best != f"checkpoint-{MAX_STEPS}"
+    at_best = [e["eval_loss"] for e in loop["log_history"] if e.get("step") == int(best.split("-")[1])
+               and "eval_loss" in e]
+    assert loop["evaluation"]["eval_loss"] == at_best[0]  # the final evaluation sees the best checkpoint's model
+    assert_equal_weights(weights(folder, "loop_best"), weights(folder, "trainer_best"), f"{config}: best model")

@@ -13,6 +13,7 @@ and of `save_model()`, the engine's configuration) and rank 0 `<name>.safetensor
   where that holds no model file (ZeRO-3's default), rank 0 recovers the weights from the engine's files with
   DeepSpeed's zero_to_fp32 into `<name>_recovered.safetensors`.
 * loop_from_loop, loop_from_trainer, trainer_from_loop, trainer_from_trainer: resumed from those checkpoint-4s.
+* trainer_best, loop_best: evaluated and saved every 2 steps, `load_best_model_at_end` (through the engine).
 
 How each gets its processes: Accelerate hands DeepSpeed no backend on a machine without GPUs. Loop chooses gloo
 itself (loopkit.distributed.deepspeed_on_cpu_processes); a Trainer user configures Accelerate's process state with
@@ -33,6 +34,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 import dist_child  # noqa: E402  (the model and data shared with the DDP tests)
 
 MAX_STEPS, SAVE_AT, MAX_GRAD_NORM = 6, 4, 0.5
+# Evaluated and saved every 2 steps, the best checkpoint loaded at the end (a larger learning rate makes the
+# evaluation loss rise again, so the best is not the last).
+BEST = dict(eval_strategy="steps", eval_steps=2, save_steps=2, load_best_model_at_end=True,
+            metric_for_best_model="eval_loss", learning_rate=3e-2)
 RESUMES = {"loop_from_loop": ("loop", "loop"), "loop_from_trainer": ("loop", "trainer"),
            "trainer_from_loop": ("trainer", "loop"), "trainer_from_trainer": ("trainer", "trainer")}
 
@@ -59,25 +64,26 @@ def trainer_process_state() -> None:
         PartialState(backend="gloo")
 
 
-def training_args(who: str, output_dir: str, config: str):
+def training_args(who: str, output_dir: str, config: str, **overrides):
     from transformers import TrainingArguments
 
     extra = {"accelerator_config": {"use_configured_state": True}} if who == "trainer" else {}
-    return TrainingArguments(
+    settings = dict(
         output_dir=output_dir, max_steps=MAX_STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=2,
         per_device_eval_batch_size=3, learning_rate=3e-3, warmup_steps=2, weight_decay=0.01,
         max_grad_norm=MAX_GRAD_NORM, logging_steps=1, save_strategy="steps", save_steps=SAVE_AT, optim="adamw_torch",
         disable_tqdm=True, seed=7, report_to="none", deepspeed=deepspeed_config(config), **extra)
+    return TrainingArguments(**{**settings, **overrides})
 
 
-def build(who: str, output_dir: str, config: str):
+def build(who: str, output_dir: str, config: str, **overrides):
     if who == "trainer":
         from transformers import Trainer as cls
 
         trainer_process_state()
     else:
         from loopkit import Loop as cls
-    return cls(model=dist_child.tiny_llama(), args=training_args(who, output_dir, config),
+    return cls(model=dist_child.tiny_llama(), args=training_args(who, output_dir, config, **overrides),
                train_dataset=dist_child.lm_samples(dist_child.TRAIN_SAMPLES, 1),
                eval_dataset=dist_child.lm_samples(dist_child.EVAL_SAMPLES, 2))
 
@@ -110,9 +116,9 @@ def files_under(folder: str) -> list[str]:
                   for root, _, names in os.walk(folder) for name in names)
 
 
-def run(out: str, name: str, who: str, config: str, resume_from: str | None = None) -> None:
+def run(out: str, name: str, who: str, config: str, resume_from: str | None = None, **overrides) -> None:
     output_dir = os.path.join(out, name)
-    trainer = build(who, output_dir, config)
+    trainer = build(who, output_dir, config, **overrides)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train(resume_from_checkpoint=resume_from)
@@ -126,6 +132,7 @@ def run(out: str, name: str, who: str, config: str, resume_from: str | None = No
     result = {"who": who, "distributed_type": str(acc.distributed_type), "num_processes": acc.num_processes,
               "zero_stage": engine.zero_optimization_stage(), "engine_config": engine.config,
               "global_step": trainer.state.global_step, "log_history": trainer.state.log_history,
+              "best_model_checkpoint": trainer.state.best_model_checkpoint,
               "evaluation": evaluation, "checkpoint_files": files_under(os.path.join(output_dir,
                                                                                   f"checkpoint-{SAVE_AT}")),
               "saved_files": files_under(saved), "warnings": [str(w.message) for w in caught]}
@@ -144,6 +151,8 @@ def main() -> None:
     run(out, "loop", "loop", config)
     for name, (who, source) in RESUMES.items():
         run(out, name, who, config, resume_from=os.path.join(out, source, f"checkpoint-{SAVE_AT}"))
+    for who in ("trainer", "loop"):
+        run(out, f"{who}_best", who, config, **BEST)
 
 
 if __name__ == "__main__":
