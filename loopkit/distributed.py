@@ -215,6 +215,29 @@ def deepspeed_on_cpu_processes(args, deepspeed_plugin=None) -> None:
         args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
 
 
+def fill_deepspeed_config(accelerator, args) -> None:
+    """A DeepSpeed plugin that `TrainingArguments(deepspeed=...)` did not build (the launcher's, from `accelerate launch
+    --use_deepspeed` or its config file, or one passed to the setup stage): its "auto" values (batch sizes,
+    accumulation, clipping, optimizer settings) filled from the training arguments, as HF Trainer's
+    `propagate_args_to_deepspeed` does. `LoopArgs` has no `world_size`: the accelerator's process count stands in."""
+    if active_engine(accelerator) != "DeepSpeed" or getattr(args, "hf_deepspeed_config", None) is not None:
+        return
+    from transformers.integrations.deepspeed import propagate_args_to_deepspeed
+
+    propagate_args_to_deepspeed(accelerator, args if hasattr(args, "world_size") else
+                                WithWorldSize(args, accelerator.num_processes))
+
+
+class WithWorldSize:
+    """`args`, read-only, with a `world_size`."""
+
+    def __init__(self, args, world_size: int):
+        self.args, self.world_size = args, world_size
+
+    def __getattr__(self, name):
+        return getattr(self.args, name)
+
+
 def active_engine(accelerator) -> str | None:
     """"FSDP", "DeepSpeed" or None (DDP or a single process), as Accelerate runs it."""
     kind = getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type))

@@ -2,7 +2,8 @@
 one `torchrun --nproc_per_node 2` launch of tests/scripts/deepspeed_child.py (DS_ACCELERATOR=cpu, gloo), which runs
 Trainer and Loop in the same processes on the same tiny Llama and data (gradient accumulation 2, clipping at every
 step, a checkpoint at step 4, evaluation, `save_model()`), then four resumes: Loop from Loop's and from Trainer's
-checkpoint, Trainer from Loop's and from its own; then each with `load_best_model_at_end`.
+checkpoint, Trainer from Loop's and from its own; then each with `load_best_model_at_end`; under ZeRO-2 also the
+engine asked by the launcher's environment (both) and by a plugin object with `LoopArgs`.
 
 Configs: ZeRO-2, ZeRO-3 with DeepSpeed's defaults (no 16-bit weights gathered at save: no `model.safetensors`, the
 engine's `global_step*/` holds the weights) and ZeRO-3 with `stage3_gather_16bit_weights_on_model_save: true`.
@@ -203,3 +204,16 @@ def test_load_best_model_at_end_loads_the_engine_checkpoint_as_trainer(runs, con
                and "eval_loss" in e]
     assert loop["evaluation"]["eval_loss"] == at_best[0]  # the final evaluation sees the best checkpoint's model
     assert_equal_weights(weights(folder, "loop_best"), weights(folder, "trainer_best"), f"{config}: best model")
+
+
+@pytest.mark.parametrize("name", ["trainer_launcher", "loop_launcher", "loop_plugin"])
+def test_the_engine_configured_by_the_launcher_or_a_plugin_trains_as_the_config_file(runs, name):
+    """ZeRO-2 asked by the environment `accelerate launch --use_deepspeed` exports (no `deepspeed=` argument), and by
+    a `DeepSpeedPlugin` passed to the setup stage with `LoopArgs`: the plugin's "auto" values are filled from the
+    arguments (HF's `propagate_args_to_deepspeed`), and both train exactly as Trainer with the config."""
+    folder = runs["zero2"]
+    run, trainer = result(folder, name), result(folder, "trainer")
+    assert run["distributed_type"] == "DistributedType.DEEPSPEED" and run["num_processes"] == 2
+    assert run["zero_stage"] == 2 and run["engine_config"]["train_batch_size"] == 8
+    assert logged_steps(run) == logged_steps(trainer)
+    assert_equal_weights(weights(folder, name), weights(folder, "trainer"), name)

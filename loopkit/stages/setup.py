@@ -34,7 +34,7 @@ import torch
 from ..args import config_error
 from ..compilation import should_watch
 from ..distributed import (active_engine, check_engines_active, check_launch, deepspeed_on_cpu_processes,
-                           engine_plugins, requested_engines, shard_on_cpu_processes)
+                           engine_plugins, fill_deepspeed_config, requested_engines, shard_on_cpu_processes)
 from .. import trainer_logging
 from ..memory import MemoryTracker
 from .base import Stage, base_model
@@ -187,6 +187,7 @@ class SetupStage(Stage):
         accelerator.state.dynamo_plugin = kwargs["dynamo_plugin"]
         shard_on_cpu_processes(accelerator, plugins, requested)  # FSDP2 on gloo processes (distributed.py)
         check_engines_active(accelerator, requested)  # an engine Accelerate dropped silently: refuse instead
+        fill_deepspeed_config(accelerator, args)  # a launcher's or plugin's "auto" values, as HF Trainer fills them
         return accelerator
 
     def call_model_init(self, trial=None):

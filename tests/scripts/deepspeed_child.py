@@ -14,6 +14,9 @@ and of `save_model()`, the engine's configuration) and rank 0 `<name>.safetensor
   DeepSpeed's zero_to_fp32 into `<name>_recovered.safetensors`.
 * loop_from_loop, loop_from_trainer, trainer_from_loop, trainer_from_trainer: resumed from those checkpoint-4s.
 * trainer_best, loop_best: evaluated and saved every 2 steps, `load_best_model_at_end` (through the engine).
+* zero2 only: trainer_launcher, loop_launcher (no `deepspeed=` argument: the engine asked by the environment
+  `accelerate launch --use_deepspeed --zero_stage 2` exports) and loop_plugin (`LoopArgs` and a `DeepSpeedPlugin`
+  passed to the setup stage), each as `trainer` otherwise.
 
 How each gets its processes: Accelerate hands DeepSpeed no backend on a machine without GPUs. Loop chooses gloo
 itself (loopkit.distributed.deepspeed_on_cpu_processes); a Trainer user configures Accelerate's process state with
@@ -77,15 +80,36 @@ def training_args(who: str, output_dir: str, config: str, **overrides):
 
 
 def build(who: str, output_dir: str, config: str, **overrides):
+    data = dict(train_dataset=dist_child.lm_samples(dist_child.TRAIN_SAMPLES, 1),
+                eval_dataset=dist_child.lm_samples(dist_child.EVAL_SAMPLES, 2))
+    if who == "loop_plugin":
+        return loop_with_plugin(output_dir, data)
     if who == "trainer":
         from transformers import Trainer as cls
 
         trainer_process_state()
     else:
         from loopkit import Loop as cls
-    return cls(model=dist_child.tiny_llama(), args=training_args(who, output_dir, config, **overrides),
-               train_dataset=dist_child.lm_samples(dist_child.TRAIN_SAMPLES, 1),
-               eval_dataset=dist_child.lm_samples(dist_child.EVAL_SAMPLES, 2))
+    return cls(model=dist_child.tiny_llama(), args=training_args(who, output_dir, config, **overrides), **data)
+
+
+def loop_with_plugin(output_dir: str, data: dict):
+    """LoopArgs with the same settings, and Accelerate's `DeepSpeedPlugin(zero_stage=2)` (its "auto" values filled
+    from the arguments). The earlier runs' Accelerate state is dropped, as a new process would start."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin
+
+    from loopkit import Loop, LoopArgs
+    from loopkit.stages.setup import SetupStage
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    settings = training_args("loop", output_dir, "zero2").to_dict()
+    args = LoopArgs(**{name: settings[name] for name in (
+        "output_dir", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
+        "per_device_eval_batch_size", "learning_rate", "warmup_steps", "weight_decay", "max_grad_norm",
+        "logging_steps", "save_strategy", "save_steps", "optim", "disable_tqdm", "seed")})
+    return Loop(model=dist_child.tiny_llama(), args=args, setup=SetupStage(deepspeed_plugin=DeepSpeedPlugin(
+        zero_stage=2)), **data)
 
 
 def full_weights(trainer) -> dict:
@@ -153,6 +177,11 @@ def main() -> None:
         run(out, name, who, config, resume_from=os.path.join(out, source, f"checkpoint-{SAVE_AT}"))
     for who in ("trainer", "loop"):
         run(out, f"{who}_best", who, config, **BEST)
+    if config == "zero2":  # the engine configured by the launcher, and by a plugin object with LoopArgs
+        os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="2")  # accelerate launch's
+        for who in ("trainer", "loop"):
+            run(out, f"{who}_launcher", who, config, deepspeed=None)
+        run(out, "loop_plugin", "loop_plugin", config)
 
 
 if __name__ == "__main__":
