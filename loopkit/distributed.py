@@ -298,8 +298,9 @@ def model_loads_after_prepare(accelerator, checkpoint: str) -> bool:
 def deepspeed_keeps_weights(accelerator, engine) -> bool:
     """DeepSpeed ZeRO-3 without `stage3_gather_16bit_weights_on_model_save` (DeepSpeed's default): the whole model
     cannot be gathered into one state dict (Accelerate's `get_state_dict` raises), and only the engine's own
-    checkpoint (`global_step*/`) holds the weights."""
-    return (active_engine(accelerator) == "DeepSpeed" and engine.zero_optimization_partition_weights()
+    checkpoint (`global_step*/`) holds the weights. (`engine`: the prepared model; before `train()` there is none.)"""
+    partitioned = getattr(engine, "zero_optimization_partition_weights", None)
+    return (active_engine(accelerator) == "DeepSpeed" and partitioned is not None and partitioned()
             and not engine.zero_gather_16bit_weights_on_model_save())
 
 
