@@ -311,6 +311,23 @@ def deepspeed_checkpoint_present(path: str) -> bool:
                for name in os.listdir(path))
 
 
+def check_deepspeed_resumable(accelerator, checkpoint: str) -> None:
+    """Under DeepSpeed the optimizer state resumes only from the engine's checkpoint: a full checkpoint (it has a
+    scheduler, so not `save_only_model`) without `global_step*/` would restart the optimizer silently. Refused before
+    anything is loaded, with Trainer's error (its `deepspeed_load_checkpoint`) and loopkit's reason and fix."""
+    from .checkpoint.lineage import SCHEDULER_NAME
+    from .errors import trainer_error
+
+    if active_engine(accelerator) != "DeepSpeed" or deepspeed_checkpoint_present(checkpoint) or \
+            not os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
+        return
+    raise trainer_error(
+        f"Can't find a valid checkpoint at {checkpoint}", "resume_from_checkpoint", checkpoint,
+        "it holds no DeepSpeed engine state (global_step*/: the optimizer's partitions); it was written without "
+        "DeepSpeed, and resuming it under DeepSpeed would restart the optimizer",
+        "resume it without DeepSpeed, or train from its weights without resume_from_checkpoint")
+
+
 def save_engine_state(run, context, folder: str, with_optimizer: bool) -> None:
     """FSDP / DeepSpeed: the model (when sharded) and the optimizer through Accelerate's functions, on every process.
     (With DDP or one process the checkpointer writes `optimizer.pt` itself.) With SHARDED_STATE_DICT each rank writes

@@ -217,3 +217,14 @@ def test_the_engine_configured_by_the_launcher_or_a_plugin_trains_as_the_config_
     assert run["zero_stage"] == 2 and run["engine_config"]["train_batch_size"] == 8
     assert logged_steps(run) == logged_steps(trainer)
     assert_equal_weights(weights(folder, name), weights(folder, "trainer"), name)
+
+
+def test_a_checkpoint_without_the_engine_state_is_refused_before_anything_loads(runs):
+    """A full checkpoint without `global_step*/` (written without DeepSpeed, or its engine folder removed) would
+    restart the optimizer: refused on both ranks with Trainer's words (`deepspeed_load_checkpoint`) and the fix."""
+    for rank in (0, 1):
+        refused = result(runs["zero2"], "stripped", rank)
+        assert refused["global_step"] == 0
+        assert refused["error"].startswith("LoopConfigError: Can't find a valid checkpoint at ")
+        assert "holds no DeepSpeed engine state" in refused["error"] and "Fix: resume it without DeepSpeed" in \
+            refused["error"]

@@ -17,8 +17,8 @@ from ..checkpoint.lineage import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME
 from ..checkpoint.model_files import holds_model_weights, load_model_weights
 from ..checkpoint.validation import checkpoint_problem
 from ..checkpoint.writing import Snapshot, copy_to_cpu
-from ..distributed import (active_engine, full_state_dict_saved, load_deepspeed_checkpoint, load_engine_model,
-                           load_optimizer_state, model_loads_after_prepare, save_engine_state)
+from ..distributed import (active_engine, check_deepspeed_resumable, full_state_dict_saved, load_deepspeed_checkpoint,
+                           load_engine_model, load_optimizer_state, model_loads_after_prepare, save_engine_state)
 from .base import CheckpointStorage
 
 
@@ -63,6 +63,7 @@ class HFStorage(CheckpointStorage):
             early.wait()
 
     def load_model_before_prepare(self, model, checkpoint: str) -> None:
+        check_deepspeed_resumable(self.context.accelerator, checkpoint)
         if not model_loads_after_prepare(self.context.accelerator, checkpoint):
             load_model_weights(model, checkpoint)  # whole: sharded (if FSDP runs) by `prepare`
 

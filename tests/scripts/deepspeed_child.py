@@ -14,7 +14,8 @@ and of `save_model()`, the engine's configuration) and rank 0 `<name>.safetensor
   DeepSpeed's zero_to_fp32 into `<name>_recovered.safetensors`.
 * loop_from_loop, loop_from_trainer, trainer_from_loop, trainer_from_trainer: resumed from those checkpoint-4s.
 * trainer_best, loop_best: evaluated and saved every 2 steps, `load_best_model_at_end` (through the engine).
-* zero2 only: trainer_launcher, loop_launcher (no `deepspeed=` argument: the engine asked by the environment
+* zero2 only: Loop resuming its checkpoint-4 less the engine's folder (refused: `stripped_rank<r>.json`);
+  trainer_launcher, loop_launcher (no `deepspeed=` argument: the engine asked by the environment
   `accelerate launch --use_deepspeed --zero_stage 2` exports) and loop_plugin (`LoopArgs` and a `DeepSpeedPlugin`
   passed to the setup stage), each as `trainer` otherwise.
 
@@ -169,6 +170,30 @@ def run(out: str, name: str, who: str, config: str, resume_from: str | None = No
     acc.wait_for_everyone()
 
 
+def resume_without_engine_state(out: str, config: str) -> None:
+    """Loop's checkpoint-4 less the engine's folder (`global_step4/`, `latest`), resumed: refused on every rank before
+    anything loads; writes `stripped_rank<r>.json` with the error."""
+    import shutil
+
+    import torch.distributed as dist
+
+    stripped = os.path.join(out, "stripped", f"checkpoint-{SAVE_AT}")
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        shutil.copytree(os.path.join(out, "loop", f"checkpoint-{SAVE_AT}"), stripped)
+        shutil.rmtree(os.path.join(stripped, f"global_step{SAVE_AT}"))
+        os.remove(os.path.join(stripped, "latest"))
+    dist.barrier()
+    loop = build("loop", os.path.join(out, "stripped_run"), config)
+    try:
+        loop.train(resume_from_checkpoint=stripped)
+        error = None
+    except ValueError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out, f"stripped_rank{rank}.json"), "w") as f:
+        json.dump({"error": error, "global_step": loop.state.global_step}, f)
+
+
 def main() -> None:
     out, config = sys.argv[1], sys.argv[2]
     run(out, "trainer", "trainer", config)
@@ -177,6 +202,8 @@ def main() -> None:
         run(out, name, who, config, resume_from=os.path.join(out, source, f"checkpoint-{SAVE_AT}"))
     for who in ("trainer", "loop"):
         run(out, f"{who}_best", who, config, **BEST)
+    if config == "zero2":
+        resume_without_engine_state(out, config)
     if config == "zero2":  # the engine configured by the launcher, and by a plugin object with LoopArgs
         os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="2")  # accelerate launch's
         for who in ("trainer", "loop"):
