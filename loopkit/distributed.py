@@ -11,8 +11,7 @@ Two ways a launch can silently train something other than what was asked, both r
   data and the copies drift apart, with no error. `check_launch` raises instead.
 * **An engine that was dropped.** Accelerate uses FSDP only under a distributed launch: with an FSDP plugin in a
   plain `python train.py` it runs one unsharded process, silently; a second `Accelerator` in a process ignores any
-  plugin passed to it; DeepSpeed needs GPUs. `check_engines_active` raises when FSDP or DeepSpeed was asked for and
-  is not active.
+  plugin passed to it. `check_engines_active` raises when FSDP or DeepSpeed was asked for and is not active.
 
 FSDP and DeepSpeed are configured as with HF Trainer (`TrainingArguments(fsdp=..., fsdp_config=...)`, which builds
 `fsdp_plugin_args`, or `deepspeed=...`, which builds `deepspeed_plugin`), by Accelerate plugin objects
@@ -24,7 +23,8 @@ the optimizer through Accelerate's FSDP functions or the DeepSpeed engine (`save
 writes its shards (`pytorch_model_fsdp_0/`, `optimizer_0/`), and such a checkpoint resumes at any number of
 processes, sharded or not, as does an ordinary one in a sharded run. Sharded folders are read by loopkit, with
 Accelerate's options, through loopkit/dcp_reading.py: torch's own reader, which Accelerate's `load_fsdp_*` build,
-unpickles a folder's `.metadata`. DeepSpeed is not exercised by the tests.
+unpickles a folder's `.metadata`. DeepSpeed runs on GPUs and, through `deepspeed_on_cpu_processes`, on CPU processes
+(gloo), where the CPU test suite runs the real engine against HF Trainer (tests/test_deepspeed.py).
 """
 
 from __future__ import annotations
@@ -182,6 +182,62 @@ def shard_on_cpu_processes(accelerator, plugins: dict, requested: list[str]) -> 
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
+def deepspeed_on_cpu_processes(args, deepspeed_plugin=None) -> None:
+    """DeepSpeed on CPU processes (gloo), the way a GPU launch sets it up (nccl). Accelerate 1.15 picks a backend only
+    for a device (its gloo branch is for `cpu=True`, which turns DeepSpeed off), so on a machine without one it hands
+    DeepSpeed none: each process joins torch.distributed (DeepSpeed's CPU default, gloo), but Accelerate counts one
+    process and DeepSpeed refuses the batch sizes (under HF Trainer too). Where DeepSpeed was asked for under a
+    launch of several processes and torch sees no accelerator device, this builds Accelerate's process state with
+    gloo, before the `Accelerator`: a state the user set up with a backend (`use_configured_state`) is kept, one set up
+    without (`TrainingArguments` builds it) is reset, as `TrainingArguments` itself resets it. The DeepSpeed config
+    that `TrainingArguments` filled for the one process it saw ("auto" batch sizes) is filled again for this world
+    size, as `TrainingArguments.__post_init__` fills it."""
+    import torch
+    from accelerate.state import AcceleratorState, PartialState
+
+    asked = (deepspeed_plugin is not None or getattr(args, "deepspeed_plugin", None) is not None
+             or env_flag("ACCELERATE_USE_DEEPSPEED"))
+    if not asked or launched_world_size() <= 1 or torch.accelerator.is_available():
+        return
+    if PartialState._shared_state.get("backend") is not None:
+        return
+    from datetime import timedelta
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # as Accelerator(deepspeed_plugin=...) sets it for its state
+    PartialState(backend="gloo", timeout=timedelta(seconds=getattr(args, "ddp_timeout", 1800)))
+    if getattr(args, "hf_deepspeed_config", None) is not None and getattr(args, "deepspeed", None):
+        from accelerate.utils import DeepSpeedPlugin
+        from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+        args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(args.deepspeed)
+        args.hf_deepspeed_config.trainer_config_process(args)
+        args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
+
+
+def fill_deepspeed_config(accelerator, args) -> None:
+    """A DeepSpeed plugin that `TrainingArguments(deepspeed=...)` did not build (the launcher's, from `accelerate launch
+    --use_deepspeed` or its config file, or one passed to the setup stage): its "auto" values (batch sizes,
+    accumulation, clipping, optimizer settings) filled from the training arguments, as HF Trainer's
+    `propagate_args_to_deepspeed` does. `LoopArgs` has no `world_size`: the accelerator's process count stands in."""
+    if active_engine(accelerator) != "DeepSpeed" or getattr(args, "hf_deepspeed_config", None) is not None:
+        return
+    from transformers.integrations.deepspeed import propagate_args_to_deepspeed
+
+    propagate_args_to_deepspeed(accelerator, args if hasattr(args, "world_size") else
+                                WithWorldSize(args, accelerator.num_processes))
+
+
+class WithWorldSize:
+    """`args`, read-only, with a `world_size`."""
+
+    def __init__(self, args, world_size: int):
+        self.args, self.world_size = args, world_size
+
+    def __getattr__(self, name):
+        return getattr(self.args, name)
+
+
 def active_engine(accelerator) -> str | None:
     """"FSDP", "DeepSpeed" or None (DDP or a single process), as Accelerate runs it."""
     kind = getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type))
@@ -201,7 +257,7 @@ def check_engines_active(accelerator, requested: list[str]) -> None:
         f"{engine} was asked for (a plugin, the training arguments or ACCELERATE_USE_{engine.upper()}), but "
         f"Accelerate runs distributed_type={accelerator.distributed_type.value} with {accelerator.num_processes} "
         f"process(es) on {accelerator.device}, so training would silently run without {engine}. Accelerate uses "
-        f"{engine} only under a distributed launch{' (DeepSpeed: on GPUs)' if engine == 'DeepSpeed' else ''}, and "
+        f"{engine} only under a distributed launch, and "
         f"only from the first Accelerator of a process. Fix: launch with `accelerate launch --num_processes 2 "
         f"{'--use_fsdp ' if engine == 'FSDP' else '--use_deepspeed '}train.py`"
         f"{' (on CPU: ' + CPU_LAUNCH.format(n=2) + ')' if engine == 'FSDP' else ''}, or drop the {engine} "
@@ -229,10 +285,47 @@ def sharded_model_saved(checkpoint: str) -> bool:
 
 
 def model_loads_after_prepare(accelerator, checkpoint: str) -> bool:
-    """A sharded model folder resumed by a sharded run with SHARDED_STATE_DICT: each rank reads its own shards after
-    `prepare` (`load_engine_model`). Every other combination loads the whole model before `prepare`
-    (`load_model_weights`), which then shards it when FSDP is active."""
+    """The model is loaded after `prepare` (`load_engine_model`) from a sharded model folder resumed by a sharded run
+    with SHARDED_STATE_DICT (each rank reads its own shards), and under DeepSpeed from the engine's checkpoint
+    (`global_step*/`, model and optimizer, as HF's `deepspeed_load_checkpoint`; under ZeRO-3 it is the only copy of
+    the weights). Every other combination loads the whole model before `prepare` (`load_model_weights`), which then
+    shards it when FSDP or DeepSpeed is active."""
+    if active_engine(accelerator) == "DeepSpeed":
+        return deepspeed_checkpoint_present(checkpoint)
     return sharded_model_saved(checkpoint) and not full_state_dict_saved(accelerator)
+
+
+def deepspeed_keeps_weights(accelerator, engine) -> bool:
+    """DeepSpeed ZeRO-3 without `stage3_gather_16bit_weights_on_model_save` (DeepSpeed's default): the whole model
+    cannot be gathered into one state dict (Accelerate's `get_state_dict` raises), and only the engine's own
+    checkpoint (`global_step*/`) holds the weights. (`engine`: the prepared model; before `train()` there is none.)"""
+    partitioned = getattr(engine, "zero_optimization_partition_weights", None)
+    return (active_engine(accelerator) == "DeepSpeed" and partitioned is not None and partitioned()
+            and not engine.zero_gather_16bit_weights_on_model_save())
+
+
+def deepspeed_checkpoint_present(path: str) -> bool:
+    """A DeepSpeed engine checkpoint (`global_step*/`) in the folder: what HF's `deepspeed_load_checkpoint` looks
+    for."""
+    return any(name.startswith("global_step") and os.path.isdir(os.path.join(path, name))
+               for name in os.listdir(path))
+
+
+def check_deepspeed_resumable(accelerator, checkpoint: str) -> None:
+    """Under DeepSpeed the optimizer state resumes only from the engine's checkpoint: a full checkpoint (it has a
+    scheduler, so not `save_only_model`) without `global_step*/` would restart the optimizer silently. Refused before
+    anything is loaded, with Trainer's error (its `deepspeed_load_checkpoint`) and loopkit's reason and fix."""
+    from .checkpoint.lineage import SCHEDULER_NAME
+    from .errors import trainer_error
+
+    if active_engine(accelerator) != "DeepSpeed" or deepspeed_checkpoint_present(checkpoint) or \
+            not os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
+        return
+    raise trainer_error(
+        f"Can't find a valid checkpoint at {checkpoint}", "resume_from_checkpoint", checkpoint,
+        "it holds no DeepSpeed engine state (global_step*/: the optimizer's partitions); it was written without "
+        "DeepSpeed, and resuming it under DeepSpeed would restart the optimizer",
+        "resume it without DeepSpeed, or train from its weights without resume_from_checkpoint")
 
 
 def save_engine_state(run, context, folder: str, with_optimizer: bool) -> None:
@@ -241,8 +334,9 @@ def save_engine_state(run, context, folder: str, with_optimizer: bool) -> None:
     its own shards (`pytorch_model_fsdp_0/`, `optimizer_0/`); nothing is gathered."""
     acc, engine = context.accelerator, active_engine(context.accelerator)
     if engine == "DeepSpeed":
-        # The engine writes its own sharded model + optimizer state (`global_step*/`), as HF Trainer does.
-        if with_optimizer:
+        # The engine writes its own sharded model + optimizer state (`global_step*/`), as HF Trainer does; where it
+        # keeps the weights, the model files already had it write them (save_model_files).
+        if with_optimizer and not deepspeed_keeps_weights(acc, run.model_wrapped):
             run.model_wrapped.save_checkpoint(folder)
         return
     if engine == "FSDP":
@@ -258,10 +352,14 @@ def save_engine_state(run, context, folder: str, with_optimizer: bool) -> None:
 def load_engine_model(run, context, checkpoint: str) -> bool:
     """The model shards of a sharded checkpoint, after `accelerator.prepare` (`model_loads_after_prepare`), as
     Accelerate's `load_fsdp_model` reads them (its state-dict options, between two barriers) but through
-    `read_dcp`: Accelerate's builds DCP's own reader, which unpickles `.metadata`. Returns whether it did."""
+    `read_dcp`: Accelerate's builds DCP's own reader, which unpickles `.metadata`. Under DeepSpeed, the engine's
+    checkpoint (model and optimizer). Returns whether it loaded one."""
     acc = context.accelerator
     if not model_loads_after_prepare(acc, checkpoint):
         return False
+    if active_engine(acc) == "DeepSpeed":  # the model and the optimizer (load_optimizer_state has nothing left to do)
+        load_deepspeed_checkpoint(run.model_wrapped, checkpoint)
+        return True
     acc.wait_for_everyone()
     load_sharded_model(run.model_wrapped, os.path.join(checkpoint, FSDP_MODEL_FOLDER),
                        sharded_state_dict_options(acc.state.fsdp_plugin))
@@ -300,9 +398,8 @@ def load_optimizer_state(run, context, checkpoint: str) -> bool:
     from .checkpoint.lineage import OPTIMIZER_NAME
 
     acc, engine = context.accelerator, active_engine(context.accelerator)
-    if engine == "DeepSpeed":
-        load_deepspeed_checkpoint(run.model_wrapped, checkpoint)
-        return True
+    if engine == "DeepSpeed":  # loaded with the model from the engine's checkpoint (load_engine_model)
+        return deepspeed_checkpoint_present(checkpoint)
     model, optimizer = acc.unwrap_model(run.model_wrapped), getattr(run.optimizer, "optimizer", run.optimizer)
     sharded, whole = os.path.join(checkpoint, FSDP_OPTIMIZER_FOLDER), os.path.join(checkpoint, OPTIMIZER_NAME)
     if os.path.isdir(sharded):
@@ -337,25 +434,32 @@ DEEPSPEED_STATE_CLASSES = ("deepspeed.runtime.zero.config.ZeroStageEnum",
                            "deepspeed.utils.tensor_fragment.fragment_address")
 
 
-def load_deepspeed_checkpoint(engine, checkpoint: str) -> None:
-    """The engine's `load_checkpoint` (model and optimizer from `global_step*/`, as HF Trainer resumes), with every
-    `torch.load` it makes forced to `weights_only=True`: DeepSpeed's checkpoint engine passes `weights_only=False`.
-    Its own state classes (`DEEPSPEED_STATE_CLASSES`, those this DeepSpeed has) are admitted besides tensors and
-    plain values; anything else is refused, naming the folder."""
+def deepspeed_state_classes() -> list:
+    """The classes of `DEEPSPEED_STATE_CLASSES` that this DeepSpeed has (another version: what it does not have, it
+    does not save)."""
     import importlib
-    import pickle
-
-    from .dcp_reading import UnsafeCheckpointError
 
     allowed = []
     for path in DEEPSPEED_STATE_CLASSES:
         module, name = path.rsplit(".", 1)
         try:
             allowed.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):  # another DeepSpeed version: what it does not have, it does not save
+        except (ImportError, AttributeError):
             pass
+    return allowed
+
+
+def load_deepspeed_checkpoint(engine, checkpoint: str) -> None:
+    """The engine's `load_checkpoint` (model and optimizer from `global_step*/`, as HF Trainer resumes), with every
+    `torch.load` it makes forced to `weights_only=True`: DeepSpeed's checkpoint engine passes `weights_only=False`.
+    Its own state classes (`DEEPSPEED_STATE_CLASSES`, those this DeepSpeed has) are admitted besides tensors and
+    plain values; anything else is refused, naming the folder."""
+    import pickle
+
+    from .dcp_reading import UnsafeCheckpointError
+
     try:
-        with weights_only_loads(allowed):
+        with weights_only_loads(deepspeed_state_classes()):
             engine.load_checkpoint(checkpoint, load_module_strict=False)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(f"Refusing to load the DeepSpeed checkpoint in {checkpoint}: {exc}") from exc

@@ -290,14 +290,22 @@ def test_fsdp_configured_twice_is_refused(tmp_path, accelerator_kwargs):
 
 
 def test_deepspeed_plugin_object_is_handed_to_accelerate(tmp_path, accelerator_kwargs):
-    """DeepSpeed is not installed here: the plugin object can be built and reaches Accelerate, which then fails
-    loudly for want of the package. (`TrainingArguments(deepspeed=...)` cannot even be built without it.) With the
-    package on a CPU machine, loopkit's own refusal applies instead."""
-    from accelerate.utils import DeepSpeedPlugin
+    """The plugin object reaches Accelerate, which runs DeepSpeed on this one process (as on one GPU, without a
+    launcher). Without the package Accelerate fails loudly for want of it (`TrainingArguments(deepspeed=...)` cannot
+    even be built then). The real engine under a launch: tests/test_deepspeed.py."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin, DistributedType
 
     plugin = DeepSpeedPlugin(zero_stage=2)
-    expected = (ImportError, "DeepSpeed is not installed") if importlib.util.find_spec("deepspeed") is None else \
-        (DistributedSetupError, "DeepSpeed was asked for")
-    with pytest.raises(expected[0], match=expected[1]):
-        Loop(model=tiny_regression(), args=LoopArgs(str(tmp_path)), setup=SetupStage(deepspeed_plugin=plugin))
-    assert accelerator_kwargs[-1]["deepspeed_plugin"] is plugin
+    try:
+        if importlib.util.find_spec("deepspeed") is None:
+            with pytest.raises(ImportError, match="DeepSpeed is not installed"):
+                Loop(model=tiny_regression(), args=LoopArgs(str(tmp_path)), setup=SetupStage(deepspeed_plugin=plugin))
+        else:
+            loop = Loop(model=tiny_regression(), args=LoopArgs(str(tmp_path)),
+                        setup=SetupStage(deepspeed_plugin=plugin))
+            assert loop.accelerator.distributed_type == DistributedType.DEEPSPEED
+            assert loop.accelerator.num_processes == 1
+        assert accelerator_kwargs[-1]["deepspeed_plugin"] is plugin
+    finally:  # a later Accelerator of this process would take this one's DeepSpeed state (Accelerate's shared state)
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -3,8 +3,9 @@
 loopkit/dcp_reading.py: a real DCP folder (model and AdamW state, written by `dcp.save` in this process) reads back
 equal through `read_dcp`; planted pickles, in `.metadata` or in a non-tensor value of a `.distcp` file, are refused
 with the file named and never run. (The 2-process FSDP2 resume with planted metadata is in tests/test_fsdp.py.)
-The DeepSpeed resume (`load_deepspeed_checkpoint`), with a stand-in engine that loads as DeepSpeed's checkpoint
-engine does (`torch.load(weights_only=False)`): DeepSpeed itself needs GPUs.
+The DeepSpeed resume (`load_deepspeed_checkpoint`) given planted files, with a stand-in engine that loads as
+DeepSpeed's checkpoint engine does (`torch.load(weights_only=False)`); the real engine's resumes are in
+tests/test_deepspeed.py.
 """
 
 from __future__ import annotations

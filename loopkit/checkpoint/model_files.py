@@ -6,8 +6,8 @@ import json
 import os
 import sys
 
-from ..distributed import (FSDP_MODEL_FOLDER, active_engine, engine_checkpoint_present, load_sharded_model,
-                           sharded_model_saved)
+from ..distributed import (FSDP_MODEL_FOLDER, active_engine, deepspeed_keeps_weights, engine_checkpoint_present,
+                           load_sharded_model, sharded_model_saved)
 from .lineage import WEIGHTS_NAME
 
 
@@ -15,9 +15,17 @@ def save_model_files(model, accelerator, output_dir: str, processing_class=None,
                      writer: bool | None = None) -> None:
     """Weights (+ config) in `save_pretrained` layout when the model has it, else a bare `model.safetensors`.
     `state_dict` (host copies taken earlier) is written instead of the live weights when given. `writer`: whether
-    this process writes (default: the main process; `save_on_each_node`: each node's first)."""
+    this process writes (default: the main process; `save_on_each_node`: each node's first). Under DeepSpeed ZeRO-3
+    without `stage3_gather_16bit_weights_on_model_save` (its default) the whole model cannot be gathered: as HF's
+    `save_model`, the config is written without weights and the engine writes its own checkpoint (`global_step*/`,
+    every process its partitions), which holds them."""
     writer = accelerator.is_main_process if writer is None else writer
     os.makedirs(output_dir, exist_ok=True)
+    if state_dict is None and deepspeed_keeps_weights(accelerator, model):
+        if writer:
+            save_config_only(accelerator.unwrap_model(model), output_dir, processing_class)
+        model.save_checkpoint(output_dir)
+        return
     if state_dict is None and active_engine(accelerator) is not None:
         # FSDP / DeepSpeed: the whole model, gathered from the shards (a collective: every process calls this).
         state_dict = accelerator.get_state_dict(model)
@@ -56,6 +64,18 @@ def save_training_args(args, folder: str) -> None:
         for name in secrets:
             setattr(args, name, None)
     torch.save(args, os.path.join(folder, TRAINING_ARGS_NAME))
+
+
+def save_config_only(unwrapped, output_dir: str, processing_class=None) -> None:
+    """What HF's `save_model` writes when DeepSpeed keeps the weights: `save_pretrained` with an empty state dict,
+    less the weights file that leaves (its `remove_dummy_checkpoint`), and the processing class."""
+    if hasattr(unwrapped, "save_pretrained"):
+        unwrapped.save_pretrained(output_dir, state_dict={})
+        for name in (WEIGHTS_NAME, "pytorch_model.bin"):
+            if os.path.isfile(os.path.join(output_dir, name)):
+                os.remove(os.path.join(output_dir, name))
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        processing_class.save_pretrained(output_dir)
 
 
 def load_model_weights(model, checkpoint: str) -> None:

@@ -34,8 +34,9 @@ import torch
 
 from ..args import config_error
 from ..compilation import should_watch
-from ..distributed import (active_engine, check_engines_active, check_launch, engine_plugins, launched_world_size,
-                           requested_engines, shard_on_cpu_processes)
+from ..distributed import (active_engine, check_engines_active, check_launch, deepspeed_on_cpu_processes,
+                           engine_plugins, fill_deepspeed_config, launched_world_size, requested_engines,
+                           shard_on_cpu_processes)
 from ..parallelism import (accelerator_parallelism, attach_on_cpu_processes, check_parallelism, check_resume,
                            cuda_processes, local_gather, ranks_share_batches)
 from .. import trainer_logging
@@ -172,6 +173,7 @@ class SetupStage(Stage):
         from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin
 
         args = self.run.args
+        deepspeed_on_cpu_processes(args, self.deepspeed_plugin)  # gloo where no GPU (distributed.py)
         plugins = engine_plugins(args, self.fsdp_plugin, self.deepspeed_plugin)
         requested = requested_engines(plugins)  # read before the Accelerator, which exports its own flags
         dataloader_config, accumulation_kwargs = accelerator_options(args)
@@ -197,6 +199,7 @@ class SetupStage(Stage):
         if on_cpu_processes:  # the device mesh on gloo processes (loopkit/parallelism.py)
             attach_on_cpu_processes(accelerator, parallelism)
         check_engines_active(accelerator, requested)  # an engine Accelerate dropped silently: refuse instead
+        fill_deepspeed_config(accelerator, args)  # a launcher's or plugin's "auto" values, as HF Trainer fills them
         return accelerator
 
     def call_model_init(self, trial=None):

@@ -153,6 +153,7 @@ class StepStage(Stage):
         self.labels_unchecked = self.count_input_tokens = False
         self.work_by_shape = None  # main input shape -> (FLOPs, tokens, samples), when FLOPs depend on it alone
         self.train_mode = self.optimizer_train = self.no_sync = None
+        self.engine_backward = {}  # what the engine's backward takes beyond the loss (DeepSpeed: scale_wrt_gas)
 
     # -- optimizer and scheduler (HF's create_optimizer / create_scheduler) --
     def get_decay_parameter_names(self, model) -> list[str]:
@@ -242,8 +243,13 @@ class StepStage(Stage):
         self.clip_params = list(run.model_wrapped.parameters())
         self.inner_optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
         # Accelerate's no_sync asks the process state whether it is distributed at every call (a PartialState
-        # built and environment variables read); it is a plain nullcontext on one process.
-        self.no_sync = acc.no_sync if acc.use_distributed else None
+        # built and environment variables read); it is a plain nullcontext on one process. DeepSpeed accumulates
+        # (and reduces) gradients in its engine: HF's loop syncs every micro-batch there, as this does.
+        deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
+        self.no_sync = acc.no_sync if acc.use_distributed and not deepspeed else None
+        # The loss is already divided by the micro-batches of the window (or normalised over its tokens): DeepSpeed's
+        # engine would divide it by its gradient_accumulation_steps again (HF's training_step passes the same).
+        self.engine_backward = {"scale_wrt_gas": False} if deepspeed else {}
         # optimizer.train() reaches only schedule-free style optimizers (Accelerate forwards it when the wrapped
         # optimizer has one); decided once instead of a getattr chain per micro-batch.
         self.optimizer_train = run.optimizer.train if has_train_mode(self.inner_optimizer) else None
@@ -353,7 +359,8 @@ class StepStage(Stage):
             if self.direct:
                 loss.backward()  # = accelerator.backward here (it divides by its accumulation steps, 1)
             else:
-                context.accelerator.backward(loss, **backward_kwargs(run.args, run.lr_scheduler, run.optimizer))
+                context.accelerator.backward(loss, **self.engine_backward,
+                                             **backward_kwargs(run.args, run.lr_scheduler, run.optimizer))
         return loss.detach()
 
     # -- one optimizer step --

@@ -17,8 +17,8 @@ from ..checkpoint.lineage import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME
 from ..checkpoint.model_files import holds_model_weights, load_model_weights
 from ..checkpoint.validation import checkpoint_problem
 from ..checkpoint.writing import Snapshot, copy_to_cpu
-from ..distributed import (active_engine, full_state_dict_saved, load_engine_model, load_optimizer_state,
-                           model_loads_after_prepare, save_engine_state)
+from ..distributed import (active_engine, check_deepspeed_resumable, full_state_dict_saved, load_deepspeed_checkpoint,
+                           load_engine_model, load_optimizer_state, model_loads_after_prepare, save_engine_state)
 from .base import CheckpointStorage
 
 
@@ -63,6 +63,7 @@ class HFStorage(CheckpointStorage):
             early.wait()
 
     def load_model_before_prepare(self, model, checkpoint: str) -> None:
+        check_deepspeed_resumable(self.context.accelerator, checkpoint)
         if not model_loads_after_prepare(self.context.accelerator, checkpoint):
             load_model_weights(model, checkpoint)  # whole: sharded (if FSDP runs) by `prepare`
 
@@ -80,6 +81,10 @@ class HFStorage(CheckpointStorage):
 
     def load_best_model(self, checkpoint: str) -> None:
         run, context = self.run, self.context
+        if model_loads_after_prepare(context.accelerator, checkpoint) and \
+                active_engine(context.accelerator) == "DeepSpeed":  # the engine's checkpoint, as HF's _load_best_model
+            load_deepspeed_checkpoint(run.model_wrapped, checkpoint)
+            return
         load_model_weights(context.accelerator.unwrap_model(run.model_wrapped), checkpoint)
 
     def holds_model_weights(self, path: str) -> bool:
