@@ -35,9 +35,9 @@ LAUNCHES_AT_ONCE = 2  # x 2 ranks
 RESUMES = {"loop_from_loop": "loop", "loop_from_trainer": "loop", "trainer_from_loop": "trainer",
            "trainer_from_trainer": "trainer"}  # resumed run -> the uninterrupted run it must equal
 SAVE_AT, MAX_STEPS, MAX_GRAD_NORM = 4, 6, 0.5  # as in the child
-# The documented differences of the checkpoint folder (docs/checkpoints.md): Trainer's pickled arguments, loopkit's
-# state (data position, pending log) and the batch each rank had read ahead.
-ONLY_TRAINER = {"training_args.bin"}
+# The documented differences of the checkpoint folder (docs/checkpoints.md): loopkit's state (data position, pending
+# log) and the batch each rank had read ahead. Both write `training_args.bin` (the arguments are TrainingArguments).
+ONLY_TRAINER = set()
 ONLY_LOOP = {"loopkit_state.json", "loopkit_tensors_0.safetensors", "loopkit_tensors_1.safetensors"}
 
 
