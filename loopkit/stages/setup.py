@@ -37,8 +37,9 @@ from ..distributed import (active_engine, check_engines_active, check_launch, en
                            shard_on_cpu_processes)
 from .. import trainer_logging
 from ..memory import MemoryTracker
+from ..process import fresh_accelerate_state, mark_loop_state
 from .base import Stage, base_model
-from ..errors import trainer_error
+from ..errors import RuntimeConfigError, trainer_error
 
 
 def seed_everything(seed: int, full_determinism: bool = False) -> None:
@@ -69,6 +70,17 @@ def ddp_options(args, model) -> dict:
         if getattr(args, f"ddp_{name}") is not None:
             options[name] = getattr(args, f"ddp_{name}")
     return options
+
+
+def check_precision_runs(accelerator) -> None:
+    """fp16 where Accelerate runs no float16 autocast and no gradient scaler (on a CPU): the run would be float32,
+    silently, under Trainer too. Refuse it, naming what runs instead. (DeepSpeed takes fp16 from its own config.)"""
+    if accelerator.mixed_precision != "fp16" or accelerator.native_amp or active_engine(accelerator) == "DeepSpeed":
+        return
+    raise config_error("fp16", True, f"Accelerate runs float16 mixed precision (autocast and a gradient scaler) only "
+                       f"on an accelerator (a CUDA, XPU, NPU, MPS, HPU... device); on {accelerator.device.type} it "
+                       f"would train in float32, silently, as Trainer does there", "set bf16=True (bfloat16 autocast, "
+                       "which Accelerate runs on CPU) or leave fp16=False")
 
 
 def resolve_accelerator_config(value):
@@ -155,7 +167,8 @@ class SetupStage(Stage):
         check_launch(self.context.accelerator)  # processes that Accelerate did not join: refuse (distributed.py)
         if model is None:
             if run.model_init is None:
-                raise config_error("model", None, "Loop needs a model", "pass model=... or model_init=...")
+                raise trainer_error("`Trainer` requires either a `model` or `model_init` argument", "model", None,
+                                    "Loop needs a model", "pass model=... or model_init=...", kind=RuntimeConfigError)
             model = self.call_model_init()
         self.set_model(model)
 
@@ -168,6 +181,7 @@ class SetupStage(Stage):
         from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin
 
         args = self.run.args
+        fresh_accelerate_state(args)  # nothing of a previous run's Accelerate state (loopkit/process.py)
         plugins = engine_plugins(args, self.fsdp_plugin, self.deepspeed_plugin)
         requested = requested_engines(plugins)  # read before the Accelerator, which exports its own flags
         dataloader_config, accumulation_kwargs = accelerator_options(args)
@@ -181,11 +195,13 @@ class SetupStage(Stage):
         )
         kwargs["dynamo_plugin"] = dynamo_plugin(args)
         accelerator = Accelerator(**kwargs, **plugins)
+        mark_loop_state()
         # Accelerate's state is one per process and keeps the first Accelerator's plugin: without this, a Loop after
         # one with torch_compile=True (a notebook, a test suite) would compile its model too.
         accelerator.state.dynamo_plugin = kwargs["dynamo_plugin"]
         shard_on_cpu_processes(accelerator, plugins, requested)  # FSDP2 on gloo processes (distributed.py)
         check_engines_active(accelerator, requested)  # an engine Accelerate dropped silently: refuse instead
+        check_precision_runs(accelerator)
         return accelerator
 
     def call_model_init(self, trial=None):
