@@ -8,6 +8,7 @@ names, so the rest of loopkit never asks which one it got.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -437,7 +438,7 @@ def check_unsupported_fields(args) -> None:
     fields = [f for f in dataclasses.fields(args) if not f.name.startswith("_")]
     own = {f.name for f in fields} - trainer_field_names(args)
     same = {f.name: getattr(args, f.name) for f in fields if f.init and (f.name in SUPPORTED_FIELDS or f.name in own)}
-    with accelerate_state_kept():
+    with accelerate_state_kept(), transformers_quiet():  # the user's own args printed its notes already
         reference = type(args)(**same)
     for f in fields:
         if f.name in SUPPORTED_FIELDS or f.name in INERT_FIELDS or f.name in ACCELERATE_ENGINE_FIELDS \
@@ -446,6 +447,19 @@ def check_unsupported_fields(args) -> None:
         value, default = plain(getattr(args, f.name)), plain(getattr(reference, f.name))
         if value != default:
             raise unsupported_field_error(f.name, value, default)
+
+
+@contextlib.contextmanager
+def transformers_quiet():
+    """transformers' logger at ERROR while a reference `TrainingArguments` is built."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def trainer_field_names(args) -> set[str]:
