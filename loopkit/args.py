@@ -198,8 +198,10 @@ class LoopArgs:
             self.do_eval = True
         if self.eval_strategy == "steps" and not self.eval_steps:
             if self.logging_steps <= 0:
-                raise config_error("eval_steps", self.eval_steps, "eval_strategy='steps' needs an interval, and "
-                                   "logging_steps (its fallback) is not positive", "set eval_steps > 0")
+                raise trainer_error(f"evaluation strategy {self.eval_strategy} requires either non-zero --eval_steps "
+                                    "or --logging_steps", "eval_steps", self.eval_steps, "eval_strategy='steps' needs "
+                                    "an interval, and logging_steps (its fallback) is not positive",
+                                    "set eval_steps > 0")
             self.eval_steps = self.logging_steps
         if (self.load_best_model_at_end or self.lr_scheduler_type in ("reduce_lr_on_plateau", "greedy")) \
                 and self.metric_for_best_model is None:
@@ -394,7 +396,9 @@ def check_best_model_schedule(args) -> None:
         return
     eval_strategy, save_strategy = plain(args.eval_strategy), plain(args.save_strategy)
     if eval_strategy != save_strategy:
-        raise config_error(
+        raise trainer_error(
+            '--load_best_model_at_end requires the save and eval strategy to match, except when --save_strategy='
+            f'"best", but found\n- Evaluation strategy: {args.eval_strategy}\n- Save strategy: {args.save_strategy}',
             "load_best_model_at_end", True,
             f"it needs a checkpoint at every evaluation, but eval_strategy={eval_strategy!r} and "
             f"save_strategy={save_strategy!r} differ",
@@ -404,8 +408,17 @@ def check_best_model_schedule(args) -> None:
     # TrainingArguments' rule: a multiple, where fractions of max_steps only combine with fractions.
     if eval_strategy == "steps" and every and save % every != 0 and \
             not (save < 1 and every < 1 and round(save * 1_000_000) % round(every * 1_000_000) == 0):
-        raise config_error(
-            "save_steps", args.save_steps,
+        required = "--load_best_model_at_end requires the saving steps to be a"
+        if save >= 1 and every >= 1:
+            words = f"{required} round multiple of the evaluation steps, but found {save}, which is not a round " \
+                    f"multiple of {every}."
+        elif save < 1 and every < 1:
+            words = f"{required} multiple of the evaluation steps, but found {save}, which is not a multiple of {every}."
+        else:
+            words = (f"{required} multiple of the evaluation steps, which cannot get guaranteed when mixing ratio and "
+                     f"absolute steps for save_steps {save} and eval_steps {every}.")
+        raise trainer_error(
+            words, "save_steps", args.save_steps,
             f"load_best_model_at_end needs every save to follow an evaluation, but it is not a multiple "
             f"of eval_steps={args.eval_steps}",
             "make save_steps a multiple of eval_steps",
@@ -488,24 +501,29 @@ def check_args(args) -> None:
         value = plain(getattr(args, name))
         if value not in choices:
             fix = FIXES.get(name, f"choose one of those for {name}")
-            raise config_error(name, value, f"loopkit supports {', '.join(map(repr, choices))}", fix)
+            raise refusal(enum_refusal(name, value), name, value, f"loopkit supports {', '.join(map(repr, choices))}",
+                          fix)
     if args.bf16 and args.fp16:
-        raise config_error("fp16", True, "bf16=True is set too, and a run has one mixed-precision mode",
-                           "set only one of bf16 and fp16")
-    for name, strategy in (("logging_steps", "logging_strategy"), ("save_steps", "save_strategy"),
-                           ("eval_steps", "eval_strategy")):
-        value = getattr(args, name)
-        if plain(getattr(args, strategy)) == "steps" and (value is None or value <= 0):
-            raise config_error(name, value, f"{strategy}='steps' needs a positive interval",
-                               f"set {name} > 0 (or a fraction of max_steps below 1)")
+        raise trainer_error("At most one of fp16 and bf16 can be True, but not both", "fp16", True,
+                            "bf16=True is set too, and a run has one mixed-precision mode",
+                            "set only one of bf16 and fp16")
+    check_intervals(args)
     check_training_options(args)
     if args.warmup_steps < 0:
-        raise config_error("warmup_steps", args.warmup_steps, "it cannot be negative",
-                           "set warmup_steps >= 0 (a value below 1 is a fraction of max_steps)")
+        raise trainer_error(f"Got warmup_steps = {args.warmup_steps}, Expected value warmup_steps >= 0",
+                            "warmup_steps", args.warmup_steps, "it cannot be negative",
+                            "set warmup_steps >= 0 (a value below 1 is a fraction of max_steps)")
     if args.dataloader_prefetch_factor is not None and args.dataloader_num_workers == 0:
-        raise config_error("dataloader_prefetch_factor", args.dataloader_prefetch_factor, "it only applies to "
-                           "worker processes, and dataloader_num_workers=0", "set dataloader_num_workers > 0 or "
-                           "leave dataloader_prefetch_factor=None")
+        raise trainer_error("--dataloader_prefetch_factor can only be set when data is loaded in a different "
+                            "process, i.e. when --dataloader_num_workers > 0.", "dataloader_prefetch_factor",
+                            args.dataloader_prefetch_factor, "it only applies to worker processes, and "
+                            "dataloader_num_workers=0", "set dataloader_num_workers > 0 or leave "
+                            "dataloader_prefetch_factor=None")
+    scheduler = plain(args.lr_scheduler_type)
+    if scheduler in ("reduce_lr_on_plateau", "greedy") and plain(args.eval_strategy) == "no":
+        raise trainer_error(f"lr_scheduler_type {scheduler} requires an eval strategy", "lr_scheduler_type",
+                            scheduler, "it steps on the evaluation metric, and eval_strategy='no'",
+                            "set eval_strategy='steps' or 'epoch' (and pass an eval_dataset)")
     if args.metric_for_best_model is None and (args.load_best_model_at_end or plain(args.save_strategy) == "best"):
         field_name, value = (("load_best_model_at_end", True) if args.load_best_model_at_end else
                              ("save_strategy", "best"))
@@ -518,6 +536,47 @@ def check_args(args) -> None:
     check_optim(args)
     if dataclasses.is_dataclass(args):
         check_unsupported_fields(args)
+
+
+def check_intervals(args) -> None:
+    """A 'steps' strategy needs a positive interval (TrainingArguments refuses 0 for logging, with its words)."""
+    for name, strategy in (("logging_steps", "logging_strategy"), ("save_steps", "save_strategy"),
+                           ("eval_steps", "eval_strategy")):
+        value = getattr(args, name)
+        if plain(getattr(args, strategy)) == "steps" and (value is None or value <= 0):
+            trainer_message = (f"logging strategy {args.logging_strategy} requires non-zero --logging_steps"
+                               if name == "logging_steps" and value == 0 else None)
+            raise refusal(trainer_message, name, value, f"{strategy}='steps' needs a positive interval",
+                          f"set {name} > 0 (or a fraction of max_steps below 1)")
+
+
+def refusal(trainer_message: str | None, field_name: str, value: Any, problem: str, fix: str) -> LoopConfigError:
+    """`trainer_error` where TrainingArguments / Trainer refuse the same value (their words first), else
+    `config_error`."""
+    if trainer_message is None:
+        return config_error(field_name, value, problem, fix)
+    return trainer_error(trainer_message, field_name, value, problem, fix)
+
+
+# The str-enums TrainingArguments turns these fields into: a value outside them is refused in the enum's words.
+ENUM_OF_FIELD = {"lr_scheduler_type": ("transformers.trainer_utils", "SchedulerType"),
+                 "logging_strategy": ("transformers.trainer_utils", "IntervalStrategy"),
+                 "eval_strategy": ("transformers.trainer_utils", "IntervalStrategy"),
+                 "save_strategy": ("transformers.trainer_utils", "SaveStrategy"),
+                 "hub_strategy": ("transformers.trainer_utils", "HubStrategy"),
+                 "debug": ("transformers.debug_utils", "DebugOption")}
+
+
+def enum_refusal(name: str, value: Any) -> str | None:
+    """TrainingArguments' message for a value its enum for `name` lacks (None if the enum has it)."""
+    if name not in ENUM_OF_FIELD:
+        return None
+    module, enum_name = ENUM_OF_FIELD[name]
+    try:
+        getattr(importlib.import_module(module), enum_name)(value)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def check_tf32(args) -> None:
@@ -537,11 +596,13 @@ def check_training_options(args) -> None:
     `LoopArgs` and for fields changed afterwards), and the debug options loopkit does not run."""
     steps = args.torch_empty_cache_steps
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise config_error("torch_empty_cache_steps", steps, "it is the interval, in optimizer steps, at which the "
-                           "device cache is emptied", "set a positive integer, or None")
+        raise trainer_error(f"`torch_empty_cache_steps` must be an integer bigger than 0, got {steps}.",
+                            "torch_empty_cache_steps", steps, "it is the interval, in optimizer steps, at which the "
+                            "device cache is emptied", "set a positive integer, or None")
     if args.bf16_full_eval and args.fp16_full_eval:
-        raise config_error("fp16_full_eval", True, "bf16_full_eval=True is set too, and evaluation casts the model "
-                           "to one dtype", "set only one of bf16_full_eval and fp16_full_eval")
+        raise trainer_error("At most one of fp16 and bf16 can be True for full eval, but not both", "fp16_full_eval",
+                            True, "bf16_full_eval=True is set too, and evaluation casts the model to one dtype",
+                            "set only one of bf16_full_eval and fp16_full_eval")
     for option in (plain(o) for o in args.debug):
         if option == "tpu_metrics_debug":
             # Checked on the user's machine now: without torch_xla there are no XLA metrics to print at all.
@@ -550,8 +611,8 @@ def check_training_options(args) -> None:
                        "loopkit does not print torch_xla's metrics (not implemented)")
             raise config_error("debug", option, problem, "use debug='underflow_overflow' or leave debug empty")
         if option != "underflow_overflow":
-            raise config_error("debug", option, "it is not a debug option",
-                               "use debug='underflow_overflow' or leave debug empty")
+            raise refusal(enum_refusal("debug", option), "debug", option, "it is not a debug option",
+                          "use debug='underflow_overflow' or leave debug empty")
 
 
 def check_inputs(args, *, model, model_init, train_dataset, eval_dataset, compute_metrics, optimizers) -> None:
@@ -577,8 +638,10 @@ def check_inputs(args, *, model, model_init, train_dataset, eval_dataset, comput
                 raise config_error(where, f"<empty {type(part).__name__}>", "it has no example", "pass a dataset with "
                                    "at least one example (check the split, filter or file that built it)")
     if train_dataset is not None and not has_length(train_dataset) and args.max_steps <= 0:
-        raise trainer_error(f"args.max_steps must be set to a positive value if dataloader does not have a length, was"
-                            f" {args.max_steps}", "max_steps", args.max_steps, f"the train dataset "
+        raise trainer_error("The train_dataset does not implement __len__, so the number of training steps cannot be "
+                            "inferred; max_steps has to be specified. The total number of steps must be known in "
+                            "advance to bound the training loop and to configure the learning rate scheduler.",
+                            "max_steps", args.max_steps, f"the train dataset "
                             f"({type(train_dataset).__name__}) has no __len__, so the number of steps cannot be "
                             "derived from num_train_epochs", "set max_steps to the number of optimizer steps to train")
     # Trainer's order: batch_eval_metrics, then the eval dataset (Trainer._validate_args).
