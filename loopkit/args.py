@@ -208,14 +208,7 @@ class LoopArgs:
             self.metric_for_best_model = "loss"
         if self.greater_is_better is None and self.metric_for_best_model is not None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
-        if self.report_to in ("all", ["all"]):
-            from transformers.integrations import get_available_reporting_integrations
-
-            self.report_to = get_available_reporting_integrations()
-        elif self.report_to in (None, "none", ["none"]):
-            self.report_to = []
-        elif not isinstance(self.report_to, list):
-            self.report_to = [self.report_to]
+        self.report_to = report_to_list(self.report_to)
         for name in ("logging_steps", "eval_steps", "save_steps"):  # whole numbers above 1 become ints
             value = getattr(self, name)
             if value is not None and value > 1 and value == int(value):
@@ -293,6 +286,17 @@ class LoopArgs:
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=str)
+
+
+def report_to_list(report_to) -> list:
+    """`report_to` as TrainingArguments holds it: a list ("all": every installed integration; "none": [])."""
+    if report_to in ("all", ["all"]):
+        from transformers.integrations import get_available_reporting_integrations
+
+        return get_available_reporting_integrations()
+    if report_to in (None, "none", ["none"]):
+        return []
+    return report_to if isinstance(report_to, list) else [report_to]
 
 
 def reject_unknown_keywords(init):
@@ -413,7 +417,8 @@ def check_best_model_schedule(args) -> None:
             words = f"{required} round multiple of the evaluation steps, but found {save}, which is not a round " \
                     f"multiple of {every}."
         elif save < 1 and every < 1:
-            words = f"{required} multiple of the evaluation steps, but found {save}, which is not a multiple of {every}."
+            words = (f"{required} multiple of the evaluation steps, but found {save}, which is not a multiple of "
+                     f"{every}.")
         else:
             words = (f"{required} multiple of the evaluation steps, which cannot get guaranteed when mixing ratio and "
                      f"absolute steps for save_steps {save} and eval_steps {every}.")
@@ -615,9 +620,15 @@ def check_training_options(args) -> None:
                           "use debug='underflow_overflow' or leave debug empty")
 
 
-def check_inputs(args, *, model, model_init, train_dataset, eval_dataset, compute_metrics, optimizers) -> None:
+def check_inputs(args, *, model, model_init, train_dataset, eval_dataset, compute_metrics, optimizers,
+                 optimizer_cls_and_kwargs=None) -> None:
     """What `Trainer.__init__` rejects about the arguments next to `args`, rejected at construction as there."""
     from .batches import has_length
+
+    if optimizers[0] is not None and optimizer_cls_and_kwargs is not None:
+        raise trainer_error("Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible.",
+                            "optimizer_cls_and_kwargs", optimizer_cls_and_kwargs, "an optimizer was passed too",
+                            "pass either optimizers=(opt, sched) or optimizer_cls_and_kwargs", kind=RuntimeConfigError)
 
     if model is not None and model_init is not None:
         raise trainer_error("`Trainer` requires either a `model` or `model_init` argument, but not both.",

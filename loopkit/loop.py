@@ -20,7 +20,6 @@ import warnings
 
 from . import trainer_logging
 from .args import LoopArgs, check_args, check_inputs
-from .errors import RuntimeConfigError, trainer_error
 from .checkpoint import warn_if_checkpoint_args_differ
 from .columns import find_labels
 from .distributed import release_earlier_run
@@ -74,13 +73,9 @@ class Loop(HFMethods, TrainerAPI):
         args_given, args = args is not None, args if args is not None else LoopArgs()
         take_accumulation_steps(args)  # accelerator_config's num_steps, as Trainer takes it
         check_args(args)
-        if optimizers[0] is not None and optimizer_cls_and_kwargs is not None:
-            raise trainer_error("Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible.",
-                                "optimizer_cls_and_kwargs", optimizer_cls_and_kwargs, "an optimizer was passed too",
-                                "pass either optimizers=(opt, sched) or optimizer_cls_and_kwargs",
-                                kind=RuntimeConfigError)
-        check_inputs(args, model=model, model_init=model_init, train_dataset=train_dataset,
-                     eval_dataset=eval_dataset, compute_metrics=compute_metrics, optimizers=optimizers)
+        check_inputs(args, model=model, model_init=model_init, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                     compute_metrics=compute_metrics, optimizers=optimizers,
+                     optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
         run = self.run = RunState(
             args=args, train_dataset=train_dataset, eval_dataset=eval_dataset, data_collator=data_collator,
             processing_class=processing_class, model_init=model_init, compute_loss_func=compute_loss_func,

@@ -138,27 +138,16 @@ def leaves_process_as_found(init):
 # ---------------------------------------------------------------------------------------------------------------
 # Accelerate's state
 # ---------------------------------------------------------------------------------------------------------------
-def uses_configured_state(args) -> bool:
-    """`accelerator_config={"use_configured_state": True}` in `LoopArgs`. (A `TrainingArguments` acts on it when it
-    is built, and removes it from its `AcceleratorConfig` then.)"""
-    from .args import LoopArgs
-
-    if not isinstance(args, LoopArgs):
-        return False
-    from .stages.setup import resolve_accelerator_config
-
-    return bool(resolve_accelerator_config(args.accelerator_config).use_configured_state)
-
-
-def fresh_accelerate_state(args) -> None:
+def fresh_accelerate_state(args, *, args_build_no_state: bool, use_configured_state: bool) -> None:
     """Before the `Loop`'s `Accelerator`: Accelerate's state as `TrainingArguments._setup_devices` builds it, so that
-    nothing of a previous run's (its mixed precision, its engine, its process group settings) carries over."""
+    nothing of a previous run's (its mixed precision, its engine, its process group settings) carries over.
+    `args_build_no_state`: the arguments did not build one when they were built (`LoopArgs`; a `TrainingArguments`
+    does). `use_configured_state`: the user's state is to be kept (a `TrainingArguments` acts on it itself)."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    from .args import LoopArgs
     from .errors import trainer_error
 
-    if uses_configured_state(args):
+    if use_configured_state:
         if PartialState._shared_state == {}:
             raise trainer_error(
                 "Passing `'use_configured_state':True` to the AcceleratorConfig requires a pre-configured "
@@ -167,7 +156,7 @@ def fresh_accelerate_state(args) -> None:
                 "the Loop", "create it first (e.g. PartialState(backend='gloo') or Accelerator(...)), or drop "
                 "use_configured_state")
         return
-    if not isinstance(args, LoopArgs) and not AcceleratorState._shared_state.get(LOOP_MARK):
+    if not args_build_no_state and not AcceleratorState._shared_state.get(LOOP_MARK):
         return  # the state this TrainingArguments built (or the user's own, made since): Trainer keeps it too
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()

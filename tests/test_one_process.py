@@ -49,7 +49,8 @@ def build(kind: str, name: str, output_dir: str):
 
 
 # Written by `TrainingArguments` when it is built (as under Trainer): the user's arguments', not the Loop's.
-WRITTEN_BY_TRAINING_ARGUMENTS = ("FSDP_CPU_RAM_EFFICIENT_LOADING", "ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_DYNAMO_MODE")
+WRITTEN_BY_TRAINING_ARGUMENTS = ("FSDP_CPU_RAM_EFFICIENT_LOADING", "ACCELERATE_DYNAMO_BACKEND",
+                                 "ACCELERATE_DYNAMO_MODE")
 
 
 def process_view(kind: str = "LoopArgs") -> dict:

@@ -123,7 +123,7 @@ CHECKS = [loopkit.args.LoopArgs.__post_init__, loopkit.args.check_args, loopkit.
           loopkit.args.check_training_options, loopkit.args.check_best_model_schedule, loopkit.args.check_inputs,
           loopkit.args.check_unsupported_fields, loopkit.stages.setup.SetupStage.build,
           loopkit.stages.setup.check_precision_runs, loopkit.stages.setup.take_accumulation_steps,
-          loopkit.process.fresh_accelerate_state, inspect.unwrap(Loop.__init__)]
+          loopkit.process.fresh_accelerate_state]
 
 
 def raise_sites() -> set[tuple[str, int, int]]:

@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from ..args import config_error
+from ..args import LoopArgs, config_error
 from ..compilation import should_watch
 from ..distributed import (active_engine, check_engines_active, check_launch, engine_plugins, requested_engines,
                            shard_on_cpu_processes)
@@ -181,7 +181,11 @@ class SetupStage(Stage):
         from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin
 
         args = self.run.args
-        fresh_accelerate_state(args)  # nothing of a previous run's Accelerate state (loopkit/process.py)
+        # Nothing of a previous run's Accelerate state (loopkit/process.py); LoopArgs, unlike TrainingArguments, built
+        # none, and keep the user's with accelerator_config={"use_configured_state": True}.
+        loop_args = isinstance(args, LoopArgs)
+        fresh_accelerate_state(args, args_build_no_state=loop_args, use_configured_state=loop_args and bool(
+            resolve_accelerator_config(args.accelerator_config).use_configured_state))
         plugins = engine_plugins(args, self.fsdp_plugin, self.deepspeed_plugin)
         requested = requested_engines(plugins)  # read before the Accelerator, which exports its own flags
         dataloader_config, accumulation_kwargs = accelerator_options(args)
