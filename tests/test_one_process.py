@@ -21,6 +21,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from helpers import free_port, hf_args, regression_data, tiny_regression
 from transformers import Trainer, TrainingArguments
+from transformers.utils import is_torch_tf32_available
 from transformers.utils import logging as hf_logging
 
 from loopkit import Loop, LoopArgs, LoopConfigError
@@ -36,7 +37,8 @@ CONFIGS = {
     "log_level": {"log_level": "info"},
     "tf32": {"tf32": True},
 }
-REFUSED_HERE = {"fp16", "fsdp", "tf32"} if not torch.cuda.is_available() else {"fsdp"}
+REFUSED_HERE = {"fsdp"} | ({"fp16"} if not torch.cuda.is_available() else set()) | (
+    {"tf32"} if not is_torch_tf32_available() else set())
 
 
 def build(kind: str, name: str, output_dir: str):

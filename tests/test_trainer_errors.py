@@ -25,6 +25,7 @@ from accelerate.state import AcceleratorState
 from helpers import regression_data, tiny_regression
 from torch.utils.data import IterableDataset
 from transformers import Trainer, TrainingArguments
+from transformers.utils import is_torch_tf32_available
 
 import loopkit.args
 import loopkit.process
@@ -95,8 +96,6 @@ ROWS = [
                                                  "save_strategy": "steps",
                                                  "eval_steps": 4, "save_steps": 6}, {},
      {"eval_dataset": regression_data(4)}),
-    ("tf32 without an Ampere GPU", {"tf32": True}, {}, {}),
-    ("fp16 where Accelerate runs no float16", {"fp16": True}, {}, {}),
     ("model and model_init", {}, {}, {"model_init": fresh_model}),
     ("model_init and optimizers", {}, {}, {"model": None, "model_init": fresh_model,
                                            "optimizers": "optimizer_pair"}),
@@ -113,17 +112,23 @@ ROWS = [
                                                                           {"num_steps": 2}}}, {}, {}),
     ("use_configured_state without a state", {"accelerator_config": {"use_configured_state": True}}, {}, {}),
 ]
+# What the machine lacks: refused only there (and these refusals are reached only there).
+MACHINE_ROWS = {loopkit.args.check_tf32: ("tf32 without an Ampere GPU", {"tf32": True}, {}, {}),
+                loopkit.stages.setup.check_precision_runs: ("fp16 where Accelerate runs no float16", {"fp16": True},
+                                                            {}, {})}
+LACKS = {loopkit.args.check_tf32: not is_torch_tf32_available(),
+         loopkit.stages.setup.check_precision_runs: not torch.cuda.is_available()}
+ROWS += [row for check, row in MACHINE_ROWS.items() if LACKS[check]]
 # What loopkit does not implement, refused when changed (as long as loopkit/args.py refuses it).
 REFUSED_VALUES = {"use_liger_kernel": True, "liger_kernel_config": {"rope": True}}
 ROWS += [(f"{name} refused", {}, {name: value}, {}) for name, value in REFUSED_VALUES.items()
          if name in REFUSAL_REASONS]
 
-# The checks whose every `raise` a row must reach.
-CHECKS = [loopkit.args.LoopArgs.__post_init__, loopkit.args.check_args, loopkit.args.check_tf32,
-          loopkit.args.check_training_options, loopkit.args.check_best_model_schedule, loopkit.args.check_inputs,
-          loopkit.args.check_unsupported_fields, loopkit.stages.setup.SetupStage.build,
-          loopkit.stages.setup.check_precision_runs, loopkit.stages.setup.take_accumulation_steps,
-          loopkit.process.fresh_accelerate_state]
+# The checks whose every `raise` a row must reach (on this machine).
+CHECKS = [loopkit.args.LoopArgs.__post_init__, loopkit.args.check_args, loopkit.args.check_training_options,
+          loopkit.args.check_best_model_schedule, loopkit.args.check_inputs, loopkit.args.check_unsupported_fields,
+          loopkit.stages.setup.SetupStage.build, loopkit.stages.setup.take_accumulation_steps,
+          loopkit.process.fresh_accelerate_state] + [check for check, lacking in LACKS.items() if lacking]
 
 
 def raise_sites() -> set[tuple[str, int, int]]:

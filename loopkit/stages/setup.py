@@ -72,6 +72,19 @@ def ddp_options(args, model) -> dict:
     return options
 
 
+def apply_tf32(args) -> None:
+    """TF32 mode as `TrainingArguments.__post_init__` sets it (for `LoopArgs`, which do it when the `Loop` is built):
+    `tf32` when set; with `torch_compile` and `tf32=None`, on where the GPU has it (unless fp16 without bf16)."""
+    from transformers.utils import is_torch_tf32_available
+    from transformers.utils.import_utils import enable_tf32
+
+    if args.tf32 is not None:
+        if args.tf32 or is_torch_tf32_available():  # check_args refused tf32=True where it is not available
+            enable_tf32(args.tf32)
+    elif args.torch_compile and is_torch_tf32_available() and (not args.fp16 or args.bf16):
+        enable_tf32(True)
+
+
 def check_precision_runs(accelerator) -> None:
     """fp16 where Accelerate runs no float16 autocast and no gradient scaler (on a CPU): the run would be float32,
     silently, under Trainer too. Refuse it, naming what runs instead. (DeepSpeed takes fp16 from its own config.)"""
@@ -186,6 +199,8 @@ class SetupStage(Stage):
         loop_args = isinstance(args, LoopArgs)
         fresh_accelerate_state(args, args_build_no_state=loop_args, use_configured_state=loop_args and bool(
             resolve_accelerator_config(args.accelerator_config).use_configured_state))
+        if loop_args:
+            apply_tf32(args)
         plugins = engine_plugins(args, self.fsdp_plugin, self.deepspeed_plugin)
         requested = requested_engines(plugins)  # read before the Accelerator, which exports its own flags
         dataloader_config, accumulation_kwargs = accelerator_options(args)
