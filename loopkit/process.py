@@ -116,19 +116,22 @@ def accelerate_state_kept():
 
 def leaves_process_as_found(init):
     """Wrap `Loop.__init__`: take back the previous Loop's settings first; if the construction fails, restore the
-    environment, the settings and Accelerate's state as they were; if it succeeds, remember what it changed."""
+    environment, the settings and Accelerate's state as they were found (the previous Loop's included, so that Loop
+    still runs as it was built); if it succeeds, remember what it changed."""
 
     @functools.wraps(init)
     def build(self, *args, **kwargs):
+        found, previous_changes = _read_all(), dict(_latest_changes)
+        states = [dict(state) for state in _accelerate_states()]
         take_back_latest_loop()
-        before, states = _read_all(), [dict(state) for state in _accelerate_states()]
+        before = _read_all()
         try:
             init(self, *args, **kwargs)
         except BaseException:
-            changed = _changes(before, _read_all())
-            for key, (old, _) in changed.items():
+            for key, (old, _) in _changes(found, _read_all()).items():
                 _write(key, old)
             _restore_accelerate_states(states)
+            _latest_changes.update(previous_changes)
             raise
         _latest_changes.update(_changes(before, _read_all()))
 

@@ -5,7 +5,7 @@ Every argument that sets something process-wide (Accelerate's mixed precision an
 transformers' verbosity, torch's deterministic algorithms and TF32 mode), and every refusal that comes after
 Accelerate was touched, is run after every other one, in both orders, with `LoopArgs` and with `TrainingArguments`.
 What a `Loop` shows (its refusal, its Accelerate state, the process settings under it, its losses, the threads left
-after `train()`) must be what it shows after a plain default run.
+after `train()`) must be what it shows after a plain default run; a refused one leaves the process as it found it.
 """
 
 from __future__ import annotations
@@ -127,9 +127,12 @@ def test_every_run_after_every_other_shows_what_it_shows_after_a_default_run(kin
             if first == second or first == "default":
                 continue
             run(kind, first)
+            found = process_view(kind)
             after = run(kind, second)
-            if after != alone[second]:
-                mismatches.append(f"{second} after {first}: {after}\n    alone: {alone[second]}")
+            # A refused Loop leaves the process as it found it (the previous Loop's settings included)
+            expected = {**alone[second], "process": found} if alone[second]["refused"] else alone[second]
+            if after != expected:
+                mismatches.append(f"{second} after {first}: {after}\n    expected: {expected}")
     assert not mismatches, "\n".join(mismatches)
 
 
@@ -213,3 +216,18 @@ def test_use_configured_state_without_a_configured_state_is_refused_with_trainer
              args=LoopArgs(output_dir=str(tmp_path), accelerator_config={"use_configured_state": True}))
     assert str(theirs.value) in str(ours.value) and "Fix:" in str(ours.value)
     assert re.search(r"accelerator_config=\{'use_configured_state': True\}", str(ours.value))
+
+
+def test_a_refused_loop_leaves_the_previous_loops_settings_in_place(tmp_path):
+    """Loop A is built with log_level="info" and full_determinism; Loop B is refused: A still runs under its own
+    settings and Accelerate state, and the next Loop built takes A's back."""
+    user_verbosity = hf_logging.get_verbosity()
+    first = Loop(model=tiny_regression(), train_dataset=regression_data(16),
+                 args=LoopArgs(output_dir=str(tmp_path / "a"), max_steps=2, save_strategy="no", report_to="none",
+                               disable_tqdm=True, log_level="info", full_determinism=True, bf16=True))
+    settings = process_view()
+    assert run("LoopArgs", "fsdp")["refused"]
+    assert process_view() == settings and settings["verbosity"] == hf_logging.INFO and settings["deterministic"]
+    assert first.train().global_step == 2 and first.accelerator.mixed_precision == "bf16"
+    assert run("LoopArgs", "default")["refused"] is None
+    assert hf_logging.get_verbosity() == user_verbosity and not torch.are_deterministic_algorithms_enabled()
