@@ -18,6 +18,11 @@ class UnknownArgumentError(LoopConfigError, TypeError):
     """A keyword `LoopArgs` has no field for (a `TypeError` too, as Python's own error for it is)."""
 
 
+class RuntimeConfigError(LoopConfigError, RuntimeError):
+    """A configuration loopkit cannot run with, where Trainer raises a `RuntimeError` for it (a `RuntimeError` too,
+    so code written for Trainer catches it)."""
+
+
 class MetricNotFoundError(LoopConfigError, KeyError):
     """`metric_for_best_model` names a metric the evaluation did not return (a `KeyError`, as Trainer raises)."""
 

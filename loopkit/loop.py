@@ -20,7 +20,6 @@ import warnings
 
 from . import trainer_logging
 from .args import LoopArgs, check_args, check_inputs
-from .errors import config_error
 from .checkpoint import warn_if_checkpoint_args_differ
 from .columns import find_labels
 from .distributed import release_earlier_run
@@ -32,6 +31,7 @@ from .trainer_api import TrainerAPI
 from .metrics import check_metrics
 from .notebook import default_progress_callback
 from .phases import PhaseClock
+from .process import leaves_process_as_found
 from .report import RUN_RECORD_KEY, run_record
 from .run import RunContext, RunState
 from .schedule import Schedule, running_loss_state
@@ -63,6 +63,7 @@ class Loop(HFMethods, TrainerAPI):
     # a subclass's overrides of HF's methods are checked against these (loopkit/hf_methods.py).
     stage_classes = STAGES
 
+    @leaves_process_as_found  # a refused Loop changes nothing; the next Loop takes back this one's (process.py)
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, model_init=None, compute_loss_func=None, compute_metrics=None,
                  callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
@@ -72,11 +73,9 @@ class Loop(HFMethods, TrainerAPI):
         args_given, args = args is not None, args if args is not None else LoopArgs()
         take_accumulation_steps(args)  # accelerator_config's num_steps, as Trainer takes it
         check_args(args)
-        if optimizers[0] is not None and optimizer_cls_and_kwargs is not None:
-            raise config_error("optimizer_cls_and_kwargs", optimizer_cls_and_kwargs, "an optimizer was passed too",
-                               "pass either optimizers=(opt, sched) or optimizer_cls_and_kwargs")
-        check_inputs(args, model=model, model_init=model_init, train_dataset=train_dataset,
-                     eval_dataset=eval_dataset, compute_metrics=compute_metrics, optimizers=optimizers)
+        check_inputs(args, model=model, model_init=model_init, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                     compute_metrics=compute_metrics, optimizers=optimizers,
+                     optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
         run = self.run = RunState(
             args=args, train_dataset=train_dataset, eval_dataset=eval_dataset, data_collator=data_collator,
             processing_class=processing_class, model_init=model_init, compute_loss_func=compute_loss_func,

@@ -8,6 +8,7 @@ refused when changed, so nothing is ignored silently.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -364,3 +365,54 @@ def test_optim_refusals_follow_the_users_machine(tmp_path, monkeypatch, optim, n
     Available(monkeypatch, packages=("galore_torch", "lomo_optim", needs), cuda=needs == "cuda")
     assert refusal(args) is None
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LoopArgs has every TrainingArguments field of the installed transformers (issue 34 item 4)
+# ---------------------------------------------------------------------------------------------------------------
+def declared_default(f):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
+
+
+def test_loop_args_declares_every_training_arguments_field_with_its_default():
+    theirs = {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init and not f.name.startswith("_")}
+    ours = {f.name: f for f in dataclasses.fields(LoopArgs)}
+    assert set(theirs) - set(ours) == set(), f"TrainingArguments fields LoopArgs lacks: {set(theirs) - set(ours)}"
+    assert set(ours) - set(theirs) == set(), f"LoopArgs fields TrainingArguments lacks: {set(ours) - set(theirs)}"
+    differ = {name: (declared_default(ours[name]), declared_default(f)) for name, f in theirs.items()
+              if comparable(declared_default(ours[name])) != comparable(declared_default(f))}
+    assert not differ, f"declared defaults (LoopArgs, TrainingArguments) differ: {differ}"
+
+
+@pytest.mark.parametrize("fsdp, fsdp_config", [
+    ("full_shard", None),
+    (True, {"transformer_layer_cls_to_wrap": "LlamaDecoderLayer", "state_dict_type": "SHARDED_STATE_DICT"}),
+    ("shard_grad_op offload", '{"fsdp_reshard_after_forward": false, "cpu_ram_efficient_loading": true}'),
+])
+def test_loop_args_build_the_fsdp_plugin_that_training_arguments_build(tmp_path, fsdp, fsdp_config):
+    """`fsdp` / `fsdp_config` in LoopArgs become the same plugin keywords as in TrainingArguments, without changing
+    the LoopArgs' own dict or Accelerate's state."""
+    from accelerate.state import PartialState
+
+    given = dict(fsdp_config) if isinstance(fsdp_config, dict) else fsdp_config
+    ours = LoopArgs(output_dir=str(tmp_path), fsdp=fsdp, fsdp_config=fsdp_config)
+    state_before = dict(PartialState._shared_state)
+    plugin_args = ours.fsdp_plugin_args
+    assert dict(PartialState._shared_state) == state_before
+    theirs = TrainingArguments(output_dir=str(tmp_path), fsdp=fsdp, fsdp_config=copy.deepcopy(fsdp_config))
+    assert plugin_args == theirs.fsdp_plugin_args and plugin_args is not None
+    assert ours.fsdp_config == (json.loads(given) if isinstance(given, str) else given)  # not changed in place
+    assert LoopArgs(output_dir=str(tmp_path)).fsdp_plugin_args is None
+
+
+def test_unknown_loop_args_field_names_no_trainer_to_switch_to(tmp_path):
+    """Every TrainingArguments field is a LoopArgs field, so the error for an unknown one no longer sends the user
+    to Trainer for it."""
+    with pytest.raises(TypeError) as error:
+        LoopArgs(output_dir=str(tmp_path), zzz_not_a_field=1)
+    assert "Trainer" not in str(error.value).replace("TrainingArguments", "") and "Fix:" in str(error.value)
+    with pytest.raises(TypeError) as error:
+        LoopArgs(output_dir=str(tmp_path), predict_with_generate=True)
+    assert "Seq2SeqTrainingArguments" in str(error.value) and "Seq2SeqLoop" in str(error.value)

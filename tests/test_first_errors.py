@@ -11,6 +11,7 @@ from torch.utils.data import IterableDataset
 from transformers import Trainer
 
 from loopkit import Loop, LoopArgs, LoopConfigError
+from loopkit.args import check_args
 
 VOCAB = 64
 pytestmark = IGNORE_PIN_MEMORY_WARNING  # HF Trainer runs here too

@@ -32,7 +32,7 @@ import sys
 
 import torch
 
-from ..args import config_error
+from ..args import LoopArgs, config_error
 from ..compilation import should_watch
 from ..distributed import (active_engine, check_engines_active, check_launch, deepspeed_on_cpu_processes,
                            engine_plugins, fill_deepspeed_config, launched_world_size, requested_engines,
@@ -41,8 +41,9 @@ from ..parallelism import (accelerator_parallelism, attach_on_cpu_processes, che
                            cuda_processes, local_gather, ranks_share_batches)
 from .. import trainer_logging
 from ..memory import MemoryTracker
+from ..process import fresh_accelerate_state, mark_loop_state
 from .base import Stage, base_model
-from ..errors import trainer_error
+from ..errors import RuntimeConfigError, trainer_error
 
 
 def seed_everything(seed: int, full_determinism: bool = False) -> None:
@@ -73,6 +74,30 @@ def ddp_options(args, model) -> dict:
         if getattr(args, f"ddp_{name}") is not None:
             options[name] = getattr(args, f"ddp_{name}")
     return options
+
+
+def apply_tf32(args) -> None:
+    """TF32 mode as `TrainingArguments.__post_init__` sets it (for `LoopArgs`, which do it when the `Loop` is built):
+    `tf32` when set; with `torch_compile` and `tf32=None`, on where the GPU has it (unless fp16 without bf16)."""
+    from transformers.utils import is_torch_tf32_available
+    from transformers.utils.import_utils import enable_tf32
+
+    if args.tf32 is not None:
+        if args.tf32 or is_torch_tf32_available():  # check_args refused tf32=True where it is not available
+            enable_tf32(args.tf32)
+    elif args.torch_compile and is_torch_tf32_available() and (not args.fp16 or args.bf16):
+        enable_tf32(True)
+
+
+def check_precision_runs(accelerator) -> None:
+    """fp16 where Accelerate runs no float16 autocast and no gradient scaler (on a CPU): the run would be float32,
+    silently, under Trainer too. Refuse it, naming what runs instead. (DeepSpeed takes fp16 from its own config.)"""
+    if accelerator.mixed_precision != "fp16" or accelerator.native_amp or active_engine(accelerator) == "DeepSpeed":
+        return
+    raise config_error("fp16", True, f"Accelerate runs float16 mixed precision (autocast and a gradient scaler) only "
+                       f"on an accelerator (a CUDA, XPU, NPU, MPS, HPU... device); on {accelerator.device.type} it "
+                       f"would train in float32, silently, as Trainer does there", "set bf16=True (bfloat16 autocast, "
+                       "which Accelerate runs on CPU) or leave fp16=False")
 
 
 def resolve_accelerator_config(value):
@@ -160,7 +185,8 @@ class SetupStage(Stage):
         check_launch(self.context.accelerator)  # processes that Accelerate did not join: refuse (distributed.py)
         if model is None:
             if run.model_init is None:
-                raise config_error("model", None, "Loop needs a model", "pass model=... or model_init=...")
+                raise trainer_error("`Trainer` requires either a `model` or `model_init` argument", "model", None,
+                                    "Loop needs a model", "pass model=... or model_init=...", kind=RuntimeConfigError)
             model = self.call_model_init()
         self.set_model(model)
 
@@ -173,6 +199,13 @@ class SetupStage(Stage):
         from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin
 
         args = self.run.args
+        # Nothing of a previous run's Accelerate state (loopkit/process.py); LoopArgs, unlike TrainingArguments, built
+        # none, and keep the user's with accelerator_config={"use_configured_state": True}.
+        loop_args = isinstance(args, LoopArgs)
+        fresh_accelerate_state(args, args_build_no_state=loop_args, use_configured_state=loop_args and bool(
+            resolve_accelerator_config(args.accelerator_config).use_configured_state))
+        if loop_args:
+            apply_tf32(args)
         deepspeed_on_cpu_processes(args, self.deepspeed_plugin)  # gloo where no GPU (distributed.py)
         plugins = engine_plugins(args, self.fsdp_plugin, self.deepspeed_plugin)
         requested = requested_engines(plugins)  # read before the Accelerator, which exports its own flags
@@ -192,6 +225,7 @@ class SetupStage(Stage):
         if parallelism is not None and not on_cpu_processes:
             kwargs["parallelism_config"] = parallelism  # as Trainer hands it over
         accelerator = Accelerator(**kwargs, **plugins)
+        mark_loop_state()
         # Accelerate's state is one per process and keeps the first Accelerator's plugin: without this, a Loop after
         # one with torch_compile=True (a notebook, a test suite) would compile its model too.
         accelerator.state.dynamo_plugin = kwargs["dynamo_plugin"]
@@ -200,6 +234,7 @@ class SetupStage(Stage):
             attach_on_cpu_processes(accelerator, parallelism)
         check_engines_active(accelerator, requested)  # an engine Accelerate dropped silently: refuse instead
         fill_deepspeed_config(accelerator, args)  # a launcher's or plugin's "auto" values, as HF Trainer fills them
+        check_precision_runs(accelerator)
         return accelerator
 
     def call_model_init(self, trial=None):
