@@ -378,11 +378,8 @@ FIXES = {
     "train_sampling_strategy": "use one of those, or return your sampler from a DataStage subclass's "
                                "train_sampler(dataset) and pass Loop(..., data=YourDataStage())",
 }
-# Why each field loopkit does not implement is refused, by field (none today: a field is added here with its reason
-# when a TrainingArguments field cannot be run; `LoopArgs`' own then must keep its default).
-REFUSAL_REASONS: dict[str, str] = {}
 # The fields loopkit runs itself; a `TrainingArguments` is checked against a reference built from their values.
-SUPPORTED_FIELDS = LOOP_ARGS_FIELDS - INERT_FIELDS - ACCELERATE_ENGINE_FIELDS - frozenset(REFUSAL_REASONS)
+SUPPORTED_FIELDS = LOOP_ARGS_FIELDS - INERT_FIELDS - ACCELERATE_ENGINE_FIELDS
 
 
 def check_best_model_schedule(args) -> None:
@@ -426,26 +423,22 @@ def unsupported_field_error(name: str, value: Any, default: Any) -> LoopConfigEr
     fix = FIXES.get(name, f"leave {name} at its default ({default!r}), or train with transformers.Trainer")
     # A field a later transformers adds, until it is reviewed. (What a user's machine lacks is checked on it when
     # the refusal is made, as for `debug` below and `optim` in loopkit/optimizers.py.)
-    reason = REFUSAL_REASONS.get(name, "loopkit does not support this TrainingArguments field, and will not ignore "
-                                       "it silently")
-    return config_error(name, value, reason, fix)
+    return config_error(name, value, "loopkit does not support this TrainingArguments field, and will not ignore it "
+                        "silently", fix)
 
 
 def check_unsupported_fields(args) -> None:
     """Every `TrainingArguments` field outside the supported and inert sets must have the value a `TrainingArguments`
     built with the same supported values has (so values `__post_init__` derives from supported fields count as
     defaults). A script's subclass may add fields of its own (`@dataclass class ScriptArgs(TrainingArguments)`):
-    Trainer never reads them, and neither does this check; the reference keeps their values. `LoopArgs`' refused
-    fields must keep their defaults.
+    Trainer never reads them, and neither does this check; the reference keeps their values. A `LoopArgs`
+    has only fields loopkit runs or that are inert.
 
     The reference is built without touching Accelerate's state: building a `TrainingArguments` resets it, which would
     throw away a state the user configured (`use_configured_state`)."""
     from .process import accelerate_state_kept
 
-    if isinstance(args, LoopArgs):
-        for f in dataclasses.fields(LoopArgs):
-            if f.name in REFUSAL_REASONS and plain(getattr(args, f.name)) != f.default:
-                raise unsupported_field_error(f.name, getattr(args, f.name), f.default)
+    if isinstance(args, LoopArgs):  # every field of its own is run or inert
         return
     fields = [f for f in dataclasses.fields(args) if not f.name.startswith("_")]
     own = {f.name for f in fields} - trainer_field_names(args)

@@ -96,7 +96,22 @@ def check_optim(args) -> None:
             raise config_error("optim", name, f"it needs a CUDA GPU ({NEEDS_CUDA[name]}), and torch sees none "
                                "(torch.cuda.is_available() is False)", "run where torch sees a CUDA GPU, or use the "
                                "same optimizer without 8 bits / AdaLomo (e.g. galore_adamw, lomo)")
+    if name == "stable_adamw":
+        check_optimi_triton()
     check_low_rank_settings(args, name)
+
+
+def check_optimi_triton() -> None:
+    """torch-optimi 0.3's StableAdamW runs its Triton kernels whenever triton is installed, on CPU tensors too, and
+    Triton then fails at the first step ("0 active drivers", under Trainer as well): refuse that machine now."""
+    import torch
+
+    if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+        raise config_error("optim", "stable_adamw", "torch-optimi's StableAdamW runs Triton kernels whenever the "
+                           "triton package is installed, and Triton finds no GPU here (torch.cuda.is_available() is "
+                           "False): its first step would fail with '0 active drivers', as under Trainer",
+                           "run where torch sees a CUDA GPU, uninstall triton from this environment, or use "
+                           "optim='adamw_torch'")
 
 
 def check_low_rank_settings(args, name: str) -> None:

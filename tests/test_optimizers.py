@@ -35,7 +35,8 @@ def no_report_charts(monkeypatch):
     monkeypatch.setattr("loopkit.report.draw_charts", lambda report, folder, prefix="": [])
 # What HF's failure names, for each reason a value cannot run: Loop's refusal must name the same thing.
 FAILURE_KEYWORDS = ("CUDA", "torch_xla", "torch_npu", "torchdistx", "bitsandbytes", "galore_torch", "apollo_torch",
-                    "lomo_optim", "grokadamw", "torchao", "schedulefree", "optimi", "relative_step")
+                    "lomo_optim", "grokadamw", "torchao", "schedulefree", "optimi", "relative_step",
+                    "active drivers")
 
 
 def settings(name: str) -> dict:

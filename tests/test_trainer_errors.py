@@ -31,7 +31,6 @@ import loopkit.args
 import loopkit.process
 import loopkit.stages.setup
 from loopkit import Loop, LoopArgs
-from loopkit.args import REFUSAL_REASONS
 
 
 class Stream(IterableDataset):
@@ -221,8 +220,11 @@ def test_every_refusal_has_a_row(outcomes):
     reached = {raised_at(error) for _, ours in outcomes.values() for error in ours.values() if error is not None}
     missing = [f"{path}:{first}" for path, first, last in sorted(raise_sites())
                if not any(p == path and first <= line <= last for p, line in reached)]
-    if not REFUSAL_REASONS:  # nothing refused any more: LoopArgs' refusal line cannot be reached
-        missing = [site for site in missing if "check_unsupported_fields" not in site]
+    # A TrainingArguments field loopkit has not reviewed: only a later transformers has one (LoopArgs has every field
+    # of this one, tests/test_errors.py), so no row here can reach that refusal.
+    lines, first = inspect.getsourcelines(loopkit.args.check_unsupported_fields)
+    path = inspect.getsourcefile(loopkit.args.check_unsupported_fields)
+    missing = [site for site in missing if site not in {f"{path}:{line}" for line in range(first, first + len(lines))}]
     assert not missing, f"refusals no row reaches: {missing}"
 
 
