@@ -302,15 +302,16 @@ def launching_functions(sources: dict[str, str]) -> dict[str, set[str]]:
     or another tests module they call, or through a fixture they take (an autouse one: every test of the module)."""
     trees = {module: ast.parse(source) for module, source in sources.items()}
     launching = {module: set() for module in trees}
+    shared = {name for name, f in functions_of(trees["conftest"]).items() if is_fixture(f)} \
+        if "conftest" in trees else set()  # tests/conftest.py's fixtures: any test may take them
     while True:
         grown = False
         for module, tree in trees.items():
             names, functions = imported_names(tree), functions_of(tree)
-            known = {f"{module}.{name}" for name in launching[module]} | {
-                f"{other}.{name}" for other in launching for name in launching[other]}
+            known = {f"{other}.{name}" for other in launching for name in launching[other]}
             local = {name: f"{module}.{name}" for name in functions if "::" not in name}
-            lookup = {**names, **local}
-            fixtures = {name for name, f in functions.items() if is_fixture(f)} | {
+            lookup = {**{name: f"conftest.{name}" for name in shared}, **names, **local}
+            fixtures = shared | {name for name, f in functions.items() if is_fixture(f)} | {
                 local_name for local_name, target in names.items() if target in known}
             autouse = any(is_fixture(f) and is_autouse(f) and name in launching[module]
                           for name, f in functions.items())
@@ -322,7 +323,7 @@ def launching_functions(sources: dict[str, str]) -> dict[str, set[str]]:
                 if (autouse and name.split("::")[-1].startswith("test")) or takes & known or any(
                         isinstance(node, ast.Call) and starts_a_process(node, lookup, known)
                         for node in ast.walk(function)):
-                    launching[module].add(name)
+                    launching[module] |= {name, name.split("::")[0]}  # a method launches: so does its class
                     grown = True
         if not grown:
             return launching
@@ -330,7 +331,7 @@ def launching_functions(sources: dict[str, str]) -> dict[str, set[str]]:
 
 def suite_sources() -> dict[str, str]:
     return {os.path.splitext(os.path.basename(path))[0]: read(path) for path in python_files()
-            if os.path.dirname(path) == TESTS and os.path.basename(path) != "conftest.py"}
+            if os.path.dirname(path) == TESTS}
 
 
 def launching_tests(sources: dict[str, str]) -> list[str]:
@@ -433,6 +434,11 @@ def test_the_launch_check_follows_helpers_fixtures_and_imports_and_leaves_in_pro
         "tests/test_a.py::TestGroup::test_fork", "tests/test_a.py::test_fixture", "tests/test_a.py::test_helper",
         "tests/test_a.py::test_mp", "tests/test_a.py::test_torch_spawn", "tests/test_a.py::test_workers",
         "tests/test_b.py::test_imported"]
+    shared = {"helpers": "import subprocess\nclass Server:\n    def __init__(self):\n        subprocess.Popen(['x'])\n",
+              "conftest": "import pytest\n@pytest.fixture\ndef forked():\n    from helpers import Server\n"
+                          "    yield Server()\n",
+              "test_d": "def test_forks(tmp_path, forked):\n    pass\ndef test_not(tmp_path):\n    pass\n"}
+    assert launching_tests(shared) == ["tests/test_d.py::test_forks"]
     autouse = "import pytest, subprocess\n@pytest.fixture(autouse=True)\ndef up():\n    subprocess.run(['x'])\n" \
               "def test_one():\n    pass\n"
     assert launching_tests({"test_c": autouse}) == ["tests/test_c.py::test_one"]
