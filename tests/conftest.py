@@ -75,11 +75,11 @@ CHILD_IMPORTS = ["torch", "safetensors.torch", "transformers", "transformers.tra
 
 @pytest.fixture(scope="session")
 def forked():
-    """A `helpers.ForkServer` for the session (started by the first test that asks; the fast tier never does), in the
-    environment every child gets: one intra-op thread (tiny matrices: threads only contend), unbuffered output (a
-    killed child's last lines are in its output)."""
+    """A `helpers.ForkServer` for the session (started by the first test that asks; the fast tier never does). Every
+    child gets one intra-op thread (tiny matrices: threads only contend) and unbuffered output (a killed child's last
+    lines are in its output), on top of the test process's environment."""
     from helpers import ForkServer
 
-    server = ForkServer(CHILD_IMPORTS, env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    server = ForkServer(CHILD_IMPORTS, overrides=dict(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
     yield server
     server.close()

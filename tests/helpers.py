@@ -299,18 +299,24 @@ class ForkServer:
     """Runs the tests' child scripts as forks of one process that has imported `preload` (torch, transformers,
     loopkit) once, instead of a fresh interpreter each: a test that starts a dozen children pays those imports (about
     5 s of CPU each) once. The child is the script's own process (its signals, exit code and output; see
-    tests/scripts/fork_server.py). Environment variables read at import time are the server's: start it with the
-    environment the test gives its children (`env`)."""
+    tests/scripts/fork_server.py). A child gets the test process's environment at the time of the call plus
+    `overrides` (or the `env` it is given); what the imports read from the environment is the server's, started with
+    the same."""
 
     SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "fork_server.py")
 
-    def __init__(self, preload: list[str], env: dict | None = None):
-        self.env = dict(os.environ if env is None else env)
+    def __init__(self, preload: list[str], overrides: dict | None = None):
+        self.overrides = dict(overrides or {})
         self.process = subprocess.Popen([sys.executable, self.SCRIPT, *preload], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, env=self.env)
         self.replies: dict[int, queue.Queue] = {}
         self.folder = tempfile.TemporaryDirectory(prefix="fork-server-")
         threading.Thread(target=self._read, daemon=True).start()
+
+    @property
+    def env(self) -> dict:
+        """What a child gets unless told otherwise: this process's environment now, plus the overrides."""
+        return {**os.environ, **self.overrides}
 
     def _read(self) -> None:
         for line in self.process.stdout:
