@@ -3,7 +3,9 @@
 # the constraints changed.
 #
 #   make demo    fine-tune MiniLM on Rotten Tomatoes reviews (examples/finetune_minilm.py); DEMO_ARGS="..." passes flags
-#   make test    the whole test suite (PYTEST_ARGS="..." passes pytest flags, e.g. PYTEST_ARGS="-x tests/test_import.py")
+#   make test    the fast tier of the test suite: every test not marked slow (PYTEST_ARGS="..." passes pytest flags)
+#   make test-all  the whole suite, the slow tier too (launches, kills, threads; what .ci/run runs), e.g.
+#                PYTEST_ARGS="-x tests/test_import.py" for one file of either tier (docs/testing.md: the tiers)
 #   make bench   loopkit vs HF Trainer vs a hand-written loop (benchmarks/; BENCH_ARGS="--quick" for a short run)
 #
 # Needs python3 (3.10 or newer) with its venv module, and access to PyPI. torch is pinned to the CPU build that lies
@@ -24,11 +26,15 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: demo test bench venv clean-venv
+.PHONY: test-all
 
 demo: $(VENV)/.installed-demo
 	$(VENV_PYTHON) examples/finetune_minilm.py $(DEMO_ARGS)
 
 test: $(VENV)/.installed-test
+	$(VENV_PYTHON) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(VENV)/.installed-test
 	$(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed-test

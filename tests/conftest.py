@@ -3,6 +3,8 @@ thread pools fighting pytest's, and transformers' logging kept to errors so test
 
 import os
 
+import pytest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -26,3 +28,58 @@ def pytest_collection_finish(session):
     import gc
 
     gc.freeze()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Test tiers (docs/testing.md): `pytest -m "not slow"` is the fast tier (`make test`), plain `pytest` runs everything
+# (`make test-all`, .ci/run). A test is slow when a list below names it: its file, or its function (all parameters).
+# tests/test_no_wallclock.py refuses a test that launches a process and is in neither list, so none lands in the fast
+# tier unnoticed.
+# ---------------------------------------------------------------------------------------------------------------
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SLOW_LISTS = ("load_sensitive.txt", "slow.txt")
+
+
+def listed_ids(name: str) -> list[str]:
+    """The test ids a list names: the first word of each line that is not blank or a comment."""
+    with open(os.path.join(TESTS, name), encoding="utf-8") as f:
+        return [line.split()[0] for line in f if line.strip() and not line.lstrip().startswith("#")]
+
+
+def slow_ids() -> set[str]:
+    return {test_id for name in SLOW_LISTS for test_id in listed_ids(name)}
+
+
+def is_listed(nodeid: str, ids: set[str]) -> bool:
+    """Whether `nodeid` (tests/test_x.py::Class::test_y[param]) or a prefix of it (its file, its class, its function
+    with every parameter) is in `ids`."""
+    parts = nodeid.split("[")[0].split("::")
+    return any("::".join(parts[:end]) in ids for end in range(1, len(parts) + 1))
+
+
+def pytest_collection_modifyitems(config, items):
+    ids = slow_ids()
+    for item in items:
+        if is_listed(item.nodeid, ids):
+            item.add_marker(pytest.mark.slow)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Child scripts as forks of one process that has imported what they import (helpers.ForkServer): the kill, preempt
+# and interrupt tests start dozens of children, each of which would otherwise spend ~5 s of CPU on the same imports.
+# ---------------------------------------------------------------------------------------------------------------
+CHILD_IMPORTS = ["torch", "safetensors.torch", "transformers", "transformers.trainer_callback",
+                 "transformers.models.llama.modeling_llama", "transformers.models.bert.modeling_bert", "loopkit",
+                 "loopkit.loop"]
+
+
+@pytest.fixture(scope="session")
+def forked():
+    """A `helpers.ForkServer` for the session (started by the first test that asks; the fast tier never does). Every
+    child gets one intra-op thread (tiny matrices: threads only contend) and unbuffered output (a killed child's last
+    lines are in its output), on top of the test process's environment."""
+    from helpers import ForkServer
+
+    server = ForkServer(CHILD_IMPORTS, overrides=dict(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    yield server
+    server.close()

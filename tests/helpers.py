@@ -11,9 +11,15 @@ import bz2
 import csv
 import importlib.util
 import io
+import json
 import os
+import queue
+import signal
 import socket
 import subprocess
+import sys
+import tempfile
+import threading
 import time
 
 import numpy as np
@@ -287,6 +293,97 @@ def run_process(command: list[str], what: str, timeout: float = PROCESS_WAIT_S, 
     except subprocess.TimeoutExpired as expired:
         pytest.fail(f"{what} was still running after {timeout:g} s (killed); its output ends:\n"
                     f"{output_tail(expired.stdout)}\n{output_tail(expired.stderr)}")
+
+
+class ForkServer:
+    """Runs the tests' child scripts as forks of one process that has imported `preload` (torch, transformers,
+    loopkit) once, instead of a fresh interpreter each: a test that starts a dozen children pays those imports (about
+    5 s of CPU each) once. The child is the script's own process (its signals, exit code and output; see
+    tests/scripts/fork_server.py). A child gets the test process's environment at the time of the call plus
+    `overrides` (or the `env` it is given); what the imports read from the environment is the server's, started with
+    the same."""
+
+    SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "fork_server.py")
+
+    def __init__(self, preload: list[str], overrides: dict | None = None):
+        self.overrides = dict(overrides or {})
+        self.process = subprocess.Popen([sys.executable, self.SCRIPT, *preload], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True, env=self.env)
+        self.replies: dict[int, queue.Queue] = {}
+        self.folder = tempfile.TemporaryDirectory(prefix="fork-server-")
+        threading.Thread(target=self._read, daemon=True).start()
+
+    @property
+    def env(self) -> dict:
+        """What a child gets unless told otherwise: this process's environment now, plus the overrides."""
+        return {**os.environ, **self.overrides}
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            reply = json.loads(line)
+            self.replies[reply["id"]].put(reply)
+        for waiting in self.replies.values():
+            waiting.put({"server exited": self.process.wait()})
+
+    def start(self, command: list[str], what: str, env: dict | None = None,
+              merge_stderr: bool = False) -> "ForkedChild":
+        """Start `command` (`[sys.executable, script, *args]`, as for `run_process`), stdout and stderr captured
+        (`merge_stderr`: both in stdout, as `stderr=subprocess.STDOUT`)."""
+        assert command[0] == sys.executable, command
+        request_id = len(self.replies)
+        self.replies[request_id] = queue.Queue()
+        out = os.path.join(self.folder.name, f"{request_id}.out")
+        err = out if merge_stderr else os.path.join(self.folder.name, f"{request_id}.err")
+        request = {"id": request_id, "argv": command[1:], "env": dict(self.env if env is None else env),
+                   "stdout": out, "stderr": err}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return ForkedChild(self, command, what, request_id, out, None if merge_stderr else err)
+
+    def run(self, command: list[str], what: str, env: dict | None = None, merge_stderr: bool = False,
+            timeout: float = PROCESS_WAIT_S) -> subprocess.CompletedProcess:
+        """`start`, then wait: what `run_process` returns, from a forked child."""
+        return self.start(command, what, env, merge_stderr).wait(timeout)
+
+    def close(self) -> None:
+        self.process.stdin.close()  # the server exits when its children have
+        self.process.wait(timeout=PROCESS_WAIT_S)
+        self.folder.cleanup()
+
+
+class ForkedChild:
+    """A child `ForkServer.start` started: `wait()` gives its `subprocess.CompletedProcess`, or fails the test
+    (killing the child) if it runs past the limit, saying what it was and what it printed."""
+
+    def __init__(self, server: ForkServer, command, what, request_id, out, err):
+        self.server, self.command, self.what, self.id, self.out, self.err = server, command, what, request_id, out, err
+        self.pid = self._reply("pid", PROCESS_WAIT_S)["pid"]
+
+    def _reply(self, key: str, timeout: float) -> dict:
+        try:
+            reply = self.server.replies[self.id].get(timeout=timeout)
+        except queue.Empty:
+            return {}
+        if key not in reply:
+            pytest.fail(f"the fork server running {self.what} ended (exit code {reply.get('server exited')})")
+        return reply
+
+    def _output(self) -> tuple[str, str | None]:
+        def read(path):
+            with open(path, errors="replace") as f:
+                return f.read()
+        return read(self.out), None if self.err is None else read(self.err)
+
+    def wait(self, timeout: float = PROCESS_WAIT_S) -> subprocess.CompletedProcess:
+        reply = self._reply("returncode", timeout)
+        if not reply:
+            os.kill(self.pid, signal.SIGKILL)
+            self._reply("returncode", PROCESS_WAIT_S)
+            stdout, stderr = self._output()
+            pytest.fail(f"{self.what} was still running after {timeout:g} s (killed); its output ends:\n"
+                        f"{output_tail(stdout)}\n{output_tail(stderr)}")
+        stdout, stderr = self._output()
+        return subprocess.CompletedProcess(self.command, reply["returncode"], stdout, stderr)
 
 
 class JumpingClock:

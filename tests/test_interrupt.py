@@ -5,13 +5,12 @@ that resumes it, and `train()` raises `TrainingInterrupted` outside a launcher (
 import json
 import os
 import signal
-import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 
-from helpers import regression_data, run_process, tiny_regression
+from helpers import regression_data, tiny_regression
 from loopkit import Loop, LoopArgs, TrainingInterrupted
 from loopkit.checkpoint import checkpoint_problem
 from loopkit.guards import LAUNCHER_ENV, PreemptionWatch, under_launcher
@@ -22,14 +21,14 @@ sys.path.insert(0, SCRIPTS)
 from interrupt_child import SignalAtStep  # noqa: E402
 
 
-def run_child(out, mode="", launcher=False):
-    """The child in its own interpreter, stderr merged into stdout so the order of what is printed is kept."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+def run_child(forked, out, mode="", launcher=False):
+    """The child in its own process (forked from the session's fork server, conftest.forked: one intra-op thread,
+    unbuffered), stderr merged into stdout so the order of what is printed is kept."""
+    env = {k: v for k, v in forked.env.items() if k not in LAUNCHER_ENV}
     if launcher:
         env["SLURM_JOB_ID"] = "4242"
-    return run_process([sys.executable, CHILD, str(out), mode], f"scripts/interrupt_child.py {mode}", env=env,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return forked.run([sys.executable, CHILD, str(out), mode], f"scripts/interrupt_child.py {mode}", env=env,
+                      merge_stderr=True)
 
 
 def checkpoints(out):
@@ -41,9 +40,9 @@ def plan_line(out, signame, step):
             f"press Ctrl-C again to stop without saving.")
 
 
-def test_sigterm_under_a_scheduler_says_what_it_does_saves_and_exits_143(tmp_path):
+def test_sigterm_under_a_scheduler_says_what_it_does_saves_and_exits_143(tmp_path, forked):
     out = tmp_path / "run"
-    result = run_child(out, "sigterm", launcher=True)
+    result = run_child(forked, out, "sigterm", launcher=True)
     printed = result.stdout
     assert result.returncode == 143, printed[-3000:]
     # Printed at once: before step 3's log line, which comes when the step it announces is done.
@@ -61,9 +60,9 @@ def test_sigterm_under_a_scheduler_says_what_it_does_saves_and_exits_143(tmp_pat
 
 
 
-def test_a_second_ctrl_c_stops_at_once_without_saving_and_keeps_the_previous_checkpoint(tmp_path):
+def test_a_second_ctrl_c_stops_at_once_without_saving_and_keeps_the_previous_checkpoint(tmp_path, forked):
     out = tmp_path / "run"
-    result = run_child(out, "sigint-twice")  # the second SIGINT arrives while checkpoint-3 is being written
+    result = run_child(forked, out, "sigint-twice")  # the second SIGINT arrives while checkpoint-3 is being written
     printed = result.stdout
     assert result.returncode == 1, printed[-3000:]  # an uncaught exception in a script (not under a launcher)
     assert plan_line(out, "SIGINT", 3) in printed

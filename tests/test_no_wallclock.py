@@ -218,7 +218,156 @@ def test_no_child_process_gets_a_tight_time_limit():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The check itself, on sources written for it
+# No test that launches a process lands in the fast tier: each is named in tests/load_sensitive.txt (or tests/slow.txt),
+# which tests/conftest.py turns into the `slow` marker that `make test` leaves out.
+# ---------------------------------------------------------------------------------------------------------------
+# Calls that start a process, by the module they come from (`subprocess.run`, `from subprocess import Popen`,
+# `mp.get_context`, `torch.multiprocessing.spawn`) or by the name of the tests' own helper.
+LAUNCHERS = {
+    "subprocess": {"run", "call", "Popen", "check_call", "check_output", "getoutput", "getstatusoutput"},
+    "os": {"fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "spawnv", "spawnve", "spawnl",
+           "spawnle", "spawnvp", "spawnlp", "execv", "execve", "execvp", "execl"},
+    "multiprocessing": {"Process", "Pool", "get_context", "set_start_method"},
+    "torch.multiprocessing": {"Process", "Pool", "get_context", "spawn", "start_processes"},
+    "torch.distributed.run": {"main", "run"},
+    "helpers": {"run_process", "wait_for"},
+}
+# A DataLoader with worker processes: a literal `dataloader_num_workers=N` (or `num_workers=N`), N > 0.
+WORKER_KEYWORDS = {"dataloader_num_workers", "num_workers"}
+
+
+def imported_names(tree: ast.Module) -> dict[str, str]:
+    """Local name -> what it is: `module` for `import module [as name]`, `module.attr` for `from module import attr`."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:  # `import a.b` binds `a`; `import a.b as c` binds `c` to `a.b`
+                top = alias.name.split(".")[0]
+                names[alias.asname or top] = alias.name if alias.asname else top
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return names
+
+
+def dotted(node: ast.AST, names: dict[str, str]) -> str | None:
+    """`mp.get_context` -> `torch.multiprocessing.get_context` when `import torch.multiprocessing as mp`."""
+    if isinstance(node, ast.Name):
+        return names.get(node.id, node.id)
+    if isinstance(node, ast.Attribute):
+        base = dotted(node.value, names)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def starts_a_process(call: ast.Call, names: dict[str, str], launching: set[str]) -> bool:
+    """Whether `call` launches: a launcher above, a function known to launch (`launching`, dotted names), or a
+    DataLoader given worker processes."""
+    target = dotted(call.func, names) or ""
+    module, _, attr = target.rpartition(".")
+    if attr in LAUNCHERS.get(module, ()) or target in launching:
+        return True
+    return any(keyword.arg in WORKER_KEYWORDS and isinstance(keyword.value, ast.Constant)
+               and isinstance(keyword.value.value, int) and keyword.value.value > 0 for keyword in call.keywords)
+
+
+def is_fixture(function: ast.AST) -> bool:
+    for decorator in getattr(function, "decorator_list", []):
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        if (getattr(target, "attr", None) or getattr(target, "id", None)) == "fixture":
+            return True
+    return False
+
+
+def is_autouse(function: ast.AST) -> bool:
+    return any(isinstance(decorator, ast.Call) and any(k.arg == "autouse" and getattr(k.value, "value", False)
+                                                       for k in decorator.keywords)
+               for decorator in function.decorator_list)
+
+
+def functions_of(tree: ast.Module) -> dict[str, ast.AST]:
+    """Module-level functions by name, and methods as `Class::method`."""
+    found = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            found.update({f"{node.name}::{item.name}": item for item in node.body
+                          if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))})
+    return found
+
+
+def launching_functions(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Per module (`helpers`, `test_x`), the functions that launch a process: directly, through a function of this
+    or another tests module they call, or through a fixture they take (an autouse one: every test of the module)."""
+    trees = {module: ast.parse(source) for module, source in sources.items()}
+    launching = {module: set() for module in trees}
+    shared = {name for name, f in functions_of(trees["conftest"]).items() if is_fixture(f)} \
+        if "conftest" in trees else set()  # tests/conftest.py's fixtures: any test may take them
+    while True:
+        grown = False
+        for module, tree in trees.items():
+            names, functions = imported_names(tree), functions_of(tree)
+            known = {f"{other}.{name}" for other in launching for name in launching[other]}
+            local = {name: f"{module}.{name}" for name in functions if "::" not in name}
+            lookup = {**{name: f"conftest.{name}" for name in shared}, **names, **local}
+            fixtures = shared | {name for name, f in functions.items() if is_fixture(f)} | {
+                local_name for local_name, target in names.items() if target in known}
+            autouse = any(is_fixture(f) and is_autouse(f) and name in launching[module]
+                          for name, f in functions.items())
+            for name, function in functions.items():
+                if name in launching[module]:
+                    continue
+                arguments = {a.arg for a in function.args.args + function.args.kwonlyargs}
+                takes = {lookup.get(a, f"{module}.{a}") for a in arguments & fixtures}
+                if (autouse and name.split("::")[-1].startswith("test")) or takes & known or any(
+                        isinstance(node, ast.Call) and starts_a_process(node, lookup, known)
+                        for node in ast.walk(function)):
+                    launching[module] |= {name, name.split("::")[0]}  # a method launches: so does its class
+                    grown = True
+        if not grown:
+            return launching
+
+
+def suite_sources() -> dict[str, str]:
+    return {os.path.splitext(os.path.basename(path))[0]: read(path) for path in python_files()
+            if os.path.dirname(path) == TESTS}
+
+
+def launching_tests(sources: dict[str, str]) -> list[str]:
+    """The ids (`tests/test_x.py::test_y`, `tests/test_x.py::TestZ::test_y`) of the tests that launch a process."""
+    return sorted(f"tests/{module}.py::{name}" for module, names in launching_functions(sources).items()
+                  if module.startswith("test_") for name in names
+                  if name.split("::")[-1].startswith("test") and ("::" not in name or name.startswith("Test")))
+
+
+def test_no_test_that_launches_a_process_is_in_the_fast_tier():
+    from conftest import is_listed, slow_ids
+
+    slow = slow_ids()
+    unlisted = [test_id for test_id in launching_tests(suite_sources()) if not is_listed(test_id, slow)]
+    assert unlisted == [], (
+        "These tests launch a process (subprocess, torchrun, helpers.run_process, multiprocessing, DataLoader "
+        "workers) but are not in the slow tier, so `make test` would run them:\n  " + "\n  ".join(unlisted)
+        + "\nName each in tests/load_sensitive.txt with what it waits for (docs/testing.md).")
+
+
+def test_every_test_the_tier_lists_name_exists():
+    from conftest import SLOW_LISTS, listed_ids
+
+    stale = []
+    for list_name in SLOW_LISTS:
+        for test_id in listed_ids(list_name):
+            path, *name = test_id.split("::", 1)
+            full = os.path.join(os.path.dirname(TESTS), path)
+            if not os.path.isfile(full) or name and name[0] not in functions_of(ast.parse(read(full))):
+                stale.append(f"{list_name}: {test_id}")
+    assert stale == [], "These listed tests do not exist (renamed?): the tests they meant would run in the fast " \
+                        "tier unnoticed:\n  " + "\n  ".join(stale)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The checks themselves, on sources written for them
 # ---------------------------------------------------------------------------------------------------------------
 def refused(source: str) -> list[str]:
     return [text for _, _, text in wallclock_assertions(source)]
@@ -261,6 +410,47 @@ def test_the_check_refuses_a_short_timeout_and_allows_the_generous_one():
               "gate.wait(PROCESS_WAIT_S)\n"
               "thread.join()\n")
     assert [line for _, line, _ in short_timeouts(source)] == [2, 3, 6, 7]
+
+
+def test_the_launch_check_follows_helpers_fixtures_and_imports_and_leaves_in_process_tests():
+    sources = {
+        "helpers": "import subprocess\ndef run_process(command, what):\n    return subprocess.run(command)\n",
+        "test_a": ("import subprocess, pytest\nimport multiprocessing as mp\nimport torch.multiprocessing as tmp\n"
+                   "from helpers import run_process\n"
+                   "def child():\n    return run_process(['python'], 'a child')\n"
+                   "@pytest.fixture\ndef launched():\n    return subprocess.Popen(['torchrun'])\n"
+                   "def test_helper():\n    child()\n"
+                   "def test_fixture(launched):\n    pass\n"
+                   "def test_mp():\n    mp.get_context('spawn').Process(target=print).start()\n"
+                   "def test_torch_spawn():\n    tmp.spawn(print, nprocs=2)\n"
+                   "def test_workers(tmp_path):\n    hf_args(tmp_path, dataloader_num_workers=2)\n"
+                   "class TestGroup:\n    def test_fork(self):\n        import os\n        os.fork()\n"
+                   "def test_in_process(tmp_path):\n    hf_args(tmp_path, dataloader_num_workers=0).run()\n"
+                   "    platform.system()\n"),
+        "test_b": "from test_a import child, launched\ndef test_imported(launched):\n    child()\n"
+                  "def test_other():\n    pass\n",
+    }
+    assert launching_tests(sources) == [
+        "tests/test_a.py::TestGroup::test_fork", "tests/test_a.py::test_fixture", "tests/test_a.py::test_helper",
+        "tests/test_a.py::test_mp", "tests/test_a.py::test_torch_spawn", "tests/test_a.py::test_workers",
+        "tests/test_b.py::test_imported"]
+    shared = {"helpers": "import subprocess\nclass Server:\n    def __init__(self):\n        subprocess.Popen(['x'])\n",
+              "conftest": "import pytest\n@pytest.fixture\ndef forked():\n    from helpers import Server\n"
+                          "    yield Server()\n",
+              "test_d": "def test_forks(tmp_path, forked):\n    pass\ndef test_not(tmp_path):\n    pass\n"}
+    assert launching_tests(shared) == ["tests/test_d.py::test_forks"]
+    autouse = "import pytest, subprocess\n@pytest.fixture(autouse=True)\ndef up():\n    subprocess.run(['x'])\n" \
+              "def test_one():\n    pass\n"
+    assert launching_tests({"test_c": autouse}) == ["tests/test_c.py::test_one"]
+
+
+def test_the_tiers_mark_a_listed_file_or_function_with_all_its_parameters():
+    from conftest import is_listed
+
+    listed = {"tests/test_a.py", "tests/test_b.py::test_y", "tests/test_c.py::TestZ"}
+    assert is_listed("tests/test_a.py::test_anything[1-2]", listed)
+    assert is_listed("tests/test_b.py::test_y[a/b::c]", listed) and not is_listed("tests/test_b.py::test_y2", listed)
+    assert is_listed("tests/test_c.py::TestZ::test_w", listed) and not is_listed("tests/test_d.py::test_y", listed)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -132,20 +132,20 @@ def bracket(events, step):
             next(e["t"] for e in events if e.get("saved") == step) + 1e-6)
 
 
-def test_killed_run_rebuilt_from_its_run_record_and_resumed_report_covers_the_whole_run(tmp_path):
+def test_killed_run_rebuilt_from_its_run_record_and_resumed_report_covers_the_whole_run(tmp_path, forked):
     sys.path.insert(0, os.path.join(HERE, "scripts"))
     try:
         import report_child
     finally:
         sys.path.pop(0)
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    result = run_process([sys.executable, report_child.__file__, str(out), "8"], "the run killed at step 8",
-                         env=env)  # SIGKILL at step 8: checkpoint-6 is the newest
+    # Both children fork from the session's fork server (conftest.forked: one intra-op thread, unbuffered).
+    result = forked.run([sys.executable, report_child.__file__, str(out), "8"],
+                        "the run killed at step 8")  # SIGKILL at step 8: checkpoint-6 is the newest
     assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
     killed = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"')]
     # The CLI rebuilds the report from checkpoint-6, charts included.
-    cli = run_process([sys.executable, "-m", "loopkit", "report", str(out)], "python -m loopkit report")
+    cli = forked.run([sys.executable, "-m", "loopkit", "report", str(out)], "python -m loopkit report")
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert all(is_png(out / chart) for chart in CHARTS)
     rebuilt = json.load(open(out / "run_report.json"))

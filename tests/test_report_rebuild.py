@@ -13,7 +13,7 @@ import time
 import pytest
 from transformers import EarlyStoppingCallback
 
-from helpers import regression_data, run_process, tiny_regression
+from helpers import regression_data, tiny_regression
 from loopkit import Loop, LoopArgs, TrainingInterrupted, report
 from loopkit.guards import LAUNCHER_ENV
 
@@ -113,7 +113,7 @@ def test_an_interrupted_then_resumed_run(tmp_path, capsys):
     assert [(s["from_step"], s["to_step"]) for s in forced["segments"]] == [(0, 3), (3, 8)]
 
 
-def test_a_sigkilled_resume_is_rebuilt_beside_the_runs_own_report(tmp_path, capsys):
+def test_a_sigkilled_resume_is_rebuilt_beside_the_runs_own_report(tmp_path, capsys, forked):
     """Interrupted at step 4 (its report written), resumed in a child process and SIGKILLed at step 8: the newest
     checkpoint (6) is past the run's own report, which stays as it is; the rebuilt one goes beside it."""
     out = tmp_path / "run"
@@ -124,9 +124,8 @@ def test_a_sigkilled_resume_is_rebuilt_beside_the_runs_own_report(tmp_path, caps
     with pytest.raises(TrainingInterrupted):
         interrupted.train()
     before = files(out)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    result = run_process([sys.executable, report_child.__file__, str(out), "8"], "the resumed run killed at step 8",
-                         env=env)
+    # Forked from the session's fork server (conftest.forked: one intra-op thread, unbuffered).
+    result = forked.run([sys.executable, report_child.__file__, str(out), "8"], "the resumed run killed at step 8")
     assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
 
     printed = cli(capsys, out)

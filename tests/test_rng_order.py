@@ -11,14 +11,13 @@ last one of 2, so GA 3 ends each epoch with a window of 2).
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import IGNORE_PIN_MEMORY_WARNING, hf_args, rotten_tomatoes, runners, wait_for
+from helpers import IGNORE_PIN_MEMORY_WARNING, hf_args, rotten_tomatoes, runners
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 from rng_order_child import masked_lm_run  # noqa: E402
@@ -93,18 +92,19 @@ KILL_CASES = {"token-masking": dict(ga=3), "iterable-dataset": dict(iterable=Tru
               "seeded-whole-word": dict(seeded=True, whole_word=True, ga=3)}
 
 
-def start_child(out, texts_path, case, mode=None, launcher=False):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    if launcher:  # as under a scheduler: a preempted run checkpoints and exits 143 (loopkit/guards.py)
-        env["SLURM_JOB_ID"] = "1"
+def start_child(forked, out, texts_path, case, mode=None, launcher=False):
+    """rng_order_child.py, forked from the session's fork server (conftest.forked: one intra-op thread, unbuffered),
+    stderr merged into stdout."""
+    # As under a scheduler: a preempted run checkpoints and exits 143 (loopkit/guards.py).
+    env = dict(forked.env, SLURM_JOB_ID="1") if launcher else None
     command = [sys.executable, CHILD, str(out), str(texts_path), json.dumps({**case, "save_steps": 1})]
-    return subprocess.Popen(command + ([mode] if mode else []), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return forked.start(command + ([mode] if mode else []), f"the training child ({mode or 'whole run'})", env=env,
+                        merge_stderr=True)
 
 
 def finished(child, returncode=0) -> None:
-    output = wait_for(child, "the training child")
-    assert child.returncode == returncode, output[-3000:]
+    result = child.wait()
+    assert result.returncode == returncode, result.stdout[-3000:]
 
 
 def result(out):
@@ -122,10 +122,10 @@ def texts_path(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(KILL_CASES))
-def test_killed_mid_window_resumes_bit_identical(tmp_path, texts_path, name):
+def test_killed_mid_window_resumes_bit_identical(tmp_path, texts_path, forked, name):
     case = KILL_CASES[name]
     full, killed = tmp_path / "full", tmp_path / "killed"
-    children = start_child(full, texts_path, case), start_child(killed, texts_path, case, "kill")
+    children = start_child(forked, full, texts_path, case), start_child(forked, killed, texts_path, case, "kill")
     finished(children[0])
     finished(children[1], -9)
     assert sorted(name for name in os.listdir(killed) if name.startswith("checkpoint")) == ["checkpoint-1"]  # killed inside window 2
@@ -138,28 +138,28 @@ def test_killed_mid_window_resumes_bit_identical(tmp_path, texts_path, name):
     mutated = tmp_path / "mutated"
     if name == "token-masking":
         shutil.copytree(killed, mutated)
-    finished(start_child(killed, texts_path, case, "resume"))
+    finished(start_child(forked, killed, texts_path, case, "resume"))
     (weights, losses), (full_weights, full_losses) = result(killed), result(full)
     assert losses == full_losses  # the restored history up to step 1, then the resumed steps (floats, ==)
     assert_bit_identical(weights, full_weights)
     if name == "token-masking":  # the mutation check: without the batch read ahead the resume is not exact
-        finished(start_child(mutated, texts_path, case, "resume-without-read-ahead"))
+        finished(start_child(forked, mutated, texts_path, case, "resume-without-read-ahead"))
         mutated_weights, mutated_losses = result(mutated)
         assert mutated_losses[0] == full_losses[0] and mutated_losses[1:] != full_losses[1:]
         assert any(not torch.equal(mutated_weights[k], full_weights[k]) for k in full_weights)
 
 
-def test_preempted_evaluation_with_seeded_collator_resumes_bit_identical(tmp_path, texts_path):
+def test_preempted_evaluation_with_seeded_collator_resumes_bit_identical(tmp_path, texts_path, forked):
     """SIGTERM during the evaluation after step 2 (mid-epoch, a batch read ahead): the checkpoint holds the RNG and the
     collator's generator from before that evaluation, which the resumed run does first, then trains on."""
     case = dict(seeded=True)
     full, preempted = tmp_path / "full", tmp_path / "preempted"
-    children = start_child(full, texts_path, case), start_child(preempted, texts_path, case, "sigterm-eval",
-                                                                launcher=True)
+    children = (start_child(forked, full, texts_path, case),
+                start_child(forked, preempted, texts_path, case, "sigterm-eval", launcher=True))
     finished(children[0])
     finished(children[1], 143)
     assert json.loads((preempted / "checkpoint-2" / "loopkit_state.json").read_text())["schedule"]["pending_evaluation"]
-    finished(start_child(preempted, texts_path, case, "resume"))
+    finished(start_child(forked, preempted, texts_path, case, "resume"))
     (weights, losses), (full_weights, full_losses) = result(preempted), result(full)
     assert losses == full_losses
     assert_bit_identical(weights, full_weights)

@@ -264,10 +264,10 @@ def test_ddp_find_unused_parameters_default_follows_trainer(tmp_path):
         assert handlers["hf"].get("find_unused_parameters", False) is expected, (build.__name__, overrides)
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
-    """The 2-node launch starts before this file's first test and runs while the one-process tests do (most of its
-    time is two interpreters importing torch and transformers); its test waits for it."""
+    """The 2-node launch (its own test, in the slow tier: not autouse, so the fast tier's tests of this file launch
+    nothing)."""
     child = os.path.join(os.path.dirname(__file__), "scripts", "ddp_kwargs_child.py")
     out = tmp_path_factory.mktemp("two_nodes")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
@@ -279,7 +279,7 @@ def two_nodes(tmp_path_factory):
                                "--master_port", port, child, str(out)], env=env, stderr=subprocess.STDOUT,
                               stdout=open(out / f"launch{node}.log", "w")) for node in (0, 1)]
     yield out, nodes
-    for node in nodes:  # a run of only some of this file's tests does not wait for it
+    for node in nodes:  # the test failed before waiting for both
         if node.poll() is None:
             node.kill()
             node.wait()
