@@ -3,9 +3,9 @@
 The time by phase comes from the phase clock (`PhaseClock`, loopkit/phases.py).
 
 At the end of a run (and when it fails or is interrupted) the teardown stage writes `run_report.json` and
-`run_report.md` to the output folder (each atomically: a temporary file, flushed, renamed) and prints a one-screen
-summary, all before `train()` returns or raises: no thread of loopkit's writes into the user's folder afterwards,
-and every file the summary names exists when it is printed. That costs milliseconds. The PNG charts (loss with eval
+`run_report.md` to the output folder (each atomically: a temporary file, renamed; not forced to disk) and prints a
+one-screen summary, all before `train()` returns or raises: no thread of loopkit's writes into the user's folder
+afterwards, and every file the summary names exists when it is printed. That costs about a millisecond. The PNG charts (loss with eval
 loss, the best checkpoint and resumes; the learning rate as the schedule set it, warmup shaded; one axis per
 evaluation metric; one per key a step observer adds to the training logs, loopkit/observers/; throughput) take about
 a second of matplotlib, most of a short run, so they are drawn on demand from what the report records:
@@ -74,11 +74,15 @@ def lr_schedule_settings(run) -> dict | None:
     from .errors import plain
 
     args, max_steps = run.args, run.state.max_steps
-    if run.optimizers_given[1] is not None:
+    kwargs = args.lr_scheduler_kwargs or {}
+    if run.optimizers_given[1] is not None or not isinstance(kwargs, dict):
+        return None
+    try:  # it goes into every checkpoint's JSON: keywords JSON cannot hold leave the schedule unknown instead
+        kwargs = json.loads(json.dumps(kwargs))
+    except (TypeError, ValueError):
         return None
     return {"type": str(plain(args.lr_scheduler_type)), "learning_rate": args.learning_rate,
-            "warmup_steps": args.get_warmup_steps(max_steps), "training_steps": max_steps,
-            "kwargs": dict(args.lr_scheduler_kwargs or {})}
+            "warmup_steps": args.get_warmup_steps(max_steps), "training_steps": max_steps, "kwargs": kwargs}
 
 
 def whole_run_totals(segments: list[dict]) -> tuple[float | None, dict]:
@@ -679,15 +683,21 @@ def summary_text(report: dict) -> str:
 
 
 def write_atomically(path: str, text: str) -> None:
-    """`text` into `path`, whole or not at all: written beside it, flushed to disk, then renamed over it (a reader,
-    a crash or a full disk never sees half a file; a failure leaves the previous file and no temporary one)."""
+    """`text` into `path`, whole or not at all: written beside it, then renamed over it (a reader or a crash of the
+    process never sees half a file; a failure, e.g. a full disk, leaves the previous file and no temporary one).
+    Not forced to disk: an fsync costs tens of milliseconds on a busy disk, most of the report's cost at the end of a
+    short run, and these files are derived: after a power loss `python -m loopkit report` rebuilds the report from
+    the checkpoints, which are forced to disk."""
     folder, name = os.path.split(path)
     tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            data = memoryview(text.encode("utf-8"))
+            while data:
+                data = data[os.write(fd, data):]
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -794,7 +804,8 @@ def report_from_checkpoint(run_dir: str, checkpoint: str) -> dict:
               "output_dir": run_dir, "global_step": step, "max_steps": state["max_steps"],
               "epoch": state["epoch"] or 0, "final_metrics": evals[-1] if evals else {},
               "best_metric": state.get("best_metric"), "metric_for_best_model": record.get("metric_for_best_model"),
-              "greater_is_better": record.get("greater_is_better"), "best_checkpoint": state.get("best_model_checkpoint"),
+              "greater_is_better": record.get("greater_is_better"),
+              "best_checkpoint": state.get("best_model_checkpoint"),
               "total_seconds": whole_run_totals(segments)[0], "segments": segments,
               "time_by_phase": time_by_phase(segments), "log_history": history,
               "best_step": state.get("best_global_step"), "slow_steps": [], "interruption": None,

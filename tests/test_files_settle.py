@@ -163,16 +163,16 @@ def test_charts_can_be_turned_off(tmp_path, teardown):
 
 
 def test_the_report_files_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
-    """A failure while the new report is written (here: at its flush to disk) leaves the previous report as it was
-    and no temporary file behind."""
+    """A failure while the new report is written (here: its write fails, as on a full disk) leaves the previous
+    report as it was and no temporary file behind."""
     out = tmp_path / "run"
     loop(out, teardown=TeardownStage(charts=False), max_steps=4, save_strategy="no").train()
     previous = {name: (out / name).read_bytes() for name in ("run_report.json", "run_report.md")}
 
-    def failing_fsync(fd):
+    def failing_write(fd, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(report.os, "fsync", failing_fsync)
+    monkeypatch.setattr(report.os, "write", failing_write)
     with pytest.warns(UserWarning, match="Could not write the run report"):
         loop(out, teardown=TeardownStage(charts=False), max_steps=8, save_strategy="no").train()
     assert {name: (out / name).read_bytes() for name in previous} == previous

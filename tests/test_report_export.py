@@ -100,7 +100,8 @@ def test_the_report_counts_all_of_train_and_its_charts_are_there_when_it_returns
 
     for trial in range(3):
         teardown = TeardownStage(charts=True) if trial < 2 else None  # the third: the default, no charts
-        small_run(tmp_path / f"trial-{trial}", teardown=teardown, max_steps=20, learning_rate=1e-4 * (trial + 1)).train()
+        small_run(tmp_path / f"trial-{trial}", teardown=teardown, max_steps=20,
+                  learning_rate=1e-4 * (trial + 1)).train()
         written = json.load(open(tmp_path / f"trial-{trial}" / "run_report.json"))
         for chart in CHARTS:
             path = tmp_path / f"trial-{trial}" / chart
