@@ -392,11 +392,12 @@ def learning_rate_chart(ax, report: dict) -> None:
 # Metrics that are shares of something (0-1, or 0-100 when reported in percent; -1-1 for a correlation): their
 # change reads in points.
 BOUNDED_METRIC_WORDS = ("accuracy", "acc", "f1", "precision", "recall", "exact", "auc", "matthews", "mcc", "rouge",
-                        "iou", "jaccard", "dice")
+                        "iou", "jaccard", "dice", "share")
 
 
 def is_bounded_metric(key: str, values: list) -> bool:
-    """A share-like metric (accuracy, f1, exact_match, rouge1, ...): its name says so and its values lie in -1-100."""
+    """A share-like metric (accuracy, f1, exact_match, rouge1, padding_share, ...): its name says so and its values
+    lie in -1-100."""
     words = key.removeprefix("eval_").lower().replace("-", "_").replace("@", "_").split("_")
     named = any(word.rstrip("0123456789") in BOUNDED_METRIC_WORDS or word.startswith("rouge") for word in words)
     return named and min(values) >= -1 and max(values) <= 100

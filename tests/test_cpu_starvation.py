@@ -77,9 +77,13 @@ def test_a_starved_run_logs_the_advice_once_when_first_measured(tmp_path, monkey
     assert message.endswith("set fewer threads, OMP_NUM_THREADS=1 before Python starts or torch.set_num_threads(1)")
     assert capsys.readouterr().out.count("CPU starved") == 1  # the summary's line, at the end
 
-    caplog.clear()  # a second train() in the process says it again, once
+    caplog.clear()  # an evaluate() outside train() measures no training: nothing; a second train() says it, once
     with caplog.at_level(logging.WARNING, logger="loopkit"):
-        Loop(model=tiny_regression(), args=args, train_dataset=regression_data(32)).train()
+        loop = Loop(model=tiny_regression(), args=args, train_dataset=regression_data(32),
+                    eval_dataset=regression_data(8))
+        loop.evaluate()
+        assert not starved_records(caplog)
+        loop.train()
     assert len(starved_records(caplog)) == 1
 
 

@@ -50,7 +50,7 @@ class TeardownStage(Stage):
 
     last_report = None  # the latest run report (a `RunReport`: `loop.report`), on the main process
     charts = False  # a subclass that does not call `__init__` keeps the default
-    starvation_said = False  # whether this train() has logged the CPU-starved advice
+    watching_starvation = False  # in a train() that has not yet logged the CPU-starved advice
 
     def __init__(self, charts: bool = False):
         """`charts`: draw the run report's PNG charts (loss, learning rate, evaluation metrics, throughput) into the
@@ -83,7 +83,7 @@ class TeardownStage(Stage):
     def on_train_begin(self, args, state, control, **kwargs):
         """`run_status.json` says "running" until the run's end replaces it: a report rebuilt from a checkpoint
         then tells a run that never reached its end (killed) from one that did."""
-        self.starvation_said = False
+        self.watching_starvation = True
         if self.context.accelerator.is_main_process:
             try:
                 write_run_status(args.output_dir, self.status_record("running", "running"))
@@ -95,12 +95,15 @@ class TeardownStage(Stage):
         at logs only), once, on the main process: a long run on a busy machine learns to set fewer threads when it
         can still act on it, not only in the report at its end."""
         context = self.context
-        if self.starvation_said or not context.accelerator.is_main_process:
-            return
+        if not self.watching_starvation or not context.accelerator.is_main_process:
+            return  # said already, or outside train() (an evaluate() measures no training)
         starved = cpu_starvation(context.clock.machine(), on_cpu=context.accelerator.device.type == "cpu")
         if starved is not None:
-            self.starvation_said = True
+            self.watching_starvation = False
             logger.warning(f"CPU starved at step {state.global_step}: {starvation_text(starved)}")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.watching_starvation = False
 
     def status_record(self, end: str, status: str) -> dict:
         state = self.run.state
