@@ -5,13 +5,13 @@ The time by phase comes from the phase clock (`PhaseClock`, loopkit/phases.py).
 At the end of a run (and when it fails or is interrupted) the teardown stage writes `run_report.json` and
 `run_report.md` to the output folder (each atomically: a temporary file, renamed; not forced to disk) and prints a
 one-screen summary, all before `train()` returns or raises: no thread of loopkit's writes into the user's folder
-afterwards, and every file the summary names exists when it is printed. That costs about a millisecond. The PNG charts (loss with eval
-loss, the best checkpoint and resumes; the learning rate as the schedule set it, warmup shaded; one axis per
-evaluation metric; one per key a step observer adds to the training logs, loopkit/observers/; throughput) take about
-a second of matplotlib, most of a short run, so they are drawn on demand from what the report records:
-`python -m loopkit report RUN_DIR` writes them into the folder, and a notebook's `loop.report` shows them inline
-(drawn in memory, nothing written). `TeardownStage(charts=True)` draws them before `train()` returns instead (timed in
-the "report" phase). Without matplotlib the report says how to get the charts.
+afterwards, and every file the summary names exists when it is printed. That costs about a millisecond. The PNG
+charts (loss with eval loss, the best checkpoint and resumes; the learning rate as the schedule set it, warmup
+shaded; one axis per evaluation metric; one per key a step observer adds to the training logs, loopkit/observers/;
+throughput) take about a second of matplotlib, most of a short run, so they are drawn on demand from what the report
+records: `python -m loopkit report RUN_DIR` writes them into the folder, and a notebook's `loop.report` shows them
+inline (drawn in memory, nothing written). `TeardownStage(charts=True)` draws them before `train()` returns instead
+(timed in the "report" phase). Without matplotlib the report says how to get the charts.
 
 Slow steps: a step slower than 3x the rolling median and beyond the run's normal spread (median + 5 robust standard
 deviations, from the median absolute deviation), its scheduled evaluation and checkpoint left out. Each names its
