@@ -525,8 +525,12 @@ def chart(section: dict, plt):
         values = [median([r[key] for r in runs[n]]) for n in names]
         axis.barh(range(len(names)), values, color=colors)
         for y, n in enumerate(names):
-            axis.scatter([r[key] for r in runs[n]], [y] * len(runs[n]), color="black", s=8, zorder=3)
-            axis.annotate(fmt(values[y]), (values[y], y), va="center", fontsize=8)
+            samples = [r[key] for r in runs[n]]
+            axis.scatter(samples, [y] * len(samples), color="black", s=8, zorder=3)
+            # Right of the longest of the bar and its rounds' dots, a few points on: never over a dot.
+            axis.annotate(fmt(values[y]), (max([values[y]] + samples), y), xytext=(4, 0), textcoords="offset points",
+                          va="center", fontsize=8)
+        axis.set_xlim(right=1.2 * max(r[key] for n in names for r in runs[n]))  # room for the labels
         axis.set_yticks(range(len(names)), [RUNGS[n][0] for n in names], fontsize=8)
         axis.invert_yaxis()
         axis.set_xlabel(unit)

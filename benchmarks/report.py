@@ -218,12 +218,17 @@ def comparison_chart(section: dict, plt):
             axis.bar(x, value or 0, color=COLORS[contender], alpha=0.3 if mismatched else 0.85)
             axis.scatter([x] * len(samples), samples, color="black", s=8, zorder=3)
             label = "MISMATCH" if mismatched else fmt(value)
-            axis.annotate(label, (x, value or 0), ha="center", va="bottom", fontsize=8)
+            # Above the highest of the bar and its rounds' dots, a few points up: never over a dot.
+            top = max([value or 0] + [v for v in samples if v is not None])
+            axis.annotate(label, (x, top), xytext=(0, 4), textcoords="offset points", ha="center", va="bottom",
+                          fontsize=8)
         axis.set_xticks(range(len(names)), [LABELS[c] for c in names], fontsize=8)
         axis.set_title(row["name"], fontsize=9)
         axis.set_ylabel(row["unit"])
-        lowest = min([0.0] + [v for c in names for v in row["samples"][c] if v is not None])
-        axis.set_ylim(bottom=lowest)  # a slowdown can be negative (within noise)
+        values = [v for c in names for v in row["samples"][c] if v is not None]
+        lowest, highest = min([0.0] + values), max([0.0] + values)
+        # A slowdown can be negative (within noise); the top leaves room for the labels above the highest dots.
+        axis.set_ylim(bottom=lowest, top=highest + 0.15 * (highest - lowest) if highest > lowest else None)
     figure.suptitle(section["title"])
     figure.tight_layout()
     return figure

@@ -278,7 +278,7 @@ class Loop(HFMethods, TrainerAPI):
         states = {name: stage.state_dict() for name, stage in zip(STAGES, self.stages)}
         states["running_loss"] = self.schedule.running_loss.state_dict()
         states["schedule"] = self.schedule.state_dict()
-        states[RUN_RECORD_KEY] = run_record(self.context.clock, self.run.args, self.run.state.global_step)
+        states[RUN_RECORD_KEY] = run_record(self.context.clock, self.run)
         return states
 
     def save_checkpoint(self) -> str:

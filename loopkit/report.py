@@ -2,33 +2,41 @@
 
 The time by phase comes from the phase clock (`PhaseClock`, loopkit/phases.py).
 
-At the end of a run (and when it fails or is interrupted) the teardown stage draws the PNG charts (loss with eval
-loss, the best checkpoint and resumes; the learning rate with its warmup; one axis per evaluation metric; one per key
-a step observer adds to the training logs, loopkit/observers/; throughput), writes `run_report.json` and
-`run_report.md` to the output folder (each atomically: a temporary file, flushed, renamed) and prints a one-screen
-summary, all before `train()` returns or raises: no thread of loopkit's writes into the user's folder afterwards,
-and every file the summary names exists when it is printed. Drawing is timed as part of the "report" phase;
-`TeardownStage(charts=False)` skips it. Without matplotlib the report says how to get the charts.
+At the end of a run (and when it fails or is interrupted) the teardown stage writes `run_report.json` and
+`run_report.md` to the output folder (each atomically: a temporary file, renamed; not forced to disk) and prints a
+one-screen summary, all before `train()` returns or raises: no thread of loopkit's writes into the user's folder
+afterwards, and every file the summary names exists when it is printed. That costs about a millisecond. The PNG
+charts (loss with eval loss, the best checkpoint and resumes; the learning rate as the schedule set it, warmup
+shaded; one axis per evaluation metric; one per key a step observer adds to the training logs, loopkit/observers/;
+throughput) take about a second of matplotlib, most of a short run, so they are drawn on demand from what the report
+records: `python -m loopkit report RUN_DIR` writes them into the folder, and a notebook's `loop.report` shows them
+inline (drawn in memory, nothing written). `TeardownStage(charts=True)` draws them before `train()` returns instead
+(timed in the "report" phase). Without matplotlib the report says how to get the charts.
 
 Slow steps: a step slower than 3x the rolling median and beyond the run's normal spread (median + 5 robust standard
 deviations, from the median absolute deviation), its scheduled evaluation and checkpoint left out. Each names its
 phases, the load average and the process's share of a CPU during it, so a step slowed by other processes on a busy
 machine reads as such; the report also says when the machine was busy over the run (load average above the cores),
-and, once, when a run on the CPU got far less CPU than torch's threads asked for (`cpu_starvation`): the threads,
-cores, load and CPU share, and how to set fewer threads.
+and when a run on the CPU got far less CPU than torch's threads asked for (`cpu_starvation`): the threads, cores,
+load and CPU share, and how to set fewer threads. The teardown stage also logs that advice once, at the first
+training or evaluation log that measures it, so a long run says it when it is first known.
 
 Each checkpoint carries a run record (`run_record()`, under "run_record" in `loopkit_state.json`): the elapsed time
-and phase totals of every stretch of training so far (one per resume), and the metric settings. A resumed run's
-report covers the whole run from it. `python -m loopkit report RUN_DIR` prints the run's own report when it covers
-the newest checkpoint (by save numbers, never file times), else rebuilds one from that checkpoint, its status from
-`run_status.json` (how the latest `train()` ended, or "running" if it never did), and writes it beside the run's own
-(`--force`: over it). Time a killed run spent after its last checkpoint is in no file.
+and phase totals of every stretch of training so far (one per resume), the metric settings, the learning-rate
+schedule's settings and how busy the machine was. A resumed run's report covers the whole run from it.
+`python -m loopkit report RUN_DIR` prints the run's own report when it covers the newest checkpoint (by save numbers,
+never file times), else rebuilds one from that checkpoint, its status from `run_status.json` (how the latest
+`train()` ended, or "running" if it never did), and writes it beside the run's own (`--force`: over it); either way
+it draws the charts. Time a killed run spent after its last checkpoint is in no file.
 """
 
 from __future__ import annotations
 
+import base64
 import importlib.util
+import io
 import json
+import math
 import os
 import resource
 import statistics
@@ -46,15 +54,35 @@ STARVED_SHARE = 0.5
 CHARTS_HINT = "Charts need matplotlib: pip install 'loopkit[charts]', then python -m loopkit report RUN_DIR."
 
 
-def run_record(clock: PhaseClock, args, global_step: int) -> dict:
+def run_record(clock: PhaseClock, run) -> dict:
     """What a checkpoint remembers of the run as a whole (plain JSON): elapsed time and phase totals (None when a
-    stretch before a resume is unknown), the metric settings, and each stretch of training (`segments`: steps and
-    seconds before and after every resume)."""
-    segments = clock.segments(global_step)
+    stretch before a resume is unknown), the metric settings, the learning-rate schedule's settings, how busy the
+    machine was, and each stretch of training (`segments`: steps and seconds before and after every resume). `run`:
+    the `RunState`."""
+    args = run.args
+    segments = clock.segments(run.state.global_step)
     seconds, phases = whole_run_totals(segments)
     return {"elapsed_seconds": seconds, "phase_seconds": phases,
             "metric_for_best_model": args.metric_for_best_model, "greater_is_better": args.greater_is_better,
-            "segments": segments}
+            "lr_schedule": lr_schedule_settings(run), "machine": clock.machine(), "segments": segments}
+
+
+def lr_schedule_settings(run) -> dict | None:
+    """What the learning-rate chart redraws the schedule from, step by step: the scheduler `create_scheduler` builds
+    from the arguments (type, peak rate, warmup, length, keywords); None when the user passed a scheduler of their
+    own in `optimizers=` (its shape is unknown here)."""
+    from .errors import plain
+
+    args, max_steps = run.args, run.state.max_steps
+    kwargs = args.lr_scheduler_kwargs or {}
+    if run.optimizers_given[1] is not None or not isinstance(kwargs, dict):
+        return None
+    try:  # it goes into every checkpoint's JSON: keywords JSON cannot hold leave the schedule unknown instead
+        kwargs = json.loads(json.dumps(kwargs))
+    except (TypeError, ValueError):
+        return None
+    return {"type": str(plain(args.lr_scheduler_type)), "learning_rate": args.learning_rate,
+            "warmup_steps": args.get_warmup_steps(max_steps), "training_steps": max_steps, "kwargs": kwargs}
 
 
 def whole_run_totals(segments: list[dict]) -> tuple[float | None, dict]:
@@ -117,12 +145,13 @@ def peak_device_memory_mb() -> float | None:
 
 
 def build_report(run, context, status: str, end: str, counters: dict, train_metrics: dict | None = None,
-                 charts: bool = True) -> dict:
-    """The report of a live run (called by the teardown stage), its charts drawn into the output folder (`charts`):
-    `run` is the `RunState`, `context` its `RunContext`, `end` how it ended (`RUN_ENDS`), `counters` the input
-    tokens and samples trained on; `saves` records the save number it covers (`is_current`). Building it and drawing
-    the charts is the "report" phase; the time by phase is read right after, so writing the two small report files
-    next is the only part of `train()` outside it."""
+                 charts: bool = False) -> dict:
+    """The report of a live run (called by the teardown stage): `run` is the `RunState`, `context` its `RunContext`,
+    `end` how it ended (`RUN_ENDS`), `counters` the input tokens and samples trained on; `saves` records the save
+    number it covers (`is_current`). Its charts are drawn into the output folder now when `charts`, else left to be
+    drawn on demand (`charts_on_demand`). Building it (and drawing the charts) is the "report" phase; the time by
+    phase is read right after, so writing the two small report files next is the only part of `train()` outside
+    it."""
     state, clock, args = run.state, context.clock, run.args
     with clock.span("report"):
         evals = [h for h in state.log_history if any(k.startswith("eval_") and k.endswith("_loss") for k in h)]
@@ -137,10 +166,11 @@ def build_report(run, context, status: str, end: str, counters: dict, train_metr
             "slow_steps": clock.slow_steps, "machine": machine, "log_history": list(state.log_history),
             "cpu_starved": cpu_starvation(machine, on_cpu=context.accelerator.device.type == "cpu"),
             "best_step": state.best_global_step, "warmup_steps": args.get_warmup_steps(state.max_steps),
+            "lr_schedule": lr_schedule_settings(run),
             "interruption": interruption_record(context.preemption), "segments": clock.segments(state.global_step),
             "saves": {"run_id": context.checkpointer.run_id, "save_index": context.checkpointer.next_save_index - 1},
         })
-        report["charts"] = charts_drawn(report, args.output_dir) if charts else []
+        report["charts"] = charts_drawn(report, args.output_dir) if charts else charts_on_demand()
     clock.enter(None)  # closes the teardown phase: everything up to here is in the totals below
     segments = clock.segments(state.global_step)
     this_run = segments[-1]["seconds"]
@@ -160,7 +190,8 @@ class RunReport(dict):
 
 
 def report_markdown(report: dict) -> str:
-    """The report as Markdown: the summary, time by phase as a table, and the charts."""
+    """The report as Markdown: the summary, time by phase as a table, and the charts: the files when they were drawn
+    into the folder, else drawn now in memory and embedded (a notebook shows them; nothing is written)."""
     summary = summary_text(report).splitlines()
     lines = [f"**{summary[0]}**", "", *(f"- {line.strip()}" for line in summary[1:]
                                          if not line.strip().startswith(("time by phase", "charts")))]
@@ -171,6 +202,9 @@ def report_markdown(report: dict) -> str:
     charts = report.get("charts")
     if isinstance(charts, list) and charts:
         lines += [""] + [f"![{c}]({os.path.join(report['output_dir'], c).replace(' ', '%20')})" for c in charts]
+    elif charts == []:
+        lines += [""] + [f"![{name}](data:image/png;base64,{base64.b64encode(png).decode()})"
+                         for name, png in charts_in_memory(report)]
     return "\n".join(lines)
 
 
@@ -294,9 +328,53 @@ def loss_chart(ax, report: dict) -> None:
                  "Loss: evaluation only (no training loss was logged; see logging_steps)")
 
 
+def schedule_rates(report: dict) -> tuple[list, list] | None:
+    """The learning rate of every optimizer step up to the report's last one, as the schedule set it: step s trains
+    at the rate the scheduler holds after s - 1 steps, the rate its training log records. Rebuilt from the report's
+    `lr_schedule` (the scheduler `create_scheduler` builds from the arguments), and only when it equals every logged
+    rate: None for a scheduler of the user's, a metric-driven one (ReduceLROnPlateau), a record without settings,
+    or any disagreement (then the chart shows the logged rates alone). A long run is sampled (at most about 4,000
+    steps, the end of warmup and every logged step included)."""
+    settings, (logged_steps, logged) = report.get("lr_schedule"), series(report["log_history"], "learning_rate")
+    if not settings or not logged_steps:
+        return None
+    try:
+        import torch
+
+        from .optimizers import build_scheduler
+
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=settings["learning_rate"])
+        scheduler = build_scheduler(settings["type"], optimizer, settings["warmup_steps"], settings["training_steps"],
+                                    settings.get("kwargs") or None)
+        if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            return None
+        multiplier, peak = scheduler.lr_lambdas[0], settings["learning_rate"]
+        if not all(math.isclose(peak * multiplier(step - 1), value, rel_tol=1e-6, abs_tol=1e-12)
+                   for step, value in zip(logged_steps, logged)):
+            return None
+        last = max(report.get("global_step") or 0, max(logged_steps))
+        warmup = settings["warmup_steps"]
+        steps = sorted(set(range(1, last + 1, max(1, last // 4000))) | {last} | set(logged_steps)
+                       | {s for s in (warmup, warmup + 1, warmup + 2) if 1 <= s <= last})
+        return steps, [peak * multiplier(step - 1) for step in steps]
+    except Exception:  # a schedule that cannot be rebuilt here: the logged rates are still drawn
+        return None
+
+
 def learning_rate_chart(ax, report: dict) -> None:
+    """The schedule as it was, one step at a time (each step's rate held from the step before it to that step),
+    the logged rates as points on it; without a rebuilt schedule the logged points alone, not joined (a line
+    between them would invent the rates in between, e.g. move the end of warmup to the next log)."""
     steps, values = series(report["log_history"], "learning_rate")
-    ax.plot(steps, values, marker="o" if len(steps) <= 40 else None, markersize=3, label="learning rate (logged)")
+    schedule = schedule_rates(report)
+    if schedule is not None:
+        ax.plot([0] + schedule[0], schedule[1][:1] + schedule[1], drawstyle="steps-pre", color="tab:blue",
+                label="learning rate at each step (the schedule)")
+        ax.plot(steps, values, linestyle="none", marker="o", markersize=3, color="tab:blue",
+                label="logged")
+    else:
+        ax.plot(steps, values, linestyle="none", marker="o", markersize=3, color="tab:blue",
+                label="learning rate at each log (between logs: not recorded)")
     warmup = report.get("warmup_steps") or 0
     if warmup:
         logged = sorted(set(steps))
@@ -311,6 +389,30 @@ def learning_rate_chart(ax, report: dict) -> None:
     ax.set_title("Learning rate")
 
 
+# Metrics that are shares of something (0-1, or 0-100 when reported in percent; -1-1 for a correlation): their
+# change reads in points.
+BOUNDED_METRIC_WORDS = ("accuracy", "acc", "f1", "precision", "recall", "exact", "auc", "matthews", "mcc", "rouge",
+                        "iou", "jaccard", "dice", "share")
+
+
+def is_bounded_metric(key: str, values: list) -> bool:
+    """A share-like metric (accuracy, f1, exact_match, rouge1, padding_share, ...): its name says so and its values
+    lie in -1-100."""
+    words = key.removeprefix("eval_").lower().replace("-", "_").replace("@", "_").split("_")
+    named = any(word.rstrip("0123456789") in BOUNDED_METRIC_WORDS or word.startswith("rouge") for word in words)
+    return named and min(values) >= -1 and max(values) <= 100
+
+
+def change_text(key: str, values: list) -> str:
+    """How far a metric moved from its first to its last value: in points for a share (0.021 -> 0.047 is +2.6
+    points, not +126%), relative for the rest (a loss: -12.5%)."""
+    first, last = values[0], values[-1]
+    if is_bounded_metric(key, values):
+        scale = 100 if max(values) <= 1 and min(values) >= -1 else 1  # a share of 1, else already in percent
+        return f" ({(last - first) * scale:+.2f} points)"
+    return f" ({(last - first) / abs(first):+.2%})" if first else ""
+
+
 def metric_charts(fig, report: dict, keys: list[str], title: str) -> None:
     """One axis per metric, stacked, sharing the step axis; the best step marked on each."""
     history, best = report["log_history"], report.get("best_step")
@@ -318,9 +420,8 @@ def metric_charts(fig, report: dict, keys: list[str], title: str) -> None:
     for ax, key in zip(axes, keys):
         steps, values = series(history, key)
         # The axis zooms onto the values: the legend says how far they actually moved.
-        change = f" ({(values[-1] - values[0]) / abs(values[0]):+.2%})" if values[0] else ""
         ax.plot(steps, values, marker="o", color="tab:blue",
-                label=f"first {values[0]:.4g}, last {values[-1]:.4g}{change}")
+                label=f"first {values[0]:.4g}, last {values[-1]:.4g}{change_text(key, values)}")
         if best is not None:
             ax.axvline(best, color="tab:green", linestyle="--", linewidth=1.2)
         mark_resumes(ax, report)
@@ -349,6 +450,9 @@ def throughput_chart(ax, report: dict) -> None:
     ax.set_title(title)
 
 
+# What the summary calls each chart when it is not drawn yet (no file name: no file is there).
+CHART_TITLES = {"loss.png": "loss", "learning_rate.png": "learning rate", "eval_metrics.png": "evaluation metrics",
+                "step_metrics.png": "step metrics", "throughput.png": "throughput"}
 # The charts of one axis per key: which keys, and the title.
 METRIC_CHARTS = {"eval_metrics.png": (eval_metric_keys, "Evaluation metrics"),
                  "step_metrics.png": (step_metric_keys, "Added to the training logs (step observers)")}
@@ -420,6 +524,29 @@ def charts_drawn(report: dict, folder: str, prefix: str = "") -> list[str] | str
         return f"charts not drawn ({type(exc).__name__}: {exc}): python -m loopkit report {folder} draws them"
 
 
+def charts_on_demand() -> list | str:
+    """The "charts" entry of a report whose charts are left to `python -m loopkit report` (or `loop.report` in a
+    notebook): none in the folder ([]; the summary says how to draw them), or the sentence saying how to get
+    matplotlib. Costs no import."""
+    return CHARTS_HINT if matplotlib_missing() else []
+
+
+def charts_in_memory(report: dict) -> list[tuple[str, bytes]]:
+    """Each chart of `report` as PNG bytes, drawn now and written nowhere; [] without matplotlib (a failed chart is
+    a warning)."""
+    if matplotlib_missing():
+        return []
+    drawn = []
+    try:
+        for name in chart_names(report):
+            buffer = io.BytesIO()
+            chart_figure(name, report).savefig(buffer, format="png")
+            drawn.append((name, buffer.getvalue()))
+    except Exception as exc:
+        warnings.warn(f"Could not draw the run's charts: {type(exc).__name__}: {exc}.")
+    return drawn
+
+
 # -- the report's text and files ---------------------------------------------------------------------------------
 def seconds_text(seconds: float) -> str:
     return f"{seconds:.3g} s" if seconds < 100 else f"{seconds:.0f} s"
@@ -489,16 +616,29 @@ def slow_step_lines(report: dict) -> list[str]:
     return lines
 
 
-def starvation_lines(report: dict) -> list[str]:
-    """The one line of a run starved of CPU (`cpu_starvation`): the numbers and what to do."""
-    starved = report.get("cpu_starved")
-    if not starved:
-        return []
+def starvation_text(starved: dict) -> str:
+    """A run starved of CPU (`cpu_starvation`): the numbers and what to do."""
     share, threads, fewer = starved["cpu_seconds_per_second"], starved["torch_threads"], starved["suggested_threads"]
-    return [f"  CPU starved: torch ran {threads} threads on {starved['cores']} cores under a load average of "
+    return (f"torch ran {threads} threads on {starved['cores']} cores under a load average of "
             f"{starved['load_average']}, and the process got {share} CPU-seconds per second ({share / threads:.0%} "
             f"of what its threads asked for): set fewer threads, OMP_NUM_THREADS={fewer} before Python starts or "
-            f"torch.set_num_threads({fewer})"]
+            f"torch.set_num_threads({fewer})")
+
+
+def starvation_lines(report: dict) -> list[str]:
+    """The one line of the summary for a run starved of CPU."""
+    starved = report.get("cpu_starved")
+    return [f"  CPU starved: {starvation_text(starved)}"] if starved else []
+
+
+def evaluation_title(report: dict) -> str:
+    """"final evaluation" only for the evaluation at the last step of a run that reached its end (completed, or
+    stopped early by a callback); otherwise the last one so far, with its step (an interrupted, failed or killed
+    run's evaluation at step 30 of 80 is no final one)."""
+    step = report.get("final_metrics", {}).get("step")
+    if report.get("end") in ("completed", "stopped_early") and step == report.get("global_step"):
+        return "final evaluation"
+    return f"last evaluation (step {step} of {report.get('max_steps')})" if step is not None else "last evaluation"
 
 
 def summary_text(report: dict) -> str:
@@ -518,8 +658,8 @@ def summary_text(report: dict) -> str:
     final = {k: v for k, v in report.get("final_metrics", {}).items() if k not in ("step", "epoch")
              and not k.endswith(("_runtime", "_per_second"))}
     if final:
-        lines.append("  final evaluation: " + ", ".join(f"{k}={v:.4g}" for k, v in final.items()
-                                                          if isinstance(v, (int, float))))
+        lines.append(f"  {evaluation_title(report)}: " + ", ".join(f"{k}={v:.4g}" for k, v in final.items()
+                                                                 if isinstance(v, (int, float))))
     if report.get("best_metric") is not None:
         lines.append(f"  best {report.get('metric_for_best_model') or '(metric name unknown)'}="
                      f"{report['best_metric']:.4g} at {report.get('best_checkpoint')}")
@@ -538,19 +678,28 @@ def summary_text(report: dict) -> str:
         lines.append("  charts: " + ", ".join(charts))
     elif isinstance(charts, str):
         lines.append("  " + charts)
+    elif charts == [] and chart_names(report):
+        titles = ", ".join(CHART_TITLES[name] for name in chart_names(report))
+        lines.append(f"  charts ({titles}): python -m loopkit report {report['output_dir']} draws them")
     return "\n".join(lines)
 
 
 def write_atomically(path: str, text: str) -> None:
-    """`text` into `path`, whole or not at all: written beside it, flushed to disk, then renamed over it (a reader,
-    a crash or a full disk never sees half a file; a failure leaves the previous file and no temporary one)."""
+    """`text` into `path`, whole or not at all: written beside it, then renamed over it (a reader or a crash of the
+    process never sees half a file; a failure, e.g. a full disk, leaves the previous file and no temporary one).
+    Not forced to disk: an fsync costs tens of milliseconds on a busy disk, most of the report's cost at the end of a
+    short run, and these files are derived: after a power loss `python -m loopkit report` rebuilds the report from
+    the checkpoints, which are forced to disk."""
     folder, name = os.path.split(path)
     tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            data = memoryview(text.encode("utf-8"))
+            while data:
+                data = data[os.write(fd, data):]
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -600,15 +749,20 @@ def is_current(own: dict, newest) -> bool:
     return own.get("global_step", -1) >= newest.step
 
 
-def rebuilt_status(run_status: dict | None, newest) -> str:
-    """The status of a report rebuilt from checkpoint `newest`: what the run recorded of its end when that
-    checkpoint is its run's, and "incomplete" when that run never reached its end (killed, or the machine went)."""
+def rebuilt_end(run_status: dict | None, newest, max_steps: int) -> tuple[str, str]:
+    """How the run of checkpoint `newest` ended (`RUN_ENDS`, or "unknown") and the status line of a report rebuilt
+    from it: what the run recorded of its end when `run_status` is that run's; "incomplete" when it never reached
+    its end (killed, or the machine went); without its record (a copied checkpoint, or a later run's record in the
+    folder), what the checkpoint itself shows: all `max_steps` steps trained, or not."""
     name = os.path.basename(os.path.normpath(newest.path))
     if run_status is None or run_status.get("run_id") != newest.run_id:
-        return f"incomplete (rebuilt from {name})"
+        if max_steps and newest.step >= max_steps:
+            return "unknown", (f"all {max_steps} steps trained (rebuilt from {name}; how the run ended is not "
+                               f"recorded here: no run_status.json of its run)")
+        return "unknown", f"incomplete (rebuilt from {name}, step {newest.step} of {max_steps})"
     if run_status.get("end") == "running":
-        return f"incomplete: the run stopped without reaching its end (killed?), rebuilt from {name}"
-    return f"{run_status['status']} (rebuilt from {name}, step {newest.step})"
+        return "running", f"incomplete: the run stopped without reaching its end (killed?), rebuilt from {name}"
+    return run_status["end"], f"{run_status['status']} (rebuilt from {name}, step {newest.step})"
 
 
 def report_from_files(run_dir: str, force: bool = False) -> tuple[dict, bool]:
@@ -625,7 +779,8 @@ def report_from_files(run_dir: str, force: bool = False) -> tuple[dict, bool]:
     if newest is None:
         raise FileNotFoundError(f"{run_dir} holds neither {REPORT_NAME}.json nor a checkpoint: nothing to report.")
     report = report_from_checkpoint(run_dir, newest.path)
-    report["status"] = rebuilt_status(read_json(os.path.join(run_dir, STATUS_JSON)), newest)
+    report["end"], report["status"] = rebuilt_end(read_json(os.path.join(run_dir, STATUS_JSON)), newest,
+                                                  report["max_steps"])
     return report, False
 
 
@@ -645,15 +800,19 @@ def report_from_checkpoint(run_dir: str, checkpoint: str) -> dict:
                                                   "phase_seconds": None}]
     history = state["log_history"]
     evals = [h for h in history if any(k.startswith("eval_") for k in h)]
-    report = {"status": f"incomplete (rebuilt from {os.path.basename(checkpoint)})", "output_dir": run_dir,
-            "global_step": step, "max_steps": state["max_steps"], "epoch": state["epoch"] or 0,
-            "final_metrics": evals[-1] if evals else {}, "best_metric": state.get("best_metric"),
-            "metric_for_best_model": record.get("metric_for_best_model") if record else None,
-            "greater_is_better": record.get("greater_is_better") if record else None,
-            "best_checkpoint": state.get("best_model_checkpoint"), "total_seconds": whole_run_totals(segments)[0],
-            "segments": segments, "time_by_phase": time_by_phase(segments), "log_history": history,
-            "best_step": state.get("best_global_step"), "slow_steps": [], "interruption": None,
-            "compile": compile_record(segments)}
+    record = record or {}
+    schedule = record.get("lr_schedule")
+    report = {"status": f"incomplete (rebuilt from {os.path.basename(checkpoint)})", "end": "unknown",
+              "output_dir": run_dir, "global_step": step, "max_steps": state["max_steps"],
+              "epoch": state["epoch"] or 0, "final_metrics": evals[-1] if evals else {},
+              "best_metric": state.get("best_metric"), "metric_for_best_model": record.get("metric_for_best_model"),
+              "greater_is_better": record.get("greater_is_better"),
+              "best_checkpoint": state.get("best_model_checkpoint"),
+              "total_seconds": whole_run_totals(segments)[0], "segments": segments,
+              "time_by_phase": time_by_phase(segments), "log_history": history,
+              "best_step": state.get("best_global_step"), "slow_steps": [], "interruption": None,
+              "compile": compile_record(segments), "machine": record.get("machine"), "lr_schedule": schedule,
+              "warmup_steps": schedule["warmup_steps"] if schedule else None}
     return report
 
 

@@ -47,11 +47,17 @@ def drawn_lines(ax) -> dict:
     return {line.get_label(): line for line in ax.get_lines()}
 
 
-def test_each_chart_shows_what_the_run_did(tmp_path, monkeypatch):
+def test_each_chart_shows_what_the_run_did(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     written = interrupted_then_resumed(out, monkeypatch)
-    assert written["charts"] == ["loss.png", "learning_rate.png", "eval_metrics.png", "throughput.png"]
-    for name in written["charts"]:
+    # train() wrote no chart; the summary names the command that draws them, which draws them all.
+    assert written["charts"] == [] and not list(out.glob("*.png"))
+    assert f"charts (loss, learning rate, evaluation metrics, throughput): python -m loopkit report {out} draws " \
+           f"them" in capsys.readouterr().out
+    assert report.main(["report", str(out)]) == 0
+    charts = ["loss.png", "learning_rate.png", "eval_metrics.png", "throughput.png"]
+    assert f"  charts: {', '.join(charts)}" in capsys.readouterr().out.splitlines()
+    for name in charts:
         assert (out / name).read_bytes()[:8] == PNG, name
     history, best = written["log_history"], written["best_step"]
     eval_steps = [h["step"] for h in history if "eval_loss" in h]
@@ -77,6 +83,18 @@ def test_each_chart_shows_what_the_run_did(tmp_path, monkeypatch):
     assert warmup[0].get_x() == 0 and warmup[0].get_width() == 6
     assert ax.get_ylim()[0] == 0 and ax.get_ylabel() == "learning rate"
     assert "resumed at step 10" in drawn_lines(ax)
+    # ... and the schedule as it was: each step's rate, held over that step, through every logged rate, peaking
+    # at step 7 (the first after 6 steps of warmup), not at the next logged step.
+    lines = drawn_lines(ax)
+    schedule, logged = lines["learning rate at each step (the schedule)"], lines["logged"]
+    assert schedule.get_drawstyle() == "steps-pre" and logged.get_linestyle() == "None"
+    rates = dict(zip(schedule.get_xdata()[1:], schedule.get_ydata()[1:]))
+    assert list(rates) == list(range(1, 25))
+    logged_rates = [(h["step"], h["learning_rate"]) for h in history if "learning_rate" in h]
+    assert list(zip(logged.get_xdata(), logged.get_ydata())) == logged_rates
+    assert all(rates[step] == pytest.approx(rate, rel=1e-9) for step, rate in logged_rates)
+    assert max(rates, key=rates.get) == 7 and rates[7] == pytest.approx(0.05)
+    assert [rates[s] for s in range(1, 8)] == pytest.approx([0.05 * s / 6 for s in range(0, 7)])
 
     # Evaluation metrics: one axis per metric, each labelled with its name, its values, its first and last value.
     axes = report.chart_figure("eval_metrics.png", written).axes
@@ -147,3 +165,163 @@ def test_slow_steps_say_when_the_machine_was_busy_or_the_process_waited(monkeypa
     assert line.startswith("  slow step 156:") and line.endswith("the process was waiting (it used 10% of a CPU, "
                                                                  "usually 100%)")
     assert not idle.machine()["busy"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What each chart says equals the data it is drawn from
+# ---------------------------------------------------------------------------------------------------------------
+def demo_like_schedule(**settings):
+    """The demo's shape: 80 steps, warmup of 20, linear decay, the rate logged every 16 steps (a straight line
+    between the logs at 16 and 32 would climb to step 32)."""
+    schedule = {"type": "linear", "learning_rate": 1e-3, "warmup_steps": 20, "training_steps": 80, "kwargs": {},
+                **settings}
+
+    def rate(step):  # the rate step s trains at: the schedule after s - 1 steps
+        s = step - 1
+        return 1e-3 * (s / 20 if s < 20 else (80 - s) / 60)
+
+    history = [{"step": s, "loss": 1.0, "learning_rate": rate(s)} for s in (16, 32, 48, 64, 80)]
+    return {"log_history": history, "lr_schedule": schedule, "warmup_steps": 20, "global_step": 80,
+            "segments": []}, rate
+
+
+def test_the_learning_rate_chart_peaks_where_the_schedule_did():
+    written, rate = demo_like_schedule()
+    ax = report.chart_figure("learning_rate.png", written).axes[0]
+    schedule = drawn_lines(ax)["learning rate at each step (the schedule)"]
+    steps, rates = list(schedule.get_xdata()), list(schedule.get_ydata())
+    assert steps == list(range(0, 81)) and rates[1:] == pytest.approx([rate(s) for s in range(1, 81)])
+    assert steps[int(np.argmax(rates))] == 21  # the first step after 20 of warmup
+    assert drawn_lines(ax)["logged"].get_xdata().tolist() == [16, 32, 48, 64, 80]
+
+
+@pytest.mark.parametrize("settings", [None, {"type": "cosine"}, {"warmup_steps": 10}])
+def test_without_the_schedule_that_was_logged_the_chart_shows_the_logged_points_alone(settings):
+    """No settings (a scheduler passed in `optimizers=`), or settings that disagree with the logged rates: no line
+    is drawn between the logs, which would invent the rates in between."""
+    written, _ = demo_like_schedule(**(settings or {}))
+    if settings is None:
+        written["lr_schedule"] = None
+    assert report.schedule_rates(written) is None
+    ax = report.chart_figure("learning_rate.png", written).axes[0]
+    (points,) = [line for line in ax.get_lines() if line.get_label().startswith("learning rate")]
+    assert points.get_label() == "learning rate at each log (between logs: not recorded)"
+    assert points.get_linestyle() == "None" and points.get_xdata().tolist() == [16, 32, 48, 64, 80]
+
+
+def test_a_scheduler_passed_by_the_user_is_not_redrawn_from_the_arguments(tmp_path):
+    import torch
+
+    model = tiny_regression()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    args = LoopArgs(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, logging_steps=1,
+                    save_strategy="no", disable_tqdm=True, report_to="none")
+    Loop(model=model, args=args, train_dataset=regression_data(32), optimizers=(optimizer, scheduler)).train()
+    written = json.load(open(tmp_path / "run_report.json"))
+    assert written["lr_schedule"] is None and report.schedule_rates(written) is None
+    args = LoopArgs(output_dir=str(tmp_path / "own"), max_steps=6, per_device_train_batch_size=4, logging_steps=1,
+                    save_strategy="no", disable_tqdm=True, report_to="none", lr_scheduler_type="cosine",
+                    warmup_steps=2)
+    Loop(model=tiny_regression(), args=args, train_dataset=regression_data(32)).train()
+    written = json.load(open(tmp_path / "own" / "run_report.json"))
+    assert written["lr_schedule"] == {"type": "cosine", "learning_rate": 5e-5, "warmup_steps": 2,
+                                      "training_steps": 6, "kwargs": {}}
+    steps, rates = report.schedule_rates(written)
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert rates == pytest.approx([h["learning_rate"] for h in written["log_history"] if "learning_rate" in h])
+
+
+def test_bounded_metrics_move_in_points_and_the_others_relatively():
+    history = [{"step": 10, "eval_loss": 0.8, "eval_accuracy": 0.021, "eval_exact_match": 45.0, "eval_mcc": -0.1},
+               {"step": 20, "eval_loss": 0.7, "eval_accuracy": 0.047, "eval_exact_match": 47.5, "eval_mcc": 0.2}]
+    axes = report.chart_figure("eval_metrics.png", {"log_history": history, "segments": []}).axes
+    labels = {ax.get_ylabel(): ax.get_lines()[0].get_label() for ax in axes}
+    assert labels == {"eval_loss": "first 0.8, last 0.7 (-12.50%)",
+                      "eval_accuracy": "first 0.021, last 0.047 (+2.60 points)",
+                      "eval_exact_match": "first 45, last 47.5 (+2.50 points)",
+                      "eval_mcc": "first -0.1, last 0.2 (+30.00 points)"}
+    for ax in axes:
+        key = ax.get_ylabel()
+        assert ax.get_lines()[0].get_ydata().tolist() == [h[key] for h in history]
+    assert ax.get_legend().get_texts()[0].get_text() == labels["eval_mcc"]  # the legend shows the label
+    assert not report.is_bounded_metric("eval_close", [0.2, 0.5])  # no share by its name: relative
+    assert not report.is_bounded_metric("eval_accuracy", [0.5, 150.0])  # out of any share's range
+
+
+def test_a_rebuilt_throughput_chart_says_the_machine_was_busy(tmp_path, monkeypatch):
+    monkeypatch.setattr(phases, "load_average", lambda: 64.0)
+    monkeypatch.setattr(phases.os, "cpu_count", lambda: 2)
+    out = tmp_path / "run"
+    args = LoopArgs(output_dir=str(out), max_steps=8, per_device_train_batch_size=4, logging_steps=2, save_steps=8,
+                    disable_tqdm=True, report_to="none")
+    Loop(model=tiny_regression(), args=args, train_dataset=regression_data(32)).train()
+    own = json.load(open(out / "run_report.json"))
+    rebuilt, is_own = report.report_from_files(str(out), force=True)
+    assert not is_own and rebuilt["machine"]["busy"] and rebuilt["machine"]["load_average_end"] == 64.0
+    note = "machine busy: load average 64.0 on 2 cores"
+    for written in (own, rebuilt):
+        assert report.chart_figure("throughput.png", written).axes[0].get_title().endswith("\n" + note)
+
+
+def test_only_a_run_that_reached_its_end_has_a_final_evaluation():
+    evaluation = {"step": 30, "epoch": 1.0, "eval_loss": 0.25}
+    written = {"status": "s", "output_dir": "/d", "global_step": 30, "max_steps": 80, "epoch": 1.0,
+               "final_metrics": evaluation, "segments": []}
+    for end in ("interrupted", "failed", "running", "unknown"):
+        text = report.summary_text(dict(written, end=end))
+        assert "  last evaluation (step 30 of 80): eval_loss=0.25" in text.splitlines() and "final" not in text
+    finished = dict(written, global_step=80, max_steps=80, final_metrics=dict(evaluation, step=80))
+    assert "  final evaluation: eval_loss=0.25" in report.summary_text(dict(finished, end="completed")).splitlines()
+    stopped = dict(written, end="stopped_early")  # stopped by a callback at its evaluation: the run's last word
+    assert "  final evaluation: eval_loss=0.25" in report.summary_text(stopped).splitlines()
+    later = dict(finished, end="completed", final_metrics=evaluation)  # 50 steps trained after it
+    assert "  last evaluation (step 30 of 80): eval_loss=0.25" in report.summary_text(later).splitlines()
+
+
+def label_clear_of_dots(axis, label, dots, along: int) -> None:
+    """`label` (an annotation) lies past every one of `dots` ((x, y) data points) along axis `along` (0: x, 1: y),
+    in display coordinates, and inside the axes."""
+    box, frame = label.get_window_extent(), axis.get_window_extent()
+    ends = axis.transData.transform(dots)[:, along]
+    assert (box.x0 if along == 0 else box.y0) > ends.max(), label.get_text()
+    assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1, label.get_text()
+
+
+def test_benchmark_value_labels_sit_clear_of_the_rounds_dots():
+    """The median's label of each bar, past the bar and every round's dot (benchmarks/report.py and the ladder's
+    chart, benchmarks/bench_ladder.py), and inside the panel."""
+    sys.path.insert(0, __file__.rsplit("/", 2)[0])
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks import bench_ladder
+    from benchmarks.harness import fmt, median
+    from benchmarks.report import comparison_chart
+
+    samples = {"raw": [1.0, 1.2, 1.1], "hf": [2.0, 2.6, 2.1], "loopkit": [1.5, 1.52, 1.9]}
+    row = {"name": "step time", "unit": "ms", "samples": samples, "check": {"mismatched": []}}
+    figure = comparison_chart({"title": "t", "rows": [row]}, plt)
+    axis = figure.axes[0]
+    figure.canvas.draw()
+    labels = {text.get_text(): text for text in axis.texts}
+    for x, values in enumerate(samples.values()):
+        label = labels[fmt(median(values))]  # the bar's value as its text
+        assert label.xy == (x, max(values))
+        assert [tuple(p) for p in axis.collections[x].get_offsets()] == [(x, v) for v in values]
+        label_clear_of_dots(axis, label, [(x, v) for v in values], along=1)
+    plt.close(figure)
+
+    runs = {name: [{"tokens_per_second": 1000.0 * (i + 1) + 300 * r, "peak_rss_mb": 500.0 + 80 * r}
+                   for r in range(3)] for i, name in enumerate(bench_ladder.RUNGS)}
+    figure = bench_ladder.chart({"runs": runs}, plt)
+    figure.canvas.draw()
+    for axis, key in zip(figure.axes, ("tokens_per_second", "peak_rss_mb")):
+        for y, name in enumerate(bench_ladder.RUNGS):
+            values = [r[key] for r in runs[name]]
+            (label,) = [t for t in axis.texts if t.xy[1] == y]
+            assert label.get_text() == fmt(median(values))
+            label_clear_of_dots(axis, label, [(v, y) for v in values], along=0)
+    plt.close(figure)

@@ -1,11 +1,14 @@
 """The run report says, once, when the process got far less CPU than torch's threads asked for (a busy machine:
 its threads then wait for each other on cores other processes hold), with the numbers and what to do. The
-measurement is injected (a real busy machine is not reproducible); a run that got its CPU says nothing."""
+measurement is injected (a real busy machine is not reproducible); a run that got its CPU says nothing. The advice
+is also logged once, at the first log that measures it, so a long run says it when it can still act on it."""
 
 import json
+import logging
 import time
 
 import torch
+from transformers import TrainerCallback
 
 from helpers import regression_data, tiny_regression
 from loopkit import Loop, LoopArgs, phases, report
@@ -18,13 +21,17 @@ def run(out):
     return json.load(open(out / "run_report.json")), open(out / "run_report.md").read()
 
 
-def test_a_starved_run_says_so_once_with_the_numbers_and_the_fix(tmp_path, monkeypatch, capsys):
-    # 4 torch threads on 2 cores, load average 6.5, and the process got 0.05 CPU-seconds per wall second.
+def starve(monkeypatch):
+    """4 torch threads on 2 cores, load average 6.5, and the process gets 0.05 CPU-seconds per wall second."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     monkeypatch.setattr(phases, "load_average", lambda: 6.5)
     monkeypatch.setattr(report.os, "cpu_count", lambda: 2)
     started = time.perf_counter()
     monkeypatch.setattr(phases.PhaseClock, "cpu", staticmethod(lambda: 0.05 * (time.perf_counter() - started)))
+
+
+def test_a_starved_run_says_so_once_with_the_numbers_and_the_fix(tmp_path, monkeypatch, capsys):
+    starve(monkeypatch)
     written, markdown = run(tmp_path)
     printed = capsys.readouterr().out
     assert printed.count("CPU starved") == 1 and markdown.count("CPU starved") == 1, printed
@@ -39,8 +46,51 @@ def test_a_starved_run_says_so_once_with_the_numbers_and_the_fix(tmp_path, monke
     assert line in printed.splitlines()
 
 
-def test_a_run_that_got_its_cpu_says_nothing(tmp_path, monkeypatch, capsys):
-    written, markdown = run(tmp_path / "real")  # the tests' own threads: 1 (tests/conftest.py)
+class StarvedWarningsSeen(TrainerCallback):
+    """At each step's end, how many "CPU starved" log records the run has logged so far."""
+
+    def __init__(self, caplog):
+        self.caplog, self.seen = caplog, {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen[state.global_step] = len(starved_records(self.caplog))
+
+
+def starved_records(caplog):
+    return [r for r in caplog.records if r.name == "loopkit" and r.getMessage().startswith("CPU starved")]
+
+
+def test_a_starved_run_logs_the_advice_once_when_first_measured(tmp_path, monkeypatch, caplog, capsys):
+    """At the first training log (step 2 of 6), not only at the end: one warning on the `loopkit` logger."""
+    starve(monkeypatch)
+    seen = StarvedWarningsSeen(caplog)
+    args = LoopArgs(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, logging_steps=2,
+                    save_strategy="no", disable_tqdm=True, report_to="none")
+    with caplog.at_level(logging.WARNING, logger="loopkit"):
+        Loop(model=tiny_regression(), args=args, train_dataset=regression_data(32), callbacks=[seen]).train()
+    assert seen.seen == {1: 0, 2: 0, 3: 1, 4: 1, 5: 1, 6: 1}  # logged at step 2's log (after its on_step_end)
+    (record,) = starved_records(caplog)  # once, though every later log measured it too
+    assert record.levelno == logging.WARNING
+    message = record.getMessage()
+    assert message.startswith("CPU starved at step 2: torch ran 4 threads on 2 cores under a load average of 6.5, "
+                              "and the process got ")
+    assert message.endswith("set fewer threads, OMP_NUM_THREADS=1 before Python starts or torch.set_num_threads(1)")
+    assert capsys.readouterr().out.count("CPU starved") == 1  # the summary's line, at the end
+
+    caplog.clear()  # an evaluate() outside train() measures no training: nothing; a second train() says it, once
+    with caplog.at_level(logging.WARNING, logger="loopkit"):
+        loop = Loop(model=tiny_regression(), args=args, train_dataset=regression_data(32),
+                    eval_dataset=regression_data(8))
+        loop.evaluate()
+        assert not starved_records(caplog)
+        loop.train()
+    assert len(starved_records(caplog)) == 1
+
+
+def test_a_run_that_got_its_cpu_says_nothing(tmp_path, monkeypatch, capsys, caplog):
+    with caplog.at_level(logging.WARNING, logger="loopkit"):
+        written, markdown = run(tmp_path / "real")  # the tests' own threads: 1 (tests/conftest.py)
+    assert not starved_records(caplog)
     assert written["cpu_starved"] is None and "CPU starved" not in markdown + capsys.readouterr().out
     # Several threads that got their share on a busy machine, and a starved process on an idle one (it was waiting
     # for something else than the CPU): nothing either.

@@ -1,7 +1,9 @@
 """When a public call of a `Loop` returns or raises, nothing of loopkit's is still writing into, or holding, the
 user's folders: every file the report names exists, no thread of ours is left running, and the folder's listing and
-file times stay as they are. Drawing is made slow on purpose (each chart sleeps first), so a chart drawn after the
-call returns would show up as a live thread and a change in the folder, whatever the machine's speed."""
+file times stay as they are. The runs here draw their charts before `train()` returns (`TeardownStage(charts=True)`;
+by default they are drawn on demand, and no chart is written at all). Drawing is made slow on purpose (each chart
+sleeps first), so a chart drawn after the call returns would show up as a live thread and a change in the folder,
+whatever the machine's speed."""
 
 import json
 import os
@@ -81,7 +83,7 @@ def loop(out, callbacks=(), teardown=None, **fields):
               **fields}
     return Loop(model=tiny_regression(), args=LoopArgs(output_dir=str(out), **fields),
                 train_dataset=regression_data(32), eval_dataset=regression_data(8, seed=1), callbacks=list(callbacks),
-                teardown=teardown)
+                teardown=teardown if teardown is not None else TeardownStage(charts=True))
 
 
 class RaiseAt(TrainerCallback):
@@ -149,25 +151,28 @@ def test_a_run_in_a_temporary_directory_cleans_up(slow_drawing):
     assert [t.name for t in threading.enumerate() if t not in threads and t.is_alive()] == []
 
 
-def test_charts_can_be_turned_off(tmp_path):
+@pytest.mark.parametrize("teardown", [TeardownStage, lambda: TeardownStage(charts=False)])
+def test_charts_can_be_turned_off(tmp_path, teardown):
+    """The default and `charts=False`: no chart drawn or named as a file; the summary names the command."""
     out = tmp_path / "run"
-    loop(out, teardown=TeardownStage(charts=False)).train()
+    loop(out, teardown=teardown()).train()
     written = json.load(open(out / "run_report.json"))
     assert written["charts"] == [] and not list(out.glob("*.png"))
     assert ".png" not in open(out / "run_report.md").read()
+    assert f"python -m loopkit report {out} draws them" in open(out / "run_report.md").read()
 
 
 def test_the_report_files_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
-    """A failure while the new report is written (here: at its flush to disk) leaves the previous report as it was
-    and no temporary file behind."""
+    """A failure while the new report is written (here: its write fails, as on a full disk) leaves the previous
+    report as it was and no temporary file behind."""
     out = tmp_path / "run"
     loop(out, teardown=TeardownStage(charts=False), max_steps=4, save_strategy="no").train()
     previous = {name: (out / name).read_bytes() for name in ("run_report.json", "run_report.md")}
 
-    def failing_fsync(fd):
+    def failing_write(fd, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(report.os, "fsync", failing_fsync)
+    monkeypatch.setattr(report.os, "write", failing_write)
     with pytest.warns(UserWarning, match="Could not write the run report"):
         loop(out, teardown=TeardownStage(charts=False), max_steps=8, save_strategy="no").train()
     assert {name: (out / name).read_bytes() for name in previous} == previous

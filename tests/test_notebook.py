@@ -17,6 +17,7 @@ from transformers import Trainer
 from transformers.trainer_callback import ProgressCallback
 
 from loopkit import Loop, LoopArgs, StepStage
+from loopkit import report as report_module
 
 
 def fake_ipython(monkeypatch, config: dict) -> list:
@@ -138,7 +139,14 @@ def test_run_report_renders_as_markdown(tmp_path):
     assert "- steps 2/2, epoch 1" in markdown
     assert "| phase | seconds | % |" in markdown and "| forward |" in markdown
     charts = report["charts"]
-    if isinstance(charts, list):  # matplotlib installed: the images, drawn by the time they are shown
-        for chart in charts:
-            assert f"![{chart}]({os.path.join(str(tmp_path), chart)})" in markdown
+    if isinstance(charts, list):  # matplotlib installed: the images, drawn in memory when shown, written nowhere
+        names = report_module.chart_names(report)
+        assert charts == [] and names and not list(tmp_path.glob("*.png"))
+        for chart in names:
+            assert f"![{chart}](data:image/png;base64,iVBORw0KGgo" in markdown  # a PNG's first bytes, base64
+        # Once drawn into the folder (`python -m loopkit report`), a report links the files.
+        drawn = type(report)(report, charts=report_module.draw_charts(report, str(tmp_path)))
+        assert drawn["charts"] == names
+        for chart in names:
+            assert f"![{chart}]({os.path.join(str(tmp_path), chart)})" in drawn._repr_markdown_()
             assert os.path.isfile(tmp_path / chart)

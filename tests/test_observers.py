@@ -69,6 +69,7 @@ class LogKeys(TrainerCallback):
 def test_throughput_keys_reach_log_history_tensorboard_the_printer_callbacks_and_the_report(tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from loopkit import report
     from loopkit.report import chart_figure
 
     tokenizer = minilm_tokenizer()
@@ -113,8 +114,9 @@ def test_throughput_keys_reach_log_history_tensorboard_the_printer_callbacks_and
         assert [s.step for s in scalars] == [2, 4, 6, 8]
         assert [s.value for s in scalars] == pytest.approx([h[key] for h in training_logs], rel=1e-6)
 
-    # The run report charts them: one axis per added key.
-    assert "step_metrics.png" in loop.report["charts"]
+    # The run report charts them: one axis per added key (drawn by `python -m loopkit report`).
+    assert "step_metrics.png" in report.chart_names(loop.report)
+    assert report.main(["report", str(tmp_path / "run")]) == 0
     assert os.path.getsize(tmp_path / "run" / "step_metrics.png") > 0
     axes = chart_figure("step_metrics.png", loop.report).axes
     assert [ax.get_ylabel() for ax in axes] == ["real_tokens_per_second", "padding_share"]

@@ -28,11 +28,6 @@ pytestmark = [IGNORE_PIN_MEMORY_WARNING,
 ALL_OPTIMS = [o.value for o in OptimizerNames]
 
 
-@pytest.fixture(autouse=True)
-def no_report_charts(monkeypatch):
-    """The run report's matplotlib charts (drawn before train() returns) cost about 1 s of CPU a run, more than the
-    3 steps: not what is tested here."""
-    monkeypatch.setattr("loopkit.report.draw_charts", lambda report, folder, prefix="": [])
 # What HF's failure names, for each reason a value cannot run: Loop's refusal must name the same thing.
 FAILURE_KEYWORDS = ("CUDA", "torch_xla", "torch_npu", "torchdistx", "bitsandbytes", "galore_torch", "apollo_torch",
                     "lomo_optim", "grokadamw", "torchao", "schedulefree", "optimi", "relative_step",

@@ -33,11 +33,12 @@ def classification_data(n=32):
     return [{"input_ids": torch.randint(0, 100, (8,), generator=g), "labels": int(i % 2)} for i in range(n)]
 
 
-def small_run(output_dir, callbacks=(), **kwargs):
+def small_run(output_dir, callbacks=(), teardown=None, **kwargs):
     kwargs = {"max_steps": 10, "per_device_train_batch_size": 4, "logging_steps": 2, "eval_strategy": "steps",
               "eval_steps": 5, "save_steps": 5, "disable_tqdm": True, **kwargs}
     return Loop(model=tiny_classifier(), args=LoopArgs(output_dir=str(output_dir), **kwargs),
-                train_dataset=classification_data(), eval_dataset=classification_data(8), callbacks=list(callbacks))
+                train_dataset=classification_data(), eval_dataset=classification_data(8), callbacks=list(callbacks),
+                teardown=teardown)
 
 
 def is_png(path) -> bool:
@@ -78,24 +79,34 @@ def test_run_report_summary_phases_slow_steps_and_charts(tmp_path, capsys, monke
     assert seconds["callbacks"] >= slow_callback.seconds  # the slow callback's time is where it belongs
     slow = [s for s in written["slow_steps"] if s["step"] == 25]
     assert slow and max(slow[0]["phases"], key=slow[0]["phases"].get) == "callbacks"
-    assert written["charts"] == list(CHARTS)
-    for chart in CHARTS:
-        assert is_png(tmp_path / chart), chart
     printed = capsys.readouterr().out
     assert "loopkit run report: completed" in printed and "slow step 25" in printed
     assert "time by phase" in open(tmp_path / "run_report.md").read()
+    # The charts: none written by train(); the command the summary names draws them all.
+    assert written["charts"] == [] and not list(tmp_path.glob("*.png"))
+    assert f"python -m loopkit report {tmp_path} draws them" in printed
+    assert report.main(["report", str(tmp_path)]) == 0
+    assert f"  charts: {', '.join(CHARTS)}" in capsys.readouterr().out.splitlines()
+    for chart in CHARTS:
+        assert is_png(tmp_path / chart), chart
 
 
 def test_the_report_counts_all_of_train_and_its_charts_are_there_when_it_returns(tmp_path):
-    """Three train() calls in one process, as in a hyper-parameter search: every run's report and charts are there
-    when its train() returns, the charts drawn in the "report" phase. (That each report counts every second of its
-    train() once: tests/test_report_clock.py, on a deterministic clock; how long the report takes: `python -m
-    benchmarks.report_time`.)"""
+    """Three train() calls in one process, as in a hyper-parameter search: every run's report is there when its
+    train() returns, and with `TeardownStage(charts=True)` its charts too, drawn in the "report" phase. (That each
+    report counts every second of its train() once: tests/test_report_clock.py, on a deterministic clock; how long
+    the report takes: `python -m benchmarks.report_time`.)"""
+    from loopkit.stages.teardown import TeardownStage
+
     for trial in range(3):
-        small_run(tmp_path / f"trial-{trial}", max_steps=20, learning_rate=1e-4 * (trial + 1)).train()
-        for chart in CHARTS:
-            assert is_png(tmp_path / f"trial-{trial}" / chart), (trial, chart)
+        teardown = TeardownStage(charts=True) if trial < 2 else None  # the third: the default, no charts
+        small_run(tmp_path / f"trial-{trial}", teardown=teardown, max_steps=20,
+                  learning_rate=1e-4 * (trial + 1)).train()
         written = json.load(open(tmp_path / f"trial-{trial}" / "run_report.json"))
+        for chart in CHARTS:
+            path = tmp_path / f"trial-{trial}" / chart
+            assert is_png(path) if trial < 2 else not path.exists(), (trial, chart)
+        assert written["charts"] == (list(CHARTS) if trial < 2 else [])
         seconds = written["time_by_phase"]["seconds"]
         assert written["global_step"] == 20 and seconds["setup"] > 0 and seconds["report"] > 0
 

@@ -22,6 +22,8 @@ sys.path.insert(0, SCRIPTS)
 from interrupt_child import SignalAtStep  # noqa: E402
 import report_child  # noqa: E402
 
+CHARTS = "loss.png, learning_rate.png, eval_metrics.png, throughput.png"
+
 
 @pytest.fixture(autouse=True)
 def not_under_a_launcher(monkeypatch):
@@ -69,8 +71,26 @@ def test_a_copied_folder_reports_what_the_run_said_and_keeps_its_report(tmp_path
     assert printed.startswith("loopkit run report: completed") and "rebuilt" not in printed
     assert f"{own['samples_per_second']:.1f} samples/s" in printed and "peak host memory" in printed
     assert files(copy) == before  # the run's own report, as it wrote it
-    assert all((copy / chart).is_file() for chart in own["charts"])
+    assert own["charts"] == [] and printed.endswith(f"  charts: {CHARTS}\n")  # drawn by the command
+    assert all((copy / chart).is_file() for chart in CHARTS.split(", "))
     assert own["status"] == "completed" and own["end"] == "completed"
+
+
+def test_a_copied_checkpoint_of_a_finished_run_is_not_called_incomplete(tmp_path, capsys):
+    """Only the last checkpoint copied elsewhere (no run_status.json, no run report): the rebuilt report says what
+    the checkpoint shows, all 8 steps trained, and that how the run ended is not recorded; one copied from the
+    middle of the run is incomplete, with its step."""
+    out = tmp_path / "run"
+    loop(out).train()
+    for step, expected in ((8, "all 8 steps trained (rebuilt from checkpoint-8; how the run ended is not recorded "
+                                "here: no run_status.json of its run)"),
+                           (4, "incomplete (rebuilt from checkpoint-4, step 4 of 8)")):
+        copy = tmp_path / f"copy-{step}"
+        shutil.copytree(out / f"checkpoint-{step}", copy / f"checkpoint-{step}")
+        printed = cli(capsys, copy)
+        assert printed.startswith(f"loopkit run report: {expected}  ({copy})")
+        assert json.load(open(copy / "run_report.json"))["status"] == expected
+        assert "final evaluation" not in printed and f"  last evaluation (step {step} of 8): eval_loss=" in printed
 
 
 def test_an_early_stopped_run_says_so_in_its_report_and_in_a_rebuilt_one(tmp_path, capsys):
@@ -99,6 +119,8 @@ def test_an_interrupted_then_resumed_run(tmp_path, capsys):
     printed = cli(capsys, copied(out, tmp_path / "interrupted"))
     assert printed.startswith(f"loopkit run report: interrupted by SIGINT: saved {out}/checkpoint-3")
     assert "resume with:" in printed
+    # Its last evaluation (step 2) is no final one.
+    assert "  last evaluation (step 2 of 8): eval_loss=" in printed and "final evaluation" not in printed
 
     loop(out).train(resume_from_checkpoint=True)
     copy = copied(out, tmp_path / "resumed")

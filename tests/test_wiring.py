@@ -64,7 +64,8 @@ def test_show_wiring_prints_who_runs_where_as_a_run_calls_them(tmp_path):
     assert event_section(text, "on_step_end") == ["step stage AuxStep.on_step_end",
                                                   "callback DefaultFlowCallback.on_step_end",
                                                   "callback UserCallback.on_step_end"]
-    assert event_section(text, "on_log") == ["callback UserCallback.on_log", "callback PrinterCallback.on_log"]
+    assert event_section(text, "on_log") == ["teardown stage TeardownStage.on_log",  # the CPU-starved advice
+                                             "callback UserCallback.on_log", "callback PrinterCallback.on_log"]
     assert event_section(text, "on_init_end") == ["setup stage SetupStage.on_init_end"]
     assert event_section(text, "on_push_begin") == ["(nobody)"]
     methods = {line.split()[0]: " ".join(line.split()[1:]) for line in text.split("\n\n")[1].splitlines()[1:]}

@@ -10,10 +10,13 @@ Contract:
   "completed", "stopped_early" (a callback set `should_training_stop`), "interrupted" or "failed", with the status
   line of the run report, for `python -m loopkit report` to rebuild a report that says what the run's own said.
 * `write_run_report(status, counters, train_metrics)` writes the run report (loopkit/report.py: JSON summary, time
-  by phase, slow steps, charts, a console summary); a failed or interrupted run gets its report too. Everything is
-  written before it returns, so nothing of the run's is still being written when `train()` returns or raises.
-  `TeardownStage(charts=False)` writes no charts (e.g. for hyper-parameter search trials: drawing them is most of
-  the report's time). `last_report` keeps the report (`loop.report` renders it in a notebook).
+  by phase, slow steps, a console summary: milliseconds); a failed or interrupted run gets its report too.
+  Everything is written before it returns, so nothing of the run's is still being written when `train()` returns or
+  raises. The charts are drawn on demand (`python -m loopkit report RUN_DIR`, or inline by `loop.report` in a
+  notebook): about a second of matplotlib, most of a short run. `TeardownStage(charts=True)` draws them into the
+  output folder before `train()` returns. `last_report` keeps the report (`loop.report` renders it in a notebook).
+* `on_log`: at the first log (training or evaluation) that finds the run starved of CPU (loopkit/report.py,
+  `cpu_starvation`), a warning on the `loopkit` logger with the numbers and the fix, once per `train()`.
 * `export(output_dir, example_inputs, formats)` writes the model in `save_pretrained`, `torch.export` and ONNX
   form, each checked against the live model.
 
@@ -27,27 +30,32 @@ Reads `run.args`, `run.state`, `run.model_wrapped`, `run.optimizer`, `run.proces
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import torch
 
 from ..export import export_model
-from ..report import STATUS_JSON, build_report, write_report, write_run_status
+from ..report import STATUS_JSON, build_report, cpu_starvation, starvation_text, write_report, write_run_status
 from .. import trainer_logging
 from ..state import TrainOutput
 from .base import Stage
 from ..phases import speed_metrics
+
+logger = logging.getLogger("loopkit")
 
 
 class TeardownStage(Stage):
     """The end of a run."""
 
     last_report = None  # the latest run report (a `RunReport`: `loop.report`), on the main process
-    charts = True  # a subclass that does not call `__init__` keeps the default
+    charts = False  # a subclass that does not call `__init__` keeps the default
+    watching_starvation = False  # in a train() that has not yet logged the CPU-starved advice
 
-    def __init__(self, charts: bool = True):
+    def __init__(self, charts: bool = False):
         """`charts`: draw the run report's PNG charts (loss, learning rate, evaluation metrics, throughput) into the
-        output folder at the end of each run (`python -m loopkit report RUN_DIR` draws them later too)."""
+        output folder before each `train()` returns (about a second of matplotlib); by default they are drawn on
+        demand: `python -m loopkit report RUN_DIR`, or `loop.report` in a notebook."""
         self.charts = charts
 
     def finish_training(self, plan, start_time: float, train_loss: float, steps_run: int) -> TrainOutput:
@@ -75,11 +83,27 @@ class TeardownStage(Stage):
     def on_train_begin(self, args, state, control, **kwargs):
         """`run_status.json` says "running" until the run's end replaces it: a report rebuilt from a checkpoint
         then tells a run that never reached its end (killed) from one that did."""
+        self.watching_starvation = True
         if self.context.accelerator.is_main_process:
             try:
                 write_run_status(args.output_dir, self.status_record("running", "running"))
             except OSError as exc:
                 warnings.warn(f"Could not write {STATUS_JSON} in {args.output_dir}: {exc}")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """Say it as soon as a log finds the run starved of CPU (a load average read and the process's CPU time:
+        at logs only), once, on the main process: a long run on a busy machine learns to set fewer threads when it
+        can still act on it, not only in the report at its end."""
+        context = self.context
+        if not self.watching_starvation or not context.accelerator.is_main_process:
+            return  # said already, or outside train() (an evaluate() measures no training)
+        starved = cpu_starvation(context.clock.machine(), on_cpu=context.accelerator.device.type == "cpu")
+        if starved is not None:
+            self.watching_starvation = False
+            logger.warning(f"CPU starved at step {state.global_step}: {starvation_text(starved)}")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.watching_starvation = False
 
     def status_record(self, end: str, status: str) -> dict:
         state = self.run.state
@@ -99,7 +123,8 @@ class TeardownStage(Stage):
         return "completed", status
 
     def write_run_report(self, status: str, counters: dict, train_metrics: dict | None = None) -> None:
-        """run_report.json / .md, charts, the console summary (loopkit/report.py) and `run_status.json`; main
+        """run_report.json / .md, the console summary (loopkit/report.py), the charts when `charts`, and
+        `run_status.json`; main
         process only. A failure to write them is a warning: it must never hide the run's own outcome. `counters`:
         the input tokens and samples the run trained on."""
         run, context = self.run, self.context
