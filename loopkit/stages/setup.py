@@ -37,6 +37,7 @@ from ..distributed import (active_engine, check_engines_active, check_launch, en
                            shard_on_cpu_processes)
 from .. import trainer_logging
 from ..memory import MemoryTracker
+from ..process_exit import settle_at_exit
 from .base import Stage, base_model
 from ..errors import trainer_error
 
@@ -153,6 +154,7 @@ class SetupStage(Stage):
         """The model passed to the `Loop` (or `model_init`'s, for None), on the context's accelerator's device."""
         run = self.run
         check_launch(self.context.accelerator)  # processes that Accelerate did not join: refuse (distributed.py)
+        settle_at_exit(self.context.accelerator.num_processes)  # gloo's threads done before exit (process_exit.py)
         if model is None:
             if run.model_init is None:
                 raise config_error("model", None, "Loop needs a model", "pass model=... or model_init=...")
