@@ -261,6 +261,33 @@ def test_fsdp2_checkpoints_hold_shards_and_resume_bit_exactly_on_two_processes_w
     assert all(DCPStorage().checkpoint_problem(d) is None for d in checkpoint_dirs(os.path.join(two, "resumed")))
 
 
+def test_every_fsdp2_checkpoint_records_the_models_class_and_converts_to_what_from_pretrained_loads(launches,
+                                                                                                     tmp_path):
+    """FSDP2's `fully_shard` swaps the model's class for `FSDPLlamaForCausalLM`; each checkpoint's config.json
+    names the model's own class (as `save_pretrained`, which Trainer uses, records it), so `convert-dcp` of the
+    2-process checkpoint gives a folder that `from_pretrained` loads, with the trained sharded model's logits."""
+    import json
+
+    from transformers import LlamaForCausalLM
+
+    two, _, four = launches
+    assert json.load(open(os.path.join(two, "sharded_rank0.json")))["distributed_type"] == "DistributedType.FSDP"
+    for run_dir in [os.path.join(two, name) for name in ("sharded", "resumed", "from_one")] + [
+            os.path.join(four, "from_two")]:
+        for checkpoint in checkpoint_dirs(run_dir):
+            config = json.load(open(os.path.join(checkpoint, "config.json")))
+            assert config["architectures"] == ["LlamaForCausalLM"], (checkpoint, config["architectures"])
+    checkpoint = os.path.join(two, "sharded", f"checkpoint-{dcp_child.MAX_STEPS}")  # the trained model's state
+    pretrained = os.path.join(tmp_path, "pretrained")
+    result = run_process([sys.executable, "-m", "loopkit", "convert-dcp", checkpoint, pretrained],
+                         "python -m loopkit convert-dcp", env=child_env(cpu_mode=False))
+    assert result.returncode == 0, result.stderr[-3000:]
+    model = LlamaForCausalLM.from_pretrained(pretrained).eval()
+    with torch.no_grad():
+        logits = model(input_ids=dcp_child.logits_inputs()).logits
+    assert torch.equal(logits, weights(two, "sharded_logits")["logits"])
+
+
 def test_ddp_asynchronous_saves_resume_bit_exactly(launches):
     _, ddp, _ = launches
     import json

@@ -181,6 +181,10 @@ def test_save_model_writes_one_safetensors_that_from_pretrained_loads(runs):
     two, _, _, _ = runs
     folder = os.path.join(two, "sharded", "final")
     assert "model.safetensors" in os.listdir(folder)
+    # The model's own class, not the one FSDP2's fully_shard swapped in (as Trainer's save_pretrained records it)
+    assert result(two, "sharded")["model_class"] == "FSDPLlamaForCausalLM"
+    with open(os.path.join(folder, "config.json")) as f:
+        assert json.load(f)["architectures"] == ["LlamaForCausalLM"]
     model = LlamaForCausalLM.from_pretrained(folder)
     expected = weights(two, "sharded")
     assert all(torch.equal(model.state_dict()[k], expected[k]) for k in expected)

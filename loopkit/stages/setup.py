@@ -42,6 +42,7 @@ from ..parallelism import (accelerator_parallelism, attach_on_cpu_processes, che
 from .. import trainer_logging
 from ..memory import MemoryTracker
 from ..process import fresh_accelerate_state, mark_loop_state
+from ..process_exit import settle_at_exit
 from .base import Stage, base_model
 from ..errors import RuntimeConfigError, trainer_error
 
@@ -183,6 +184,7 @@ class SetupStage(Stage):
         """The model passed to the `Loop` (or `model_init`'s, for None), on the context's accelerator's device."""
         run = self.run
         check_launch(self.context.accelerator)  # processes that Accelerate did not join: refuse (distributed.py)
+        settle_at_exit(self.context.accelerator.num_processes)  # gloo's threads done before exit (process_exit.py)
         if model is None:
             if run.model_init is None:
                 raise trainer_error("`Trainer` requires either a `model` or `model_init` argument", "model", None,

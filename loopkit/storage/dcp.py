@@ -66,6 +66,14 @@ class OneProcessWrite:
         self.state = None
 
 
+def own_class(model) -> type:
+    """The class the model was built as. FSDP2's `fully_shard` swaps in a subclass, `FSDP<Name>` with `FSDPModule`
+    first in its bases, which no `from_pretrained` knows (transformers' `save_pretrained` drops the prefix too)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+
+
 def dcp_metadata(checkpoint: str):
     """The DCP metadata of `checkpoint`, read without unpickling anything else (`UnsafeCheckpointError` if it
     asks for more, `OSError` if it is missing)."""
@@ -119,7 +127,7 @@ class DCPStorage(CheckpointStorage):
         config = getattr(model, "config", None)
         if hasattr(config, "save_pretrained"):
             config = copy.copy(config)
-            config.architectures = [type(model).__name__]  # as `save_pretrained` records it: the class to rebuild
+            config.architectures = [own_class(model).__name__]  # as `save_pretrained` records it: the class to rebuild
             config.save_pretrained(folder)
         if hasattr(run.processing_class, "save_pretrained"):
             run.processing_class.save_pretrained(folder)

@@ -14,7 +14,8 @@ Usage: python dcp_child.py OUT_DIR MODE [ARG ...]
 * ddp (2 processes): `ddp` (asynchronous saves every 2 steps) and `ddp_resumed` (from its checkpoint-4).
 
 Every run writes `<name>.safetensors` (final whole weights, rank 0), `<name>_loaded.safetensors` (when resumed: the
-whole weights and AdamW moments right after loading, at on_train_begin) and `<name>_rank<r>.json`.
+whole weights and AdamW moments right after loading, at on_train_begin) and `<name>_rank<r>.json`; a sharded run
+also `<name>_logits.safetensors` (rank 0): the trained sharded model's logits on `logits_inputs()`.
 """
 
 from __future__ import annotations
@@ -94,14 +95,29 @@ def run(out: str, name: str, *, sharded: bool = False, async_save: bool = False,
                       callbacks=callbacks)
     loop.train(resume_from_checkpoint=resume_from)
     final = {k: v for k, v in whole_state(loop).items() if k.startswith("model.")}
+    logits = sharded_logits(loop) if sharded else None
     rank = loop.accelerator.process_index
     if rank == 0:
         save_file(final, os.path.join(out, f"{name}.safetensors"))
+        if logits is not None:
+            save_file({"logits": logits}, os.path.join(out, f"{name}_logits.safetensors"))
     with open(os.path.join(out, f"{name}_rank{rank}.json"), "w") as f:
         json.dump({"num_processes": loop.accelerator.num_processes, "distributed_type": str(
             loop.accelerator.distributed_type), "global_step": loop.state.global_step,
             "log_history": loop.state.log_history}, f, indent=1, default=str)
     return loop
+
+
+def logits_inputs() -> torch.Tensor:
+    return torch.stack([sample["input_ids"] for sample in dist_child.lm_samples(3, 5)])
+
+
+def sharded_logits(loop: Loop) -> torch.Tensor:
+    """The trained model's logits, computed by the sharded model itself (a collective: every rank runs it)."""
+    model = loop.model_wrapped
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=logits_inputs()).logits.detach().cpu().contiguous()
 
 
 def install_kill(moment: str) -> None:
