@@ -34,6 +34,9 @@ OTHER_PARAMETERS = {
     "zero_division": "scikit-learn's keyword, quoted by loopkit/metrics.py",
     "learning_rat": "the misspelling docs/differences.md shows LoopArgs refusing",
     "gradient_accumulation_kwargs": "a key of accelerator_config (Accelerate's GradientAccumulationPlugin keywords)",
+    "tp_plan": "from_pretrained's keyword (tensor parallelism)",
+    "skip_logits": "a model's forward keyword that Trainer passes under Liger (docs/arguments.md)",
+    "scale_wrt_gas": "Accelerator.backward's keyword for DeepSpeed (taken through **kwargs)",
 }
 
 
@@ -65,6 +68,7 @@ def other_api_parameters() -> set[str]:
     import accelerate
     import torch
     import transformers
+    from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DataLoaderConfiguration, DeepSpeedPlugin, FullyShardedDataParallelPlugin
     from transformers.optimization import Adafactor
     from transformers.trainer_pt_utils import LabelSmoother
@@ -81,9 +85,11 @@ def other_api_parameters() -> set[str]:
                if (inspect.isclass(o) or inspect.isfunction(o)) and o.__module__.startswith("loopkit")]
     owners += [transformers.Trainer, transformers.Seq2SeqTrainer, transformers.PretrainedConfig,
                transformers.LlamaConfig, transformers.GenerationConfig, transformers.DataCollatorWithFlattening,
+               transformers.DataCollatorForLanguageModeling, transformers.DataCollatorWithPadding,
                transformers.TrainerCallback, transformers.EarlyStoppingCallback, Adafactor, LabelSmoother,
                loopkit.data_order.ReadAhead, dcp.load, torch.optim.SGD, torch.compile, torch.load, torch.utils.data.DataLoader, torch.nn.CrossEntropyLoss,
-               accelerate.Accelerator, FullyShardedDataParallelPlugin, DeepSpeedPlugin, DataLoaderConfiguration]
+               accelerate.Accelerator, FullyShardedDataParallelPlugin, DeepSpeedPlugin, DataLoaderConfiguration,
+               ParallelismConfig]
     return set().union(*(parameters_of(owner) for owner in owners))
 
 
