@@ -6,8 +6,8 @@ package, a device this machine lacks, a transformers bug), Loop must refuse at c
 names. The optimizer packages come with `pip install loopkit[optim]` (and the test extra).
 """
 
-import json
 import importlib.util
+import json
 import sys
 
 import pytest
