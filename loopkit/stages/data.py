@@ -253,6 +253,7 @@ class DataStage(Stage):
             iterator = getattr(base, "_iterator", None)  # set only with persistent_workers
             if iterator is not None and hasattr(iterator, "_shutdown_workers"):
                 iterator._shutdown_workers()
+                close_worker_queues(iterator)
                 base._iterator = None
         self.eval_loaders = {}
         self.reader = None  # the batch read ahead (workers' shared memory) and the epoch's iterator go with it
@@ -455,3 +456,21 @@ class DataStage(Stage):
             for owner, generator in zip(owners, saved_generators):
                 set_generator_state(owner, generator)
             self.generators_after_read = saved_generators
+
+
+def close_worker_queues(iterator, wait_s: float = 10.0) -> None:
+    """torch's `_shutdown_workers` joins the workers but leaves their queues' pipes to others: an index queue's feeder
+    thread closes its pipe a moment later, and the result queue's pipe closes when the garbage collector reaches the
+    iterator, both possibly after `train()` returned, while the user's process still holds them (a fd count after a
+    run once found one such pipe). Close them now that no worker is left: each feeder is awaited first (bounded: one
+    stuck on a full pipe is left to torch, as torch leaves it)."""
+    queues = [*getattr(iterator, "_index_queues", ()), getattr(iterator, "_worker_result_queue", None)]
+    for queue in filter(None, queues):
+        feeder = getattr(queue, "_thread", None)  # multiprocessing.Queue's feeder, started by the first put
+        if feeder is not None:
+            feeder.join(wait_s)
+            if feeder.is_alive():
+                continue
+        for end in (getattr(queue, "_reader", None), getattr(queue, "_writer", None)):
+            if end is not None and not end.closed:
+                end.close()
