@@ -1,5 +1,5 @@
 """`python -m loopkit report RUN_DIR [--force]`: print a run's report and draw its charts, rebuilt from its newest
-checkpoint when the run's own report does not cover it (see loopkit/report.py).
+checkpoint when the run's own report does not cover it (see loopkit/report/).
 `python -m loopkit convert-dcp SRC DST [--checkpoint]`: a DCPStorage checkpoint as a `save_pretrained` folder or an
 HF-layout checkpoint (see loopkit/storage/dcp.py)."""
 
@@ -10,6 +10,6 @@ if sys.argv[1:2] == ["convert-dcp"]:
 
     sys.exit(convert_main(sys.argv[2:]))
 
-from .report import main  # noqa: E402
+from .report.cli import main  # noqa: E402
 
 sys.exit(main())

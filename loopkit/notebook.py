@@ -4,7 +4,7 @@ In a Jupyter kernel `Trainer` shows `transformers.utils.notebook.NotebookProgres
 training and validation losses, a bar per evaluation) instead of tqdm; `Loop` does the same, with HF's own class, so
 a notebook looks as it did under `Trainer`. As under `Trainer`, that callback removes the runtime and speed entries
 (`eval_runtime`, ...) from the metrics `evaluate()` returns in a notebook. The run report renders as Markdown
-(`loop.report`, loopkit/report.py `RunReport`).
+(`loop.report`, loopkit/report/record.py `RunReport`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ compilations, wherever they fall; counted too, loopkit/compilation.py), data, fo
 (the training logs, where a GPU run waits for its device), callbacks, evaluation, checkpoint, teardown (from the
 end of the last epoch) and the report itself; "other" is what falls between them (the loop's own bookkeeping).
 
-The run report (loopkit/report.py) reads the clock. `speed_metrics` makes HF's `*_runtime` and `*_per_second`
+The run report (loopkit/report/) reads the clock. `speed_metrics` makes HF's `*_runtime` and `*_per_second`
 keys for the schedule, the evaluation and the teardown.
 """
 

@@ -1,4 +1,4 @@
-"""The run report's charts and slow steps, as a person reads them (loopkit/report.py): loss with eval loss, the best
+"""The run report's charts and slow steps, as a person reads them (loopkit/report/charts.py): loss with eval loss, the best
 checkpoint and resumes marked; the learning rate with its warmup; one labelled axis per evaluation metric;
 throughput over the steps; slow steps only beyond the run's normal spread, with how busy the machine was."""
 
@@ -148,7 +148,7 @@ def test_slow_steps_are_those_beyond_the_runs_normal_spread(monkeypatch):
 def test_slow_steps_say_when_the_machine_was_busy_or_the_process_waited(monkeypatch):
     steady = [0.010] * 100 + [0.100] * 5 + [0.010] * 50 + [0.100] + [0.010] * 20
     monkeypatch.setattr(phases, "load_average", lambda: 64.0)
-    monkeypatch.setattr(report.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(phases.os, "cpu_count", lambda: 2)
     busy = clock_with(steady)
     assert [s["step"] for s in busy.slow_steps] == [101, 102, 103, 104, 105, 156]
     assert all(s["machine_busy"] and s["load_average"] == 64.0 for s in busy.slow_steps)

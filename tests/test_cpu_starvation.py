@@ -25,7 +25,7 @@ def starve(monkeypatch):
     """4 torch threads on 2 cores, load average 6.5, and the process gets 0.05 CPU-seconds per wall second."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     monkeypatch.setattr(phases, "load_average", lambda: 6.5)
-    monkeypatch.setattr(report.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(phases.os, "cpu_count", lambda: 2)
     started = time.perf_counter()
     monkeypatch.setattr(phases.PhaseClock, "cpu", staticmethod(lambda: 0.05 * (time.perf_counter() - started)))
 

@@ -254,7 +254,7 @@ def test_loop_args_serializes_like_training_arguments(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # A plausible non-default value for every TrainingArguments field that loopkit neither supports nor deems inert.
 # A transformers upgrade that adds a field fails `test_every_field_is_supported_inert_or_refused` until the new
-# field is classified here or in loopkit/args.py.
+# field is classified here or in loopkit/args/ (a LoopArgs field, or a table of loopkit/args/checks.py).
 # (None is left today: use_liger_kernel, liger_kernel_config and parallelism_config, the last ones, are supported.)
 NON_DEFAULT: dict = {}
 

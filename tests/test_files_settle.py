@@ -37,7 +37,7 @@ def slow_drawing(monkeypatch):
         time.sleep(DRAW_SLEEP)
         return real(name, written)
 
-    monkeypatch.setattr(report, "chart_figure", slow_chart_figure)
+    monkeypatch.setattr(report.charts, "chart_figure", slow_chart_figure)
     for name in LAUNCHER_ENV:  # an interrupted train() raises here, as in a notebook
         monkeypatch.delenv(name, raising=False)
 
@@ -172,7 +172,7 @@ def test_the_report_files_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch
     def failing_write(fd, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(report.os, "write", failing_write)
+    monkeypatch.setattr(report.files.os, "write", failing_write)
     with pytest.warns(UserWarning, match="Could not write the run report"):
         loop(out, teardown=TeardownStage(charts=False), max_steps=8, save_strategy="no").train()
     assert {name: (out / name).read_bytes() for name in previous} == previous

@@ -9,13 +9,13 @@ Contract:
 * `run_status.json` in the output folder says how the latest `train()` ended: "running" from `on_train_begin`, then
   "completed", "stopped_early" (a callback set `should_training_stop`), "interrupted" or "failed", with the status
   line of the run report, for `python -m loopkit report` to rebuild a report that says what the run's own said.
-* `write_run_report(status, counters, train_metrics)` writes the run report (loopkit/report.py: JSON summary, time
+* `write_run_report(status, counters, train_metrics)` writes the run report (loopkit/report/: JSON summary, time
   by phase, slow steps, a console summary: milliseconds); a failed or interrupted run gets its report too.
   Everything is written before it returns, so nothing of the run's is still being written when `train()` returns or
   raises. The charts are drawn on demand (`python -m loopkit report RUN_DIR`, or inline by `loop.report` in a
   notebook): about a second of matplotlib, most of a short run. `TeardownStage(charts=True)` draws them into the
   output folder before `train()` returns. `last_report` keeps the report (`loop.report` renders it in a notebook).
-* `on_log`: at the first log (training or evaluation) that finds the run starved of CPU (loopkit/report.py,
+* `on_log`: at the first log (training or evaluation) that finds the run starved of CPU (loopkit/report/record.py,
   `cpu_starvation`), a warning on the `loopkit` logger with the numbers and the fix, once per `train()`.
 * `export(output_dir, example_inputs, formats)` writes the model in `save_pretrained`, `torch.export` and ONNX
   form, each checked against the live model.
@@ -123,7 +123,7 @@ class TeardownStage(Stage):
         return "completed", status
 
     def write_run_report(self, status: str, counters: dict, train_metrics: dict | None = None) -> None:
-        """run_report.json / .md, the console summary (loopkit/report.py), the charts when `charts`, and
+        """run_report.json / .md, the console summary (loopkit/report/), the charts when `charts`, and
         `run_status.json`; main
         process only. A failure to write them is a warning: it must never hide the run's own outcome. `counters`:
         the input tokens and samples the run trained on."""

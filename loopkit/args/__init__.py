@@ -1,0 +1,26 @@
+"""Run configuration: `LoopArgs`, and the check that the arguments (a `LoopArgs` or a `transformers.TrainingArguments`)
+ask for nothing loopkit ignores.
+
+`Loop` accepts either a real `transformers.TrainingArguments` (the one-word migration from `Trainer`) or `LoopArgs`,
+a light dataclass with every field of `TrainingArguments` (transformers 5.24), with the same names and defaults
+(tests/test_errors.py compares them with the installed transformers). Both are read through the same attribute
+names, so the rest of loopkit never asks which one it got.
+
+The package, one module per job:
+- `loop_args.py`: the `LoopArgs` dataclass, its derivations (`TrainingArguments.__post_init__`'s) and its check of
+  unknown keywords;
+- `checks.py`: `check_args` and `check_inputs`, and the tables of supported, inert and engine fields, choices and
+  fixes they read.
+Every name is importable from `loopkit.args` too, as when it was one module.
+"""
+
+# LoopConfigError, MetricNotFoundError, trainer_error and plain are importable from here too (loopkit.args, as before).
+from ..errors import (LoopConfigError, MetricNotFoundError, RuntimeConfigError, UnknownArgumentError,  # noqa: F401
+                      config_error, nearest, plain, trainer_error)
+from ..optimizers import check_optim  # noqa: F401
+from .checks import (ACCELERATE_ENGINE_FIELDS, ENUM_OF_FIELD, FIXES, INERT_FIELDS, SUPPORTED_CHOICES,  # noqa: F401
+                     SUPPORTED_FIELDS, check_args, check_inputs, check_intervals, check_tf32, check_training_options,
+                     check_unsupported_fields, enum_refusal, refusal, trainer_field_names, transformers_quiet,
+                     unsupported_field_error)
+from .loop_args import (DICT_FIELDS, LOOP_ARGS_FIELDS, SEQ2SEQ_FIELDS, LoopArgs,  # noqa: F401
+                        check_best_model_schedule, reject_unknown_keywords, report_to_list, unknown_argument_error)

@@ -1,0 +1,299 @@
+"""What loopkit refuses of the arguments, at construction, naming the field, the value and the fix: `check_args`
+(any args: values loopkit would otherwise ignore or mis-run, and a `TrainingArguments` field it does not run that
+is changed), `check_inputs` (what `Trainer.__init__` rejects about the arguments next to them), and the tables they
+read: the fields loopkit supports, the inert ones, the engine ones, the choices it runs and the fixes it names."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import inspect
+from typing import Any
+
+from ..errors import LoopConfigError, RuntimeConfigError, config_error, plain, trainer_error
+from ..optimizers import check_optim
+from .loop_args import LOOP_ARGS_FIELDS, SEQ2SEQ_FIELDS, LoopArgs, check_best_model_schedule
+
+# TrainingArguments fields that may take any value under loopkit, because HF Trainer does not change how it trains
+# with them, or because TrainingArguments applies them itself when it is built (so they act under Loop too; with
+# `LoopArgs`, the `Loop` applies them when it is built: loopkit/process.py, loopkit/stages/setup.py). A field belongs
+# here only for such a reason; anything else is supported or refused when changed.
+INERT_FIELDS = frozenset({
+    # read by scripts (examples/run_*.py), never by Trainer
+    "do_train", "do_eval", "do_predict", "resume_from_checkpoint",
+    # read by HF's own integration callbacks (trackio), which loopkit builds from the same args
+    "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
+    # applied by TrainingArguments.__post_init__ (the process group through its `device`, and TF32 backends)
+    "local_rank", "ddp_timeout", "ddp_backend", "tf32",
+})
+# FSDP and DeepSpeed: `TrainingArguments` turns these into Accelerate plugins (`fsdp_plugin_args`, `deepspeed_plugin`),
+# which the setup stage hands to the `Accelerator` and then checks are active (loopkit/distributed.py).
+ACCELERATE_ENGINE_FIELDS = frozenset({"fsdp", "fsdp_config", "deepspeed"})
+# Plumbing-like fields that do change a run (`dataloader_in_order`, `dataloader_multiprocessing_context`,
+# `accelerator_config`, `debug`, `save_on_each_node`) are LoopArgs fields: supported, never inert.
+
+# `optim` is checked by loopkit/optimizers.py (refusals name the package or device the user's machine lacks).
+SUPPORTED_CHOICES = {
+    # transformers' schedulers (reduce_lr_on_plateau and greedy step on eval metrics); a scheduler type added later
+    # is refused until it is reviewed.
+    "lr_scheduler_type": ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                          "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "greedy",
+                          "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"),
+    "train_sampling_strategy": ("random", "sequential", "group_by_length"),
+    "include_num_input_tokens_seen": ("no", "all", "non_padding"),
+    "logging_strategy": ("no", "steps", "epoch"),
+    "eval_strategy": ("no", "steps", "epoch"),
+    "save_strategy": ("no", "steps", "epoch", "best"),
+    "hub_strategy": ("end", "every_save", "checkpoint", "all_checkpoints"),
+}
+# The way out, for the refused values users ask for most; otherwise the fix is "leave it at its default".
+FIXES = {
+    "lr_scheduler_type": "choose one of those, or build the scheduler yourself: pass optimizers=(optimizer, "
+                         "scheduler) to Loop or override create_scheduler",
+    "train_sampling_strategy": "use one of those, or return your sampler from a DataStage subclass's "
+                               "train_sampler(dataset) and pass Loop(..., data=YourDataStage())",
+}
+# The fields loopkit runs itself; a `TrainingArguments` is checked against a reference built from their values.
+SUPPORTED_FIELDS = LOOP_ARGS_FIELDS - INERT_FIELDS - ACCELERATE_ENGINE_FIELDS
+
+
+def unsupported_field_error(name: str, value: Any, default: Any) -> LoopConfigError:
+    fix = FIXES.get(name, f"leave {name} at its default ({default!r}), or train with transformers.Trainer")
+    # A field a later transformers adds, until it is reviewed. (What a user's machine lacks is checked on it when
+    # the refusal is made, as for `debug` below and `optim` in loopkit/optimizers.py.)
+    return config_error(name, value, "loopkit does not support this TrainingArguments field, and will not ignore it "
+                        "silently", fix)
+
+
+def check_unsupported_fields(args) -> None:
+    """Every `TrainingArguments` field outside the supported and inert sets must have the value a `TrainingArguments`
+    built with the same supported values has (so values `__post_init__` derives from supported fields count as
+    defaults). A script's subclass may add fields of its own (`@dataclass class ScriptArgs(TrainingArguments)`):
+    Trainer never reads them, and neither does this check; the reference keeps their values. A `LoopArgs`
+    has only fields loopkit runs or that are inert.
+
+    The reference is built without touching Accelerate's state: building a `TrainingArguments` resets it, which would
+    throw away a state the user configured (`use_configured_state`)."""
+    from ..process import accelerate_state_kept
+
+    if isinstance(args, LoopArgs):  # every field of its own is run or inert
+        return
+    fields = [f for f in dataclasses.fields(args) if not f.name.startswith("_")]
+    own = {f.name for f in fields} - trainer_field_names(args)
+    same = {f.name: getattr(args, f.name) for f in fields if f.init and (f.name in SUPPORTED_FIELDS or f.name in own)}
+    with accelerate_state_kept(), transformers_quiet():  # the user's own args printed its notes already
+        reference = type(args)(**same)
+    for f in fields:
+        if f.name in SUPPORTED_FIELDS or f.name in INERT_FIELDS or f.name in ACCELERATE_ENGINE_FIELDS \
+                or f.name in SEQ2SEQ_FIELDS or f.name in own:
+            continue
+        value, default = plain(getattr(args, f.name)), plain(getattr(reference, f.name))
+        if value != default:
+            raise unsupported_field_error(f.name, value, default)
+
+
+@contextlib.contextmanager
+def transformers_quiet():
+    """transformers' logger at ERROR while a reference `TrainingArguments` is built."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def trainer_field_names(args) -> set[str]:
+    """The fields `TrainingArguments` itself declares, for an instance of it or of a subclass; for another args
+    dataclass, all of its fields."""
+    from transformers import TrainingArguments  # not a `transformers.trainer*` module
+
+    if isinstance(args, TrainingArguments):
+        return {f.name for f in dataclasses.fields(TrainingArguments)}
+    return {f.name for f in dataclasses.fields(args)}
+
+
+def check_args(args) -> None:
+    """Raise `LoopConfigError` for any value loopkit would otherwise ignore or mis-run, naming the field and fix.
+
+    For a `TrainingArguments` (or any args dataclass other than `LoopArgs`), a field outside the supported and inert
+    sets that does not keep its default is refused. That check comes last: it builds a `TrainingArguments` from the
+    supported values, whose own validation would otherwise preempt the clearer messages below.
+    """
+    positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
+    for name in positive:
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise config_error(name, value, "must be a positive integer", f"set {name} to 1 or more")
+    for name, choices in SUPPORTED_CHOICES.items():
+        value = plain(getattr(args, name))
+        if value not in choices:
+            fix = FIXES.get(name, f"choose one of those for {name}")
+            raise refusal(enum_refusal(name, value), name, value, f"loopkit supports {', '.join(map(repr, choices))}",
+                          fix)
+    if args.bf16 and args.fp16:
+        raise trainer_error("At most one of fp16 and bf16 can be True, but not both", "fp16", True,
+                            "bf16=True is set too, and a run has one mixed-precision mode",
+                            "set only one of bf16 and fp16")
+    check_intervals(args)
+    check_training_options(args)
+    if args.warmup_steps < 0:
+        raise trainer_error(f"Got warmup_steps = {args.warmup_steps}, Expected value warmup_steps >= 0",
+                            "warmup_steps", args.warmup_steps, "it cannot be negative",
+                            "set warmup_steps >= 0 (a value below 1 is a fraction of max_steps)")
+    if args.dataloader_prefetch_factor is not None and args.dataloader_num_workers == 0:
+        raise trainer_error("--dataloader_prefetch_factor can only be set when data is loaded in a different "
+                            "process, i.e. when --dataloader_num_workers > 0.", "dataloader_prefetch_factor",
+                            args.dataloader_prefetch_factor, "it only applies to worker processes, and "
+                            "dataloader_num_workers=0", "set dataloader_num_workers > 0 or leave "
+                            "dataloader_prefetch_factor=None")
+    scheduler = plain(args.lr_scheduler_type)
+    if scheduler in ("reduce_lr_on_plateau", "greedy") and plain(args.eval_strategy) == "no":
+        raise trainer_error(f"lr_scheduler_type {scheduler} requires an eval strategy", "lr_scheduler_type",
+                            scheduler, "it steps on the evaluation metric, and eval_strategy='no'",
+                            "set eval_strategy='steps' or 'epoch' (and pass an eval_dataset)")
+    if args.metric_for_best_model is None and (args.load_best_model_at_end or plain(args.save_strategy) == "best"):
+        field_name, value = (("load_best_model_at_end", True) if args.load_best_model_at_end else
+                             ("save_strategy", "best"))
+        raise trainer_error("`args.metric_for_best_model` must be provided when using 'best' save_strategy or if "
+                            "`args.load_best_model_at_end` is set to `True`.", field_name, value,
+                            "choosing the best checkpoint needs a metric to compare",
+                            "set metric_for_best_model, e.g. 'loss' or 'accuracy'")
+    check_tf32(args)
+    check_best_model_schedule(args)
+    check_optim(args)
+    if dataclasses.is_dataclass(args):
+        check_unsupported_fields(args)
+
+
+def check_intervals(args) -> None:
+    """A 'steps' strategy needs a positive interval (TrainingArguments refuses 0 for logging, with its words)."""
+    for name, strategy in (("logging_steps", "logging_strategy"), ("save_steps", "save_strategy"),
+                           ("eval_steps", "eval_strategy")):
+        value = getattr(args, name)
+        if plain(getattr(args, strategy)) == "steps" and (value is None or value <= 0):
+            trainer_message = (f"logging strategy {args.logging_strategy} requires non-zero --logging_steps"
+                               if name == "logging_steps" and value == 0 else None)
+            raise refusal(trainer_message, name, value, f"{strategy}='steps' needs a positive interval",
+                          f"set {name} > 0 (or a fraction of max_steps below 1)")
+
+
+def refusal(trainer_message: str | None, field_name: str, value: Any, problem: str, fix: str) -> LoopConfigError:
+    """`trainer_error` where TrainingArguments / Trainer refuse the same value (their words first), else
+    `config_error`."""
+    if trainer_message is None:
+        return config_error(field_name, value, problem, fix)
+    return trainer_error(trainer_message, field_name, value, problem, fix)
+
+
+# The str-enums TrainingArguments turns these fields into: a value outside them is refused in the enum's words.
+ENUM_OF_FIELD = {"lr_scheduler_type": ("transformers.trainer_utils", "SchedulerType"),
+                 "logging_strategy": ("transformers.trainer_utils", "IntervalStrategy"),
+                 "eval_strategy": ("transformers.trainer_utils", "IntervalStrategy"),
+                 "save_strategy": ("transformers.trainer_utils", "SaveStrategy"),
+                 "hub_strategy": ("transformers.trainer_utils", "HubStrategy"),
+                 "debug": ("transformers.debug_utils", "DebugOption")}
+
+
+def enum_refusal(name: str, value: Any) -> str | None:
+    """TrainingArguments' message for a value its enum for `name` lacks (None if the enum has it)."""
+    if name not in ENUM_OF_FIELD:
+        return None
+    module, enum_name = ENUM_OF_FIELD[name]
+    try:
+        getattr(importlib.import_module(module), enum_name)(value)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def check_tf32(args) -> None:
+    """`tf32=True` needs TF32 matmuls (an Ampere or newer CUDA GPU), as `TrainingArguments` checks when it is built."""
+    if not args.tf32:
+        return
+    from transformers.utils import is_torch_tf32_available
+
+    if not is_torch_tf32_available():
+        raise trainer_error("--tf32 requires Ampere or a newer GPU arch, cuda>=11 and torch>=1.7", "tf32", True,
+                            "TF32 is a mode of Ampere and newer CUDA GPUs, and torch sees none",
+                            "leave tf32=None (or False) on this machine")
+
+
+def check_training_options(args) -> None:
+    """The values of the training options TrainingArguments validates when it is built (checked again here, for
+    `LoopArgs` and for fields changed afterwards), and the debug options loopkit does not run."""
+    steps = args.torch_empty_cache_steps
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise trainer_error(f"`torch_empty_cache_steps` must be an integer bigger than 0, got {steps}.",
+                            "torch_empty_cache_steps", steps, "it is the interval, in optimizer steps, at which the "
+                            "device cache is emptied", "set a positive integer, or None")
+    if args.bf16_full_eval and args.fp16_full_eval:
+        raise trainer_error("At most one of fp16 and bf16 can be True for full eval, but not both", "fp16_full_eval",
+                            True, "bf16_full_eval=True is set too, and evaluation casts the model to one dtype",
+                            "set only one of bf16_full_eval and fp16_full_eval")
+    for option in (plain(o) for o in args.debug):
+        if option == "tpu_metrics_debug":
+            # Checked on the user's machine now: without torch_xla there are no XLA metrics to print at all.
+            problem = ("it prints torch_xla's metrics, and torch_xla is not installed"
+                       if importlib.util.find_spec("torch_xla") is None else
+                       "loopkit does not print torch_xla's metrics (not implemented)")
+            raise config_error("debug", option, problem, "use debug='underflow_overflow' or leave debug empty")
+        if option != "underflow_overflow":
+            raise refusal(enum_refusal("debug", option), "debug", option, "it is not a debug option",
+                          "use debug='underflow_overflow' or leave debug empty")
+
+
+def check_inputs(args, *, model, model_init, train_dataset, eval_dataset, compute_metrics, optimizers,
+                 optimizer_cls_and_kwargs=None) -> None:
+    """What `Trainer.__init__` rejects about the arguments next to `args`, rejected at construction as there."""
+    from ..batches import has_length
+
+    if optimizers[0] is not None and optimizer_cls_and_kwargs is not None:
+        raise trainer_error("Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible.",
+                            "optimizer_cls_and_kwargs", optimizer_cls_and_kwargs, "an optimizer was passed too",
+                            "pass either optimizers=(opt, sched) or optimizer_cls_and_kwargs", kind=RuntimeConfigError)
+
+    if model is not None and model_init is not None:
+        raise trainer_error("`Trainer` requires either a `model` or `model_init` argument, but not both.",
+                            "model_init", model_init, "a model was passed too, and train() would replace it with "
+                            "model_init()", "pass either model=... or model_init=...")
+    if model_init is not None and any(o is not None for o in optimizers):
+        passed = tuple(None if o is None else type(o).__name__ for o in optimizers)
+        raise trainer_error("Passing a `model_init` is incompatible with providing the `optimizers` argument. You "
+                            "should subclass `Trainer` and override the `create_optimizer_and_scheduler` method.",
+                            "optimizers", passed, "model_init builds a new model at each train(), which an "
+                            "optimizer built beforehand would not hold", "drop optimizers=... and override "
+                            "create_optimizer / create_scheduler in a Loop subclass instead",
+                            kind=RuntimeConfigError)
+    for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+        for key, part in (dataset.items() if isinstance(dataset, dict) else [(None, dataset)]):
+            if part is not None and has_length(part) and len(part) == 0:
+                where = f"{name}[{key!r}]" if key is not None else name
+                raise config_error(where, f"<empty {type(part).__name__}>", "it has no example", "pass a dataset with "
+                                   "at least one example (check the split, filter or file that built it)")
+    if train_dataset is not None and not has_length(train_dataset) and args.max_steps <= 0:
+        raise trainer_error("The train_dataset does not implement __len__, so the number of training steps cannot be "
+                            "inferred; max_steps has to be specified. The total number of steps must be known in "
+                            "advance to bound the training loop and to configure the learning rate scheduler.",
+                            "max_steps", args.max_steps, f"the train dataset "
+                            f"({type(train_dataset).__name__}) has no __len__, so the number of steps cannot be "
+                            "derived from num_train_epochs", "set max_steps to the number of optimizer steps to train")
+    # Trainer's order: batch_eval_metrics, then the eval dataset (Trainer._validate_args).
+    if args.batch_eval_metrics and compute_metrics is not None:
+        if "compute_result" not in inspect.signature(compute_metrics).parameters:
+            raise trainer_error("When using `batch_eval_metrics`, your `compute_metrics` function must take a "
+                                "`compute_result` boolean argument which will be triggered after the last batch of "
+                                "the eval set to signal that the summary statistics should be returned by the "
+                                "function.", "batch_eval_metrics", True, "compute_metrics is then called after every "
+                                "batch and must know when the last one came", "give compute_metrics a "
+                                "compute_result argument (True on the last batch: return the metrics then), or set "
+                                "batch_eval_metrics=False")
+    if plain(args.eval_strategy) != "no" and eval_dataset is None:
+        raise trainer_error(f"You have set `args.eval_strategy` to {args.eval_strategy} but you didn't pass an "
+                            "`eval_dataset` to `Trainer`. Either set `args.eval_strategy` to `no` or pass an "
+                            "`eval_dataset`. ", "eval_strategy", plain(args.eval_strategy), "evaluating during "
+                            "training needs an eval dataset, and none was passed", "pass eval_dataset=... to Loop, or "
+                            "set eval_strategy='no'")

@@ -1,0 +1,37 @@
+"""`python -m loopkit report RUN_DIR [--force]` (loopkit/__main__.py): print a run's report and draw its charts,
+rebuilding it from the newest checkpoint when the run's own report does not cover it."""
+
+from __future__ import annotations
+
+import os
+
+from .charts import charts_drawn
+from .files import REBUILT_NAME, REPORT_NAME, write_report
+from .rebuild import report_from_files
+from .text import summary_text
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m loopkit", description="loopkit command-line tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    report_cmd = sub.add_parser("report", help="print the run report of RUN_DIR and draw its charts; rebuild it "
+                                "from the newest checkpoint when the run's own report does not cover it")
+    report_cmd.add_argument("run_dir")
+    report_cmd.add_argument("--force", action="store_true", help="rebuild from the newest checkpoint and write "
+                            "over the run's own run_report.* (otherwise a rebuilt report goes beside it)")
+    args = parser.parse_args(argv)
+    report, own = report_from_files(args.run_dir, args.force)
+    if own:  # the run's own report: printed, its charts drawn again, its files left as the run wrote them
+        report["charts"] = charts_drawn(report, args.run_dir)
+        print(summary_text(report))
+        return 0
+    beside = not args.force and os.path.isfile(os.path.join(args.run_dir, REPORT_NAME + ".json"))
+    name = REBUILT_NAME if beside else REPORT_NAME
+    report["charts"] = charts_drawn(report, args.run_dir, prefix=name + "." if beside else "")
+    write_report(report, args.run_dir, name=name)
+    if beside:
+        print(f"  the run's own {REPORT_NAME}.json covers an earlier stretch and is kept; this rebuilt report is "
+              f"{name}.json (--force writes it over the run's own)")
+    return 0
