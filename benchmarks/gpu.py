@@ -209,15 +209,9 @@ def run_liger(args) -> dict:
     suite = Suite(size="full", out_dir=args.out, threads=0 if args.device.startswith("cuda") else 1)
     spec, warmup = spec_from(args), warmup_steps_of(args)
     rounds = (1, args.rounds) if not args.tiny else (0, 1)
-    replies = {kind: [] for kind in LIGER_RUNS}
     try:
         with suite.workers(names=tuple(LIGER_RUNS), prefix="gpu-liger-") as workers:
-            for _, is_warmup in suite.rounds(*rounds):
-                for kind in LIGER_RUNS:
-                    reply = workers[kind].request(MODULE, "liger_train_steps", run_kind=kind, spec=spec.to_dict(),
-                                                  warmup_steps=warmup, output_dir=suite.scratch_dir(f"gpu-{kind}"))
-                    if not is_warmup:
-                        replies[kind].append(reply)
+            replies = measured_replies(suite, workers, rounds, "liger_train_steps", "run_kind", spec, warmup)
     finally:
         suite.cleanup()
     with_liger = {c: replies[c] for c in ("hf", "loopkit")}
@@ -358,25 +352,36 @@ def spec_from(args) -> TrainSpec:
     return spec.replace(num_train=spec.samples_per_step * spec.max_steps)
 
 
+def train_keywords(suite, name: str, spec: TrainSpec, warmup: int) -> dict:
+    """What every timed training request of worker `name` is given: the spec, the warm-up steps, its scratch folder."""
+    return {"spec": spec.to_dict(), "warmup_steps": warmup, "output_dir": suite.scratch_dir(f"gpu-{name}")}
+
+
+def measured_replies(suite, workers: dict, rounds: tuple[int, int], function: str, keyword: str, spec: TrainSpec,
+                     warmup: int) -> dict[str, list]:
+    """Each worker's replies to `function` (given the worker's name as `keyword`), the workers taking turns within
+    every round; the warm-up rounds' replies are dropped."""
+    replies = {name: [] for name in workers}
+    for _, is_warmup in suite.rounds(*rounds):
+        for name, worker in workers.items():
+            reply = worker.request(MODULE, function, **{keyword: name}, **train_keywords(suite, name, spec, warmup))
+            if not is_warmup:
+                replies[name].append(reply)
+    return replies
+
+
 def run(args) -> dict:
     suite = Suite(size="full", out_dir=args.out, threads=0 if args.device.startswith("cuda") else 1)
     spec = spec_from(args)
     warmup = warmup_steps_of(args)
     rounds = (1, args.rounds) if not args.tiny else (0, 1)
-    replies = {c: [] for c in CONTENDERS}
     try:
         with suite.workers(prefix="gpu-") as workers:
             device = workers["raw"].request(MODULE, "device_versions")
             suite.say(f"gpu: {device['device_name']}, {rounds[0]}+{rounds[1]} rounds of {spec.max_steps} steps")
-            for _, is_warmup in suite.rounds(*rounds):
-                for c in CONTENDERS:
-                    reply = workers[c].request(MODULE, "gpu_train_steps", contender=c, spec=spec.to_dict(),
-                                               warmup_steps=warmup, output_dir=suite.scratch_dir(f"gpu-{c}"))
-                    if not is_warmup:
-                        replies[c].append(reply)
-            syncs = {c: workers[c].request(MODULE, "gpu_train_steps", contender=c, spec=spec.to_dict(),
-                                           warmup_steps=warmup, output_dir=suite.scratch_dir(f"gpu-{c}"),
-                                           count_syncs=True) for c in CONTENDERS}
+            replies = measured_replies(suite, workers, rounds, "gpu_train_steps", "contender", spec, warmup)
+            syncs = {c: workers[c].request(MODULE, "gpu_train_steps", contender=c, count_syncs=True,
+                                           **train_keywords(suite, c, spec, warmup)) for c in CONTENDERS}
     finally:
         suite.cleanup()
     peak = args.peak_tflops or device_peak_tflops(device["device_name"])
