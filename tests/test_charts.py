@@ -1,5 +1,5 @@
-"""The run report's charts and slow steps, as a person reads them (loopkit/report/charts.py): loss with eval loss, the best
-checkpoint and resumes marked; the learning rate with its warmup; one labelled axis per evaluation metric;
+"""The run report's charts and slow steps, as a person reads them (loopkit/report/charts.py): loss with eval loss, the
+best checkpoint and resumes marked; the learning rate with its warmup; one labelled axis per evaluation metric;
 throughput over the steps; slow steps only beyond the run's normal spread, with how busy the machine was."""
 
 import json
