@@ -176,11 +176,14 @@ def layer_of(module: str, layers: dict = LAYERS) -> str | None:
 
 
 def upward_imports(graph: dict[str, set[str]], layers: dict = LAYERS) -> list[str]:
-    """Every import of a module from a higher layer: `importer (layer) -> imported (layer)`."""
+    """Every import of a module from a higher layer: `importer (layer) -> imported (layer)` (a module in no layer is
+    left to test_every_module_has_one_declared_layer)."""
     rank = {layer: i for i, layer in enumerate(layers)}
+    rank[None] = None
     return [f"{module} ({layer_of(module, layers)}) -> {target} ({layer_of(target, layers)})"
             for module in sorted(graph) for target in sorted(graph[module])
-            if rank[layer_of(target, layers)] > rank[layer_of(module, layers)]]
+            if None not in (rank[layer_of(module, layers)], rank[layer_of(target, layers)])
+            and rank[layer_of(target, layers)] > rank[layer_of(module, layers)]]
 
 
 def test_the_layer_check_sees_an_import_inside_a_function_going_up(tmp_path):
