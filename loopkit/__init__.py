@@ -6,6 +6,8 @@ stays cheap (it never imports `transformers.trainer`).
 
 __version__ = "0.1.0"
 
+from . import moved
+
 _EXPORTS = {
     "Loop": "loopkit.loop",
     "LoopArgs": "loopkit.args",
@@ -24,7 +26,7 @@ _EXPORTS = {
     "ChunkedLossStep": "loopkit.stages.chunked_loss",
     "EvalStage": "loopkit.stages.evaluation",
     "TeardownStage": "loopkit.stages.teardown",
-    "Seq2SeqLoop": "loopkit.seq2seq",
+    "Seq2SeqLoop": "loopkit.seq2seq_loop",
     "Seq2SeqEvalStage": "loopkit.stages.seq2seq",
     "EVENTS": "loopkit.events",
     "Checkpointer": "loopkit.storage.hf",
@@ -41,6 +43,9 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
+
+# Module paths of earlier versions (`loopkit.run`, `loopkit.hub`, ...) import their new module, with a warning.
+moved.register()
 
 
 def __getattr__(name):

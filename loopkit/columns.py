@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from .args import plain
 from .batches import without_columns
 from .errors import config_error, nearest
-from .stages.base import base_model
+from .models import base_model
 
 
 def find_labels(model) -> list[str]:

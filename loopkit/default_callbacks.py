@@ -1,7 +1,7 @@
 """HF Trainer's default callbacks, and loopkit's stand-ins for them that import nothing noisy.
 
 A `Loop`'s default callbacks are HF's `DefaultFlowCallback` and `ProgressCallback` / `PrinterCallback` (the
-notebook display is HF's own class: loopkit/notebook.py). Their module, `transformers.trainer_callback`, imports
+notebook display is HF's own class: loopkit/trainer/notebook.py). Their module, `transformers.trainer_callback`, imports
 `transformers.trainer_utils`, which imports peft when it is installed, and peft imports bitsandbytes and torchao: on a
 machine without their kernels that prints "Failed to load ... .so", torch pytree deprecations and "Failed to load CPU
 gemm_4bit_forward". A `LoopArgs` run with `optim="adamw_torch"` needs none of it.

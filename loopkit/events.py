@@ -222,7 +222,7 @@ for _event in EVENTS:
 
 def default_callbacks(args, callbacks, progress) -> list:
     """HF Trainer's callback list: its `DefaultFlowCallback`, the `report_to` integrations, the user's `callbacks`,
-    then `progress` (the printer, tqdm bars or the notebook display: loopkit/notebook.py). The defaults are HF's
+    then `progress` (the printer, tqdm bars or the notebook display: loopkit/trainer/notebook.py). The defaults are HF's
     classes when their module is free to import, else loopkit's stand-ins, which become HF's classes when user code
     can first see them (loopkit/default_callbacks.py); `import loopkit` imports neither."""
     integrations = reporting_callbacks(args.report_to)  # their module imports HF's callback module

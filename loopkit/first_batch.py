@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .errors import config_error
-from .stages.base import base_model
+from .models import base_model
 
 TOKEN_LABEL_HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration")
 CLASS_LABEL_HEADS = ("ForSequenceClassification", "ForTokenClassification")

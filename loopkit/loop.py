@@ -1,5 +1,5 @@
 """`Loop`: HF Trainer's constructor and methods, driving five swappable stages. Read `train()` top to bottom to see
-a whole run in order; each stage is a chapter in `loopkit/stages/`; their state and services: `loopkit/run.py`.
+a whole run in order; each stage is a chapter in `loopkit/stages/`; their state and services: `loopkit/run_state.py`.
 
     setup      seeding, Accelerate, the model, the resume point          stages/setup.py
     data       dataloaders, collation, step and epoch arithmetic           stages/data.py
@@ -10,7 +10,7 @@ a whole run in order; each stage is a chapter in `loopkit/stages/`; their state 
 Between optimizer steps the `Schedule` (loopkit/schedule.py) keeps the running loss and does the log / evaluate /
 save that the callbacks ask for; the checkpoint storage (`storage=`, loopkit/storage/) writes and reads checkpoints.
 HF's overridable methods (`compute_loss`, `training_step`, ...) each belong to one stage; overriding one on a `Loop`
-subclass works exactly as on a `Trainer` subclass (loopkit/hf_methods.py).
+subclass works exactly as on a `Trainer` subclass (loopkit/trainer/overridable.py).
 """
 
 from __future__ import annotations
@@ -18,30 +18,30 @@ from __future__ import annotations
 import time
 import warnings
 
-from . import trainer_logging
 from .args import LoopArgs, check_args, check_inputs
-from .checkpoint import warn_if_checkpoint_args_differ
+from .checkpoint import CHECKPOINT_PREFIX, warn_if_checkpoint_args_differ
 from .columns import find_labels
 from .distributed import release_earlier_run
 from .events import EventHandler, default_callbacks
 from .guards import PreemptionWatch, preemption_agreed, with_batch_size_search
-from .hf_methods import HFMethods, bind_overrides
-from .hub import quiet_hub_progress
-from .trainer_api import TrainerAPI
 from .metrics import check_metrics
-from .notebook import default_progress_callback
 from .phases import PhaseClock
 from .process import leaves_process_as_found
 from .report import RUN_RECORD_KEY, run_record
-from .run import RunContext, RunState
+from .run_state import RunContext, RunState
 from .schedule import Schedule, running_loss_state
 from .stages.data import DataStage
 from .stages.evaluation import EvalStage
 from .stages.setup import SetupStage, take_accumulation_steps
 from .stages.step import StepStage
 from .stages.teardown import TeardownStage
-from .storage import run_storage
 from .state import LoopState, restore_callback_states
+from .storage import run_storage
+from .trainer import log_messages
+from .trainer.hub import quiet_hub_progress
+from .trainer.methods import TrainerAPI
+from .trainer.notebook import default_progress_callback
+from .trainer.overridable import HFMethods, bind_overrides
 
 STAGES = {"setup": SetupStage, "data": DataStage, "step": StepStage, "evaluation": EvalStage,
           "teardown": TeardownStage}
@@ -60,7 +60,7 @@ class Loop(HFMethods, TrainerAPI):
     # optimizer steps (see loopkit/guards.py); non-finite values are read back this often on one process too.
     guard_check_every = 10
     # The class of each stage not passed in; a subclass may change one (`Seq2SeqLoop`: the evaluation stage), and
-    # a subclass's overrides of HF's methods are checked against these (loopkit/hf_methods.py).
+    # a subclass's overrides of HF's methods are checked against these (loopkit/trainer/overridable.py).
     stage_classes = STAGES
 
     @leaves_process_as_found  # a refused Loop changes nothing; the next Loop takes back this one's (process.py)
@@ -96,7 +96,7 @@ class Loop(HFMethods, TrainerAPI):
         self.create_accelerator_and_postprocess()
         context.memory = self.setup.track_memory()  # memory metrics from here to on_init_end
         self.setup.build(model)  # the model, on the device
-        trainer_logging.start(args, context.accelerator, args_given, train_dataset)  # verbosity, Trainer's notes
+        log_messages.start(args, context.accelerator, args_given, train_dataset)  # verbosity, Trainer's notes
         run.metrics = check_metrics(metrics, context.accelerator.num_processes)
         run.label_names = list(args.label_names) if args.label_names is not None else find_labels(run.model)
         self.data.check_eval_labels()  # before any training: metric_for_best_model needs labelled evaluations
@@ -164,7 +164,7 @@ class Loop(HFMethods, TrainerAPI):
 
         # 3. Step: optimizer, scheduler, accelerator.prepare, and their resumed state.
         self.step.prepare(plan.max_steps, checkpoint)
-        trainer_logging.log_training_start(args, plan, batch_size, run.model_wrapped, resume, run.state.global_step)
+        log_messages.log_training_start(args, plan, batch_size, run.model_wrapped, resume, run.state.global_step)
         start_time = self.schedule.start_time = time.time()
         run.model_wrapped.zero_grad()
 
@@ -283,11 +283,12 @@ class Loop(HFMethods, TrainerAPI):
 
     def save_checkpoint(self) -> str:
         """A checkpoint of the current step (`checkpoint-<global_step>`), written atomically; returns its path."""
-        trainer_logging.log_model_save(self.run, self.context, checkpoint=True)
+        name = f"{CHECKPOINT_PREFIX}-{self.run.state.global_step}"  # the final folder's name
+        log_messages.log_model_save(self.run, self.context, checkpoint=name)
         return self.context.checkpointer.save(self.stage_states())
 
     # ------------------------------------------------------------------------------------------------------------
-    # HF Trainer's public methods that are not a stage's (the overridable ones: loopkit/hf_methods.py)
+    # HF Trainer's public methods that are not a stage's (the overridable ones: loopkit/trainer/overridable.py)
     # ------------------------------------------------------------------------------------------------------------
     def log(self, logs: dict, start_time=None) -> None:
         """HF's `Trainer.log`: adds `epoch`, appends to `log_history` with `step`, fires `on_log`."""

@@ -130,7 +130,7 @@ class Schedule:
     """What happens after each optimizer step: counting, then the log / evaluation / save `control` asks for."""
 
     def __init__(self, run, context, evaluate, save, observers=None):
-        """`run`, `context`: the run's state and services (loopkit/run.py); `evaluate()`: the run's evaluation
+        """`run`, `context`: the run's state and services (loopkit/run_state.py); `evaluate()`: the run's evaluation
         (`Loop.evaluate`); `save()`: writes a checkpoint of this step; `observers`: step observers
         (loopkit/observers/), whose keys join each training log."""
         self.run, self.context, self.evaluate, self.save = run, context, evaluate, save

@@ -239,7 +239,7 @@ def small_run(tmp_path, stages=(), **fields):
     from loopkit.events import EventHandler
     from loopkit.guards import PreemptionWatch
     from loopkit.phases import PhaseClock
-    from loopkit.run import RunContext, RunState
+    from loopkit.run_state import RunContext, RunState
     from loopkit.state import LoopState
 
     run = RunState(args=fields.pop("args", LoopArgs(output_dir=str(tmp_path), report_to="none")), **fields)

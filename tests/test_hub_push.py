@@ -2,7 +2,7 @@
 nothing blocking training, no upload racing rotation or an asynchronous save, no secret written anywhere.
 
 Offline: a recording fake of transformers' shared `HfApi` stands in for the Hub in both runners, patched where each
-looks it up (`transformers.trainer.hf_api` for Trainer, `loopkit.hub.hf_api` for `Loop`; loopkit's reachability
+looks it up (`transformers.trainer.hf_api` for Trainer, `loopkit.trainer.hub.hf_api` for `Loop`; loopkit's reachability
 probe is told the Hub answers). Like `HfApi`, the fake runs `run_as_future=True` uploads one at a time on its own
 thread and lists the folder when the upload runs (through `huggingface_hub`'s own pattern filter); a gated fake
 holds every upload until the test opens the gate, to show what waits for an upload and what does not.
@@ -21,7 +21,7 @@ import pytest
 from huggingface_hub.utils import filter_repo_objects
 from transformers import Trainer, TrainerCallback
 
-import loopkit.hub
+import loopkit.trainer.hub
 from loopkit import EvalStage, Loop, LoopArgs
 from tests.helpers import IGNORE_PIN_MEMORY_WARNING, PROCESS_WAIT_S, Recorder, hf_args, lm_data, runners, tiny_llama
 
@@ -91,8 +91,8 @@ class FakeHub:
 
     def patch(self, monkeypatch):
         monkeypatch.setattr("transformers.trainer.hf_api", lambda: self)
-        monkeypatch.setattr(loopkit.hub, "hf_api", lambda: self)
-        monkeypatch.setattr(loopkit.hub, "hub_unreachable_reason", lambda endpoint, timeout=None: None)
+        monkeypatch.setattr(loopkit.trainer.hub, "hf_api", lambda: self)
+        monkeypatch.setattr(loopkit.trainer.hub, "hub_unreachable_reason", lambda endpoint, timeout=None: None)
 
     def uploads(self):
         return [c for c in self.calls if c["call"] == "upload_folder"]

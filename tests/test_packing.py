@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import BertConfig, BertForMaskedLM, DataCollatorWithFlattening
 
 from loopkit import Loop, LoopArgs, PackingDataStage
-from loopkit import packing
+from loopkit import row_packing as packing
 
 from helpers import free_port, small_run, tiny_llama, wait_for
 

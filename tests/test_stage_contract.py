@@ -1,5 +1,5 @@
 """The stage contract: each stage works on a small `RunState` and `RunContext` without a `Loop`, stages touch no
-`Loop` or other stage, every shared field has the one writer `loopkit/run.py` declares, every context field is made
+`Loop` or other stage, every shared field has the one writer `loopkit/run_state.py` declares, every context field is made
 and assigned where it declares (never by a stage), and overrides take one path."""
 
 import ast
@@ -13,9 +13,9 @@ from torch import nn
 import loopkit
 from loopkit import Loop, LoopArgs, LoopConfigError, StepStage
 from loopkit.events import EventHandler
-from loopkit.hf_methods import CONTEXT_VIEWS, OWNERS, RUN_VIEWS
+from loopkit.trainer.overridable import CONTEXT_VIEWS, OWNERS, RUN_VIEWS
 from loopkit.memory import MemoryTracker
-from loopkit.run import RunContext, RunState
+from loopkit.run_state import RunContext, RunState
 from loopkit.stages.data import DataStage, Window
 from loopkit.stages.evaluation import EvalStage
 from loopkit.stages.setup import SetupStage
@@ -149,8 +149,8 @@ def test_no_stage_reads_the_loop_or_another_stage():
 
 
 def declared_writers(header: str, column: int = -1) -> dict:
-    """Parse a table of `loopkit/run.py`'s docstring: field -> the file named in `column` (the last: its writer)."""
-    doc = ast.get_docstring(ast.parse(open(os.path.join(PACKAGE, "run.py")).read()))
+    """Parse a table of `loopkit/run_state.py`'s docstring: field -> the file named in `column` (the last: its writer)."""
+    doc = ast.get_docstring(ast.parse(open(os.path.join(PACKAGE, "run_state.py")).read()))
     table = doc.split(header, 1)[1].split("\n\n", 1)[0]
     writers, writer = {}, None
     for line in table.splitlines()[2:]:
@@ -280,7 +280,7 @@ STAGE_NAMES = ("setup", "data", "step", "evaluation", "teardown")
 
 def made_by_stage(value, stage: str) -> bool:
     """The value comes from `stage`: `self.<stage>.<method>(...)`, or the Loop's own `self.<method>` for a method
-    the stage owns (`loopkit.hf_methods.OWNERS`), which reaches the stage's implementation or an override of it."""
+    the stage owns (`loopkit.trainer.overridable.OWNERS`), which reaches the stage's implementation or an override of it."""
     if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
         owner = value.func.value
         return isinstance(owner, ast.Attribute) and owner.attr == stage

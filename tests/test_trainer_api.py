@@ -278,7 +278,7 @@ def test_push_to_hub_without_a_hub_raises_at_once(tmp_path, monkeypatch, hub):
 
     from huggingface_hub import HfApi, constants
 
-    from loopkit.hub import HUB_TIMEOUT_S
+    from loopkit.trainer.hub import HUB_TIMEOUT_S
 
     if hub == "offline_mode":
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)

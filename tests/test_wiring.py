@@ -1,4 +1,4 @@
-"""`loop.show_wiring()` (loopkit/wiring.py): for each event in firing order, the stage methods and callbacks that run,
+"""`loop.show_wiring()` (loopkit/trainer/wiring_text.py): for each event in firing order, the stage methods and callbacks that run,
 in the order they run, and where each of HF's overridable methods runs (a `Loop` subclass's override included).
 Checked against what a run actually calls."""
 
@@ -10,7 +10,7 @@ from transformers import TrainerCallback
 
 from helpers import hf_args, regression_data, tiny_regression
 from loopkit import EVENTS, Loop, StepStage
-from loopkit.wiring import FIRING_ORDER
+from loopkit.trainer.wiring_text import FIRING_ORDER
 
 
 class CountedLoss(Loop):

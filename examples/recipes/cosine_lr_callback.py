@@ -53,7 +53,7 @@ class CosineScheduleStep(StepStage):
         self.min_lr = min_lr
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
-        run = self.run  # the run state (loopkit/run.py): this stage owns the optimizer and the scheduler
+        run = self.run  # the run state (loopkit/run_state.py): this stage owns the optimizer and the scheduler
         if run.lr_scheduler is None:
             base_lr = run.args.learning_rate
             run.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(

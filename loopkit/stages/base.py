@@ -2,9 +2,9 @@
 
 Lifecycle of a stage within a `Loop` (see docs/stages.md for each stage's contract):
 
-    stage.bind(run, context)     once, in Loop.__init__: `self.run` is the `loopkit.run.RunState` (the run's state),
-                                 `self.context` the `loopkit.run.RunContext` (its services: the accelerator, the
-                                 events, the checkpoint storage, ...; and the callables one stage offers another)
+    stage.bind(run, context)     once, in Loop.__init__: `self.run` is the `RunState` (the run's state), `self.context`
+                                 the `RunContext` (its services: the accelerator, the events, the checkpoint storage,
+                                 ...; and the callables one stage offers another), both in loopkit/run_state.py
     stage.load_state_dict(d)     at each train(): {} for a fresh run, the checkpoint's entry when resuming
     stage.prepare(...)           at each train(), where the stage has one (data: plan; step: optimizer, prepare)
     stage.on_<event>(...)        during the run: a stage hears each event before the callbacks do
@@ -12,13 +12,15 @@ Lifecycle of a stage within a `Loop` (see docs/stages.md for each stage's contra
                                  written to safetensors (a state holding tensors is this process's own)
 
 A stage reads what it needs from `self.run`, `self.context` and the arguments of its methods, writes only the
-run-state fields the table in `loopkit/run.py` gives it (never a context field: what it makes for the context, it
+run-state fields the table in `loopkit/run_state.py` gives it (never a context field: what it makes for the context, it
 returns), and returns what it produces. It fires events through `self.context.events.fire(...)`. It never reads
 another stage's attributes or the `Loop`'s, so it can be built and tested with a small `RunState` and `RunContext`
 and no `Loop` at all.
 """
 
 from __future__ import annotations
+
+from ..moved import moved_name
 
 
 class Stage:
@@ -38,6 +40,8 @@ class Stage:
         pass
 
 
-def base_model(model):
-    """The model under a PEFT wrapper (its forward signature and class decide columns, labels and loss counting)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+def __getattr__(name):
+    """`base_model` lived here; it moved to loopkit/models.py (every layer uses it, so it sits below the stages)."""
+    if name == "base_model":
+        return moved_name("loopkit.stages.base", name, "loopkit.models")
+    raise AttributeError(f"module 'loopkit.stages.base' has no attribute {name!r}")

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import config_error
-from .base import base_model
+from ..models import base_model
 from .step import StepStage, is_causal_lm
 
 IGNORE = -100

@@ -42,7 +42,7 @@ from ..data_order import (LengthGroupedOrder, PositionSeededDataset, ReadAhead, 
 from ..distributed import prepare_iterable_train_loader
 from ..first_batch import ExplainedCollator
 from ..columns import check_eval_labels, check_padding, with_model_columns
-from ..packing import exact_flattening
+from ..row_packing import exact_flattening
 from .base import Stage
 
 

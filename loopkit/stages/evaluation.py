@@ -32,7 +32,7 @@ from ..errors import config_error
 from ..guards import EvaluationInterrupted
 from ..metrics import BatchOutputs, compute_all, real_rows, reset_all, update_all, warn_no_rows
 from ..parallelism import check_streaming_metrics
-from .. import trainer_logging
+from ..trainer import log_messages
 from ..phases import speed_metrics
 from ..state import EvalLoopOutput, EvalPrediction, PredictionOutput
 from .base import Stage
@@ -215,7 +215,7 @@ class EvalStage(Stage):
         run, context, args = self.run, self.context, self.run.args
         if prediction_loss_only is None:
             prediction_loss_only = args.prediction_loss_only
-        trainer_logging.log_evaluation_start(description, dataloader, args)
+        log_messages.log_evaluation_start(description, dataloader, args)
         model = self.cast_for_full_eval(self.eval_model())
         model.eval()
         if callable(getattr(run.optimizer, "eval", None)):

@@ -1,4 +1,4 @@
-"""`PackingDataStage`: a data stage whose training loader serves rows of packed samples (loopkit/packing.py says
+"""`PackingDataStage`: a data stage whose training loader serves rows of packed samples (loopkit/row_packing.py says
 how rows are packed and why the result is exact); evaluation does not pack."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 from torch.utils.data import IterableDataset
 
 from ..errors import config_error
-from ..packing import (PackedBatchCollator, PackedStream, check_packing_is_exact, collate_packed_rows, pack_samples,
+from ..row_packing import (PackedBatchCollator, PackedStream, check_packing_is_exact, collate_packed_rows, pack_samples,
                        packed_row)
 from .data import DataStage
 
 
 class PackingDataStage(DataStage):
-    """`DataStage` whose training loader serves packed rows (loopkit/packing.py); evaluation does not pack.
+    """`DataStage` whose training loader serves packed rows (loopkit/row_packing.py); evaluation does not pack.
 
     `pack="dataset"` packs across the whole dataset (fewest rows), `pack="batch"` within each batch of
     `per_device_train_batch_size` samples (the padded run's samples per step). `tolerance` bounds the setup check.

@@ -1,6 +1,6 @@
 """The generating evaluation stage: HF's `Seq2SeqTrainer` evaluation (transformers 5.24), as `EvalStage` subclass.
 
-`Seq2SeqLoop` (loopkit/seq2seq.py) uses it by default; `Loop(..., evaluation=Seq2SeqEvalStage())` is the same run.
+`Seq2SeqLoop` (loopkit/seq2seq_loop.py) uses it by default; `Loop(..., evaluation=Seq2SeqEvalStage())` is the same run.
 
 Contract (`EvalStage`'s, plus):
 * `evaluate(..., **gen_kwargs)` and `predict(..., **gen_kwargs)` take `generate`'s keywords (`max_length`,

@@ -39,11 +39,12 @@ from ..distributed import (active_engine, check_engines_active, check_launch, de
                            shard_on_cpu_processes)
 from ..parallelism import (accelerator_parallelism, attach_on_cpu_processes, check_parallelism, check_resume,
                            cuda_processes, local_gather, ranks_share_batches)
-from .. import trainer_logging
+from ..trainer import log_messages
 from ..memory import MemoryTracker
 from ..process import fresh_accelerate_state, mark_loop_state
 from ..process_exit import settle_at_exit
-from .base import Stage, base_model
+from ..models import base_model
+from .base import Stage
 from ..errors import RuntimeConfigError, trainer_error
 
 
@@ -290,7 +291,7 @@ class SetupStage(Stage):
                 activation_checkpointing_kwargs=kwargs)
         self.add_training_hooks()
         checkpoint = context.checkpointer.start(resume_from_checkpoint)  # also: which run the coming saves belong to
-        trainer_logging.log_loading_checkpoint(checkpoint)
+        log_messages.log_loading_checkpoint(checkpoint)
         if checkpoint is not None:
             check_resume(context.accelerator, checkpoint)  # tensor parallel: refused (loopkit/parallelism.py)
             context.checkpointer.load_model_before_prepare(run.model, checkpoint)

@@ -52,7 +52,8 @@ from ..first_batch import check_labels
 from ..guards import NONFINITE_POLICIES, NonFiniteWatch
 from ..optimizers import (add_param_group, backward_kwargs, build_optimizer, build_scheduler, decay_parameter_names,
                           optimizer_cls_and_kwargs, steps_on_metrics, updates_in_backward)
-from .base import Stage, base_model
+from ..models import base_model
+from .base import Stage
 
 def is_causal_lm(model) -> bool:
     """Causal LMs shift labels inside their loss, so their token count is `labels[..., 1:]`. Unlike HF Trainer

@@ -37,7 +37,7 @@ import torch
 
 from ..export import export_model
 from ..report import STATUS_JSON, build_report, cpu_starvation, starvation_text, write_report, write_run_status
-from .. import trainer_logging
+from ..trainer import log_messages
 from ..state import TrainOutput
 from .base import Stage
 from ..phases import speed_metrics
@@ -61,7 +61,7 @@ class TeardownStage(Stage):
     def finish_training(self, plan, start_time: float, train_loss: float, steps_run: int) -> TrainOutput:
         run, context = self.run, self.context
         state = run.state
-        trainer_logging.log_training_completed()
+        log_messages.log_training_completed()
         metrics = speed_metrics("train", start_time,
                                 num_samples=plan.num_train_samples * steps_run / max(state.max_steps, 1),
                                 num_steps=steps_run)
@@ -71,12 +71,12 @@ class TeardownStage(Stage):
         context.log(metrics)
         context.checkpointer.wait()  # an asynchronous save still in flight
         if run.args.load_best_model_at_end and state.best_model_checkpoint is not None:
-            trainer_logging.log_loading_best_model(state)
+            log_messages.log_loading_best_model(state)
             context.checkpointer.load_best_model(state.best_model_checkpoint)
         if not context.preemption.requested:  # an interrupted run keeps the checkpoint it resumes from
             kept = context.checkpointer.own_checkpoints()
             context.checkpointer.keep_only_best()
-            trainer_logging.log_deleted_checkpoints(kept, context.checkpointer.own_checkpoints())
+            log_messages.log_deleted_checkpoints(kept, context.checkpointer.own_checkpoints())
         context.events.fire("on_train_end")
         return TrainOutput(state.global_step, train_loss, metrics)
 

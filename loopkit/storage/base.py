@@ -75,10 +75,10 @@ class CheckpointStorage(RunLineage, AtomicSaves, Rotation, Resuming, abc.ABC):
         if self.run is not None and self.run is not run:
             raise config_error("storage", self, "this storage object already serves another Loop",
                                f"pass a new {type(self).__name__}(...) to each Loop")
-        from ..hub import HubPush
+        from ..trainer.hub import HubPush
 
         self.run, self.context = run, context
-        self.hub = HubPush(run, context)  # push_to_hub: the uploads of complete checkpoints (loopkit/hub.py)
+        self.hub = HubPush(run, context)  # push_to_hub: the uploads of complete checkpoints (loopkit/trainer/hub.py)
         return self
 
     # -- the layout: what a storage implements --

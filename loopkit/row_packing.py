@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from .errors import config_error
-from .stages.base import base_model
+from .models import base_model
 
 IGNORE = -100
 

@@ -1,14 +1,14 @@
 """`TrainerAPI`: the rest of `transformers.Trainer` 5.x's public methods and attributes, as a mixin `Loop` inherits.
 
 Everything here reads the run through `Loop`'s public attributes (`args`, `model`, `optimizer`, `state`,
-`accelerator`, `callback_handler`, the stages, ...). The Hub methods are thin calls into loopkit/hub.py and
-`hyperparameter_search` into loopkit/search.py. Small pieces of `transformers.trainer_pt_utils` and
+`accelerator`, `callback_handler`, the stages, ...). The Hub methods are thin calls into loopkit/trainer/hub.py and
+`hyperparameter_search` into loopkit/trainer/search.py. Small pieces of `transformers.trainer_pt_utils` and
 `transformers.trainer_utils` are copied (each says so): those are `transformers.trainer*` modules, which
 `import loopkit` must not load.
 
 HF's overridable hooks, and where loopkit calls them:
 * called where Trainer calls them: `create_accelerator_and_postprocess` (construction) by the `Loop`, which hands
-  the setup stage's accelerator to the run context; by the stage that owns them (loopkit/hf_methods.py):
+  the setup stage's accelerator to the run context; by the stage that owns them (loopkit/trainer/overridable.py):
   `call_model_init` (construction and each `train()`) by the setup stage;
   `autocast_smart_context_manager` (inside `compute_loss_context_manager`, around every forward) and
   `get_optimizer_cls_and_kwargs` (in `create_optimizer`) by the step stage.
@@ -25,7 +25,7 @@ import json
 import os
 from typing import Any
 
-from .trainer_logging import log_model_save
+from .log_messages import log_model_save
 
 # Trainer hooks loopkit does not call, and what a subclass overrides instead.
 HOOKS_TO_OVERRIDE_ELSEWHERE = {
@@ -88,7 +88,7 @@ class TrainerAPI:
         return self.accelerator.is_local_main_process
 
     def __repr__(self) -> str:
-        """The model, stages, key arguments, data, callbacks and progress (loopkit/notebook.py)."""
+        """The model, stages, key arguments, data, callbacks and progress (loopkit/trainer/notebook.py)."""
         if "run" not in vars(self):  # a Loop whose construction failed
             return object.__repr__(self)
         from .notebook import loop_repr
@@ -103,8 +103,9 @@ class TrainerAPI:
 
     def show_wiring(self, file=None) -> None:
         """loopkit addition: print, for each event in firing order, the stage methods and callbacks that run, the
-        step observers, and where each of HF's overridable methods runs (`loopkit.wiring.wiring_text` returns it)."""
-        from .wiring import wiring_text
+        step observers, and where each of HF's overridable methods runs (`wiring_text` returns it:
+        loopkit/trainer/wiring_text.py)."""
+        from .wiring_text import wiring_text
 
         print(wiring_text(self), file=file)
 
@@ -158,7 +159,7 @@ class TrainerAPI:
     def can_return_loss(self) -> bool:
         from transformers.utils.generic import can_return_loss
 
-        from .stages.base import base_model
+        from ..models import base_model
 
         return can_return_loss(type(base_model(self.model)))
 
@@ -203,7 +204,7 @@ class TrainerAPI:
     # -- sizes -----------------------------------------------------------------------------------------------------
     def num_examples(self, dataloader) -> int:
         """Samples in the loader's dataset, else an estimate from its length (HF's `Trainer.num_examples`)."""
-        from .trainer_logging import num_examples
+        from .log_messages import num_examples
 
         return num_examples(dataloader, self.args)
 
@@ -283,7 +284,7 @@ class TrainerAPI:
 
     def save_model(self, output_dir=None, _internal_call=False) -> None:
         """Weights, config and processing class in `save_pretrained` layout (no `on_save`, as in HF)."""
-        from .checkpoint import save_model_files, save_training_args
+        from ..checkpoint import save_model_files, save_training_args
 
         log_model_save(self.run, self.context, output_dir=output_dir)
         folder, writer = output_dir or self.run.args.output_dir, self.context.checkpointer.writes_files
@@ -310,7 +311,7 @@ class TrainerAPI:
         """Finish the trackers and destroy the process group: once, at the very end of a script."""
         self.accelerator.end_training()
 
-    # -- the Hub and the model card (the pushes at saves: loopkit/hub.py) -----------------------------------------
+    # -- the Hub and the model card (the pushes at saves: loopkit/trainer/hub.py) ---------------------------------
     @property
     def hub_model_id(self) -> str | None:
         """The Hub repo pushes go to, once `init_hf_repo` has created it (at construction with push_to_hub)."""
@@ -327,7 +328,7 @@ class TrainerAPI:
 
     def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
                           tasks=None, dataset_tags=None, dataset=None, dataset_args=None) -> None:
-        """`output_dir/README.md`, drafted by transformers' `TrainingSummary` from this run (loopkit/hub.py)."""
+        """`output_dir/README.md`, drafted by transformers' `TrainingSummary` from this run (loopkit/trainer/hub.py)."""
         from .hub import write_model_card
 
         write_model_card(self, language=language, license=license, tags=tags, model_name=model_name,
@@ -338,16 +339,16 @@ class TrainerAPI:
                     token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs):
         """Save the model and processing class to `output_dir` and upload it (HF's `push_to_hub`), after the push in
         progress has finished. An unreachable Hub raises `ConnectionError` at once, after `on_push_begin` (which
-        fires first, as in HF). loopkit/hub.py does it."""
+        fires first, as in HF). loopkit/trainer/hub.py does it."""
         from .hub import push_output_dir
 
         return push_output_dir(self, commit_message=commit_message, blocking=blocking, token=token,
                                revision=revision, private=private, **kwargs)
 
-    # -- hyper-parameter search (loopkit/search.py) -----------------------------------------------------------------
+    # -- hyper-parameter search (loopkit/trainer/search.py) ---------------------------------------------------------
     def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,
                               direction: str | list[str] = "minimize", backend=None, hp_name=None, **kwargs):
-        """HF's search with the optuna backend (loopkit/search.py): each trial sets `hp_space(trial)` on `args`,
+        """HF's search with the optuna backend (loopkit/trainer/search.py): each trial sets `hp_space(trial)` on `args`,
         trains a new model from `model_init(trial)` and is scored by `compute_objective` of its last evaluation.
         Returns a `BestRun` (a list of them for several directions)."""
         from .search import hyperparameter_search

@@ -9,12 +9,14 @@ same method on a `Loop` subclass and on a swapped stage is ambiguous, so it is a
 the gather function) to the run context.
 
 The `Loop`'s HF attribute names (`trainer.model`, `trainer.optimizer`, `trainer.state`, ...) are views onto the run
-state and the run context (`loopkit/run.py`); assigning one (a user's script or callback may) writes the field.
+state and the run context (`loopkit/run_state.py`); assigning one (a user's script or callback may) writes the field.
 """
 
 from __future__ import annotations
 
-from .errors import config_error
+import inspect
+
+from ..errors import config_error
 
 # method -> the stage that owns it (the `Loop` attribute the stage is found under)
 OWNERS = {
@@ -40,7 +42,22 @@ CONTEXT_VIEWS = ("accelerator", "gather_function", "preemption", "clock", "check
 def run_view(name: str, holder: str = "run") -> property:
     return property(lambda self: getattr(getattr(self, holder), name),
                     lambda self, value: setattr(getattr(self, holder), name, value),
-                    doc=f"The run {'state' if holder == 'run' else 'context'}'s `{name}` (loopkit/run.py).")
+                    doc=f"The run {'state' if holder == 'run' else 'context'}'s `{name}` (loopkit/run_state.py).")
+
+
+class StagesStaticMethod:
+    """HF's staticmethod `name` (`Trainer.get_optimizer_cls_and_kwargs(args, model)`), answered by the owning stage in
+    use: on a `Loop`, its own stage (`step=` passed in, or the class's); on the class, the class's stage class."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, loop, cls):
+        owner = OWNERS[self.name]
+        if loop is not None and owner in vars(loop):
+            return getattr(getattr(loop, owner), self.name)
+        stage_classes = getattr(cls, "stage_classes", None)  # `Loop`'s; HFMethods alone has none
+        return self if stage_classes is None else getattr(stage_classes[owner], self.name)
 
 
 class HFMethods:
@@ -82,11 +99,7 @@ class HFMethods:
     def create_optimizer(self, model=None):
         return self.stage_method("create_optimizer")(model)
 
-    @staticmethod
-    def get_optimizer_cls_and_kwargs(args, model=None) -> tuple:
-        from .stages.step import StepStage
-
-        return StepStage.get_optimizer_cls_and_kwargs(args, model)
+    get_optimizer_cls_and_kwargs = StagesStaticMethod("get_optimizer_cls_and_kwargs")
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         return self.stage_method("create_scheduler")(num_training_steps, optimizer)
@@ -149,7 +162,7 @@ def bind_overrides(loop, default_stages: dict) -> None:
     `default_stages`: stage name -> loopkit's default class for it."""
     loop.default_stages = default_stages
     for name in OWNERS:
-        if getattr(type(loop), name) is not getattr(HFMethods, name):
+        if inspect.getattr_static(type(loop), name) is not inspect.getattr_static(HFMethods, name):
             bind_override(loop, name, getattr(loop, name))
     scaled = type(loop).loss_is_scaled_for_ga
     if scaled is not None:

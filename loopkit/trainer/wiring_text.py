@@ -5,12 +5,12 @@ stage methods and then the callbacks, in the order they run (the event handler's
 is what fires; HF's empty `TrainerCallback` methods are skipped there, and so here). Step observers appear where
 they run: after `on_step_end`, and at each training log before `on_log`. Then each overridable method, the stage
 that calls it, and what that call reaches: the stage's own method, or a `Loop` subclass's override bound onto it
-(loopkit/hf_methods.py).
+(loopkit/trainer/overridable.py).
 """
 
 from __future__ import annotations
 
-from .hf_methods import OWNERS
+from .overridable import OWNERS
 
 # EVENTS in the order a run meets them: loopkit's on_gradients_ready inside the step, on_train_failed at the end.
 FIRING_ORDER = ("on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "on_substep_end",
@@ -55,7 +55,7 @@ def method_lines(loop) -> list[str]:
         stage = getattr(loop, owner)
         method = getattr(stage, name)
         runs = getattr(getattr(method, "__func__", method), "__qualname__", repr(method))
-        if name in vars(stage):  # put onto the stage from the Loop (hf_methods.bind_override)
+        if name in vars(stage):  # put onto the stage from the Loop (overridable.bind_override)
             runs = f"{type(loop).__name__}.{name} (the Loop subclass's override)" \
                 if getattr(method, "__self__", None) is loop else f"{runs} (set on the Loop)"
         lines.append(f"  {name:<{METHOD_WIDTH}}{owner + ' stage':<18}{runs}")

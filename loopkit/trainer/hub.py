@@ -45,8 +45,8 @@ import warnings
 from concurrent import futures
 from pathlib import Path
 
-from .args import plain
-from .checkpoint import CHECKPOINT_PREFIX, LEFTOVER_PREFIXES, save_training_args
+from ..args import plain
+from ..checkpoint import CHECKPOINT_PREFIX, LEFTOVER_PREFIXES, save_training_args
 
 # Trainer's modeling files (CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME, SAFE_WEIGHTS_NAME and PEFT's adapter
 # files), and the index files whose shards are copied too.

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import sys
 
-from .batches import has_length
-from .default_callbacks import default_callback
+from ..batches import has_length
+from ..default_callbacks import default_callback
 
 
 def in_notebook() -> bool:

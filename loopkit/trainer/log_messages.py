@@ -94,15 +94,13 @@ def log_deleted_checkpoints(before: list, after: list) -> None:
 
 
 # -- saving -----------------------------------------------------------------------------------------------------------
-def log_model_save(run, context, output_dir=None, checkpoint: bool = False) -> None:
-    """`Trainer._save`, on the process that writes: the checkpoint of the current step (`checkpoint`; its final
-    folder, not the hidden one it is written into), or `save_model(output_dir)`."""
+def log_model_save(run, context, output_dir=None, checkpoint: str | None = None) -> None:
+    """`Trainer._save`, on the process that writes: the checkpoint named `checkpoint` (its final folder in
+    `args.output_dir`, not the hidden one it is written into), or `save_model(output_dir)`."""
     if not context.checkpointer.writes_files:
         return
-    from .checkpoint import CHECKPOINT_PREFIX
-
     if checkpoint:
-        output_dir = os.path.join(run.args.output_dir, f"{CHECKPOINT_PREFIX}-{run.state.global_step}")
+        output_dir = os.path.join(run.args.output_dir, checkpoint)
     logger.info(f"Saving model checkpoint to {output_dir or run.args.output_dir}")
     model = context.accelerator.unwrap_model(run.model_wrapped if run.model_wrapped is not None else run.model)
     # A transformers model exists only once its module is imported; importing it for a plain module would import
@@ -127,7 +125,7 @@ def num_examples(dataloader, args) -> int:
 
 def log_evaluation_start(description: str, dataloader, args) -> None:
     """The "***** Running Evaluation *****" (or Prediction) block of `evaluation_loop`."""
-    from .batches import has_length
+    from ..batches import has_length
 
     logger.info(f"\n***** Running {description} *****")
     if has_length(dataloader):

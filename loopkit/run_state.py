@@ -55,28 +55,34 @@ the loop sets `should_training_stop` when a guard or a failed save stops the run
 |   is_world_process_zero                            |                                                       |
 
 The context holds what the run uses rather than what it is. The `Loop` assigns every field, once, while it is
-built (loop.py; the accelerator in HF's hook `create_accelerator_and_postprocess`, hf_methods.py); "made by" says
-where the object comes from. The setup stage makes the accelerator and the memory tracker and returns them; no
-stage assigns a context field. The callables go through the `Loop`, so a `Loop` subclass's override (or one
-assigned to a `Loop`, `loop.compute_loss = f`: `bind_override` in loopkit/hf_methods.py) applies in every stage.
+built (loop.py; the accelerator in HF's hook `create_accelerator_and_postprocess`, trainer/overridable.py); "made
+by" says where the object comes from. The setup stage makes the accelerator and the memory tracker and returns them;
+no stage assigns a context field. The callables go through the `Loop`, so a `Loop` subclass's override (or one
+assigned to a `Loop`, `loop.compute_loss = f`: `bind_override` in loopkit/trainer/overridable.py) applies in every
+stage.
 
-| context field                   | what it is                                       | made by         | assigned by   |
-|---------------------------------|--------------------------------------------------|-----------------|---------------|
-| events                          | the callbacks and their dispatch; `fire(event)`  | loop.py         | loop.py       |
-|                                 | fires an event on the stages and callbacks and   |                 |               |
-|                                 | stores their control in `run` (`loopkit.events`) |                 |               |
-| clock                           | time by phase for the report (`loopkit.phases`)  | loop.py         | loop.py       |
-| checkpointer                    | the checkpoint storage (`loopkit.storage`)       | loop.py         | loop.py       |
-| preemption                      | the SIGTERM/SIGINT watch (`loopkit.guards`)      | loop.py         | loop.py       |
-| accelerator, gather_function    | the `accelerate.Accelerator`, and the function   | stages/setup.py | hf_methods.py |
-|                                 | that gathers eval tensors across processes       |                 |               |
-| memory                          | the memory metrics (`loopkit.memory`)            | stages/setup.py | loop.py       |
-| log                             | HF's `Trainer.log` (`Loop.log`)                  | loop.py         | loop.py       |
-| compute_loss,                   | the step stage's loss methods, for the           | stages/step.py  | loop.py       |
-|   compute_loss_context_manager, | evaluation stage                                 |                 |               |
-|   count_loss_items              |                                                  |                 |               |
-| get_eval_dataloader,            | the data stage's loaders, for the evaluation     | stages/data.py  | loop.py       |
-|   get_test_dataloader           | stage                                            |                 |               |
+| context field                   | what it is                              | made by         | assigned by            |
+|---------------------------------|-----------------------------------------|-----------------|------------------------|
+| events                          | the callbacks and their dispatch;       | loop.py         | loop.py                |
+|                                 | `fire(event)` fires an event on the     |                 |                        |
+|                                 | stages and callbacks and stores their   |                 |                        |
+|                                 | control in `run` (`loopkit.events`)     |                 |                        |
+| clock                           | time by phase for the report            | loop.py         | loop.py                |
+|                                 | (`loopkit.phases`)                      |                 |                        |
+| checkpointer                    | the checkpoint storage                  | loop.py         | loop.py                |
+|                                 | (`loopkit.storage`)                     |                 |                        |
+| preemption                      | the SIGTERM/SIGINT watch                | loop.py         | loop.py                |
+|                                 | (`loopkit.guards`)                      |                 |                        |
+| accelerator, gather_function    | the `accelerate.Accelerator`, and the   | stages/setup.py | trainer/overridable.py |
+|                                 | function that gathers eval tensors      |                 |                        |
+|                                 | across processes                        |                 |                        |
+| memory                          | the memory metrics (`loopkit.memory`)   | stages/setup.py | loop.py                |
+| log                             | HF's `Trainer.log` (`Loop.log`)         | loop.py         | loop.py                |
+| compute_loss,                   | the step stage's loss methods, for the  | stages/step.py  | loop.py                |
+|   compute_loss_context_manager, | evaluation stage                        |                 |                        |
+|   count_loss_items              |                                         |                 |                        |
+| get_eval_dataloader,            | the data stage's loaders, for the       | stages/data.py  | loop.py                |
+|   get_test_dataloader           | evaluation stage                        |                 |                        |
 
 `tests/test_stage_contract.py` reads the source of `loopkit/` and checks the three tables.
 """
@@ -120,6 +126,15 @@ class RunState:
     lr_scheduler: Any = None
     eval_dataloader: Any = None
 
+    def __getattr__(self, name):
+        """Only for a name `RunState` lacks: the services and callables that moved to `RunContext` say where they
+        are now (a stage written before the context existed reads `self.run.accelerator`)."""
+        if name in CONTEXT_FIELDS:
+            raise AttributeError(f"'RunState' object has no attribute {name!r}: it moved to the run context; use "
+                                 f"self.context.{name} in a stage (loopkit/run_state.py: RunContext)", name=name,
+                                 obj=self)
+        raise AttributeError(f"'RunState' object has no attribute {name!r}", name=name, obj=self)
+
     def event_objects(self) -> dict:
         """The keywords every HF event receives. Before `train()` prepares an optimizer, the one passed in
         `optimizers=` (HF passes it from `on_init_end` on)."""
@@ -147,3 +162,7 @@ class RunContext:
     count_loss_items: Callable | None = None
     get_eval_dataloader: Callable | None = None
     get_test_dataloader: Callable | None = None
+
+
+# RunContext's fields: each was a RunState field before the context was split off (RunState answers with this).
+CONTEXT_FIELDS = frozenset(RunContext.__dataclass_fields__)

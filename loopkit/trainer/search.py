@@ -13,7 +13,7 @@ import os
 import warnings
 from typing import Any, NamedTuple
 
-from .errors import config_error
+from ..errors import config_error
 
 
 class BestRun(NamedTuple):
