@@ -167,6 +167,11 @@ def peer_table(section: dict) -> str:
         ahead.append(f"- {row['name']} ({row['unit']}): {peers_verdict(row)}")
     missing = section.get("peers_missing") or {}
     notes = [f"Not run: {LABELS[peer]} ({reason})." for peer, reason in missing.items()]
+    for row in section["rows"]:
+        same = row["extra"].get("same_weights_as_raw")
+        if same:
+            notes.append(f"{row['name']}: final weights bit-identical to the hand-written loop's in every round: " +
+                         ", ".join(f"{LABELS[c]} {'yes' if same[c] else 'no'}" for c in same if c != "raw") + ".")
     return "\n".join(lines + [""] + ["Is loopkit ahead of every peer?"] + ahead + ([""] + notes if notes else []))
 
 
@@ -180,9 +185,9 @@ def peers_verdict(row: dict) -> str:
     for peer in peers:
         way = direction(row["ratios"].get(f"loopkit/{peer}"), 1.0)
         if way != -1 or row.get("untrusted") or {peer, "loopkit"} & set(row["check"]["mismatched"]):
-            behind.append(f"{LABELS[peer]}: {verdict(row, peer)}")
+            behind.append(verdict(row, peer))
     if behind:
-        return "no. " + "; ".join(behind)
+        return "no: " + "; ".join(behind)
     ranges = ", ".join(f"{LABELS[p]} {fmt_comparison(row['ratios'][f'loopkit/{p}'], 'amount', row['unit'])}"
                        for p in peers)
     return f"yes, faster than each in every round (loopkit / peer: {ranges})"
@@ -193,8 +198,9 @@ def markdown(section: dict) -> str:
 
     contenders = [c for c in CONTENDERS + PEERS if c in section["rows"][0]["samples"]]
     lines = [comparison_table(section["rows"], contenders)]
-    lines.append("\nloopkit against every contender, step rows:\n")
-    lines.append(peer_table(section))
+    if set(PEERS) & set(contenders) or section.get("peers_missing"):  # a run before the peers: no such table
+        lines.append("\nloopkit against every contender, step rows:\n")
+        lines.append(peer_table(section))
     lines.append("\nHost reads of tensor values per optimizer step (each one a device sync on a GPU):\n")
     lines.append("| model | " + " | ".join(contenders) + " | where (per step) |")
     lines.append("|---|" + "---|" * len(contenders) + "---|")
@@ -212,8 +218,4 @@ def markdown(section: dict) -> str:
             tps = {c: median(v) for c, v in row["extra"]["tokens_per_second"].items()}
             lines.append(f"\n{row['name']}: tokens/s (median) " +
                          ", ".join(f"{c} {fmt(tps[c])}" for c in contenders) + ".")
-        if "same_weights_as_raw" in row["extra"]:
-            same = row["extra"]["same_weights_as_raw"]
-            lines.append(f"\n{row['name']}: final weights bit-identical to the hand-written loop's in every round: "
-                         + ", ".join(f"{c} {'yes' if same[c] else 'no'}" for c in contenders if c != "raw") + ".")
     return "\n".join(lines)
