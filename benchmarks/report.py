@@ -223,7 +223,9 @@ def comparison_chart(section: dict, plt):
             top = max([value or 0] + [v for v in samples if v is not None])
             axis.annotate(label, (x, top), xytext=(0, 4), textcoords="offset points", ha="center", va="bottom",
                           fontsize=8)
-        axis.set_xticks(range(len(names)), [LABELS[c] for c in names], fontsize=8)
+        crowded = len(names) > 3  # the per-step benchmark with the peers: slanted labels, or they overlap
+        axis.set_xticks(range(len(names)), [LABELS[c] for c in names], fontsize=8, rotation=30 if crowded else 0,
+                        ha="right" if crowded else "center")
         axis.set_title(row["name"], fontsize=9)
         axis.set_ylabel(row["unit"])
         values = [v for c in names for v in row["samples"][c] if v is not None]
