@@ -251,3 +251,25 @@ def test_the_ladder_flags_a_rung_whose_held_out_loss_leaves_the_order_noise():
     assert abs(check["tolerance"] - 0.06025) < 1e-12 and abs(check["noise"] - 0.05) < 1e-12
     assert check["mismatched"] == ["hf-best-cache"] and "hf-best-cache (+0.2)" in check["detail"]
     assert check["per_rung"]["loopkit-pack"]["agrees"]
+
+
+def test_loopkit_is_ahead_of_every_peer_only_where_every_round_against_every_peer_says_so():
+    from benchmarks.bench_overhead import peers_verdict
+    from benchmarks.harness import check_equal, comparison_row
+
+    def row(ignite, fabric, check=None):
+        samples = {"raw": [10.0, 10.2], "hf": [30.0, 31.0], "loopkit": [11.0, 11.1], "ignite": ignite,
+                   "fabric": fabric, "lightning": [40.0, 41.0]}
+        return comparison_row("a row", "us/step", samples, check, floor="raw")
+
+    assert peers_verdict(row([12.0, 12.5], [13.0, 12.0])).startswith("yes, faster than each in every round "
+                                                                      "(loopkit / peer: pytorch-ignite 0.902x")
+    # one round each way against Fabric: no verdict, so not ahead of every peer
+    assert peers_verdict(row([12.0, 12.5], [10.5, 12.0])) == (
+        "no: no verdict against Lightning Fabric: the rounds point both ways (0.986x (0.92-1.05))")
+    assert peers_verdict(row([10.5, 10.6], [13.0, 12.0])).startswith("no: 4.7% slower than pytorch-ignite (medians")
+    other_work = check_equal({"raw": 1.0, "hf": 1.0, "loopkit": 1.0, "ignite": 1.5, "fabric": 1.0, "lightning": 1.0},
+                             1e-5, "final probe loss")
+    assert peers_verdict(row([12.0, 12.5], [13.0, 12.0], other_work)) == (
+        "no: no verdict against pytorch-ignite: not the same work")
+    assert peers_verdict(comparison_row("no peers", "us/step", {"raw": [1.0], "loopkit": [1.1]})) == "no peer ran"
