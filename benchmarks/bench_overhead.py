@@ -42,13 +42,10 @@ def train_steps(contender: str, spec: dict, warmup_steps: int, output_dir: str, 
     """Train `spec.max_steps` steps; time the steps after the first `warmup_steps` (end of step `warmup_steps` to
     end of the last step). With `count_syncs`, count host reads over the same steps instead (slower: not timed)."""
     import gc
-    import hashlib
 
     from . import workloads
     from .contenders import StepClock, train
     from .syncs import HostReadCounter
-
-    import torch
 
     spec = TrainSpec.from_dict(spec)
     timed_steps = spec.max_steps - warmup_steps
@@ -63,13 +60,10 @@ def train_steps(contender: str, spec: dict, warmup_steps: int, output_dir: str, 
     else:
         result = train(contender, spec, clock, output_dir)
     probe = workloads.heldout_rows(spec, 32)
-    digest = hashlib.sha256()
-    for name, tensor in sorted(result.model.state_dict().items()):
-        digest.update(name.encode() + tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return {
         "seconds_per_step": (clock.ends[-1] - clock.ends[warmup_steps - 1]) / timed_steps,
         "cpu_seconds_per_step": (clock.cpu_ends[-1] - clock.cpu_ends[warmup_steps - 1]) / timed_steps,
-        "weights_sha256": digest.hexdigest(),  # equal final weights, bit for bit, give equal digests
+        "weights_sha256": weights_digest(result.model),
         # Building the trainer (the raw loop: entering it) to the end of step 1, imports already done (this worker
         # trained before): the setup each contender does itself.
         "setup_seconds": clock.ends[0] - result.started_at,
@@ -80,6 +74,18 @@ def train_steps(contender: str, spec: dict, warmup_steps: int, output_dir: str, 
         "syncs_per_step": counter.total() / timed_steps if count_syncs else None,
         "sync_sites": counter.per_site(timed_steps) if count_syncs else None,
     }
+
+
+def weights_digest(model) -> str:
+    """SHA-256 of every tensor of the model's state, names and bytes: equal digests, equal weights bit for bit."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode() + tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -281,10 +281,10 @@ def overhead_peers(results: dict) -> str:
                       f"{first['extra']['warmup_steps']} warm-up steps.", "", bench_overhead.peer_table(section)])
 
 
-GENERATORS = {"summary": summary_table, "overhead-peers": overhead_peers, "ladder": ladder, "ladder-headline": ladder_headline,
-              "durations": durations, "compile": compile_runs, "optimizer-step": optimizer_step,
-              "chunked-loss": chunked_loss, "storage": storage, "environment": environment,
-              "eval-memory": eval_memory}
+GENERATORS = {"summary": summary_table, "overhead-peers": overhead_peers, "ladder": ladder,
+              "ladder-headline": ladder_headline, "durations": durations, "compile": compile_runs,
+              "optimizer-step": optimizer_step, "chunked-loss": chunked_loss, "storage": storage,
+              "environment": environment, "eval-memory": eval_memory}
 
 
 def render(text: str) -> str:

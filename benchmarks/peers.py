@@ -73,9 +73,9 @@ class LossLog:
 def window_loss(model, window: list, spec: TrainSpec, backward, running: torch.Tensor,
                 autocast_device: str | None = None, unwrapped=None) -> None:
     """Forward and backward over one accumulation window, as the hand-written loop does them, each micro-batch's
-    (scaled) loss added to `running` on the device. `backward(loss, is_last)` is the framework's backward; `autocast_device`: the
-    device type to autocast the forward on under `spec.bf16` (None where the framework autocasts itself);
-    `unwrapped`: the user's model inside a framework's wrapper (whose forward takes anything)."""
+    (scaled) loss added to `running` on the device. `backward(loss, is_last)` is the framework's backward;
+    `autocast_device`: the device type to autocast the forward on under `spec.bf16` (None where the framework
+    autocasts itself); `unwrapped`: the user's model inside a framework's wrapper (whose forward takes anything)."""
     weigh_by_tokens = workloads.accepts_token_count(unwrapped or model)
     extra = {}
     if weigh_by_tokens:
