@@ -6,7 +6,8 @@
 #   make test    the fast tier of the test suite: every test not marked slow (PYTEST_ARGS="..." passes pytest flags)
 #   make test-all  the whole suite, the slow tier too (launches, kills, threads; what .ci/run runs), e.g.
 #                PYTEST_ARGS="-x tests/test_import.py" for one file of either tier (docs/testing.md: the tiers)
-#   make bench   loopkit vs HF Trainer vs a hand-written loop (benchmarks/; BENCH_ARGS="--quick" for a short run)
+#   make bench   loopkit vs HF Trainer vs a hand-written loop, and Lightning, Fabric and ignite on the per-step
+#                benchmark (benchmarks/; BENCH_ARGS="--quick" for a short run)
 #
 # Needs python3 (3.10 or newer) with its venv module, and access to PyPI. torch is pinned to the CPU build that lies
 # on the development and CI machines' disk, through constraints/dev.txt.
@@ -41,7 +42,7 @@ test-all: $(VENV)/.installed-test
 test-slow: $(VENV)/.installed-test
 	$(VENV_PYTHON) -m pytest -m slow $(PYTEST_ARGS)
 
-bench: $(VENV)/.installed-test
+bench: $(VENV)/.installed-bench
 	$(VENV_PYTHON) -m benchmarks $(BENCH_ARGS)
 
 venv: $(VENV)/.installed-test
@@ -66,6 +67,12 @@ $(VENV)/.installed-demo: Makefile setup.cfg pyproject.toml $(CONSTRAINTS) | $(VE
 $(VENV)/.installed-test: $(VENV)/.installed-demo
 	DS_BUILD_OPS=0 $(PIP) install --quiet --no-build-isolation -c $(CONSTRAINTS) deepspeed
 	$(PIP) install --quiet --no-warn-conflicts -c $(CONSTRAINTS) -e '.[test]'
+	touch $@
+
+# The per-step benchmark's peers (setup.cfg's `bench` extra: Lightning, pytorch-ignite), for `make bench` only; the
+# constraints keep the torch already installed.
+$(VENV)/.installed-bench: $(VENV)/.installed-test
+	$(PIP) install --quiet --no-warn-conflicts -c $(CONSTRAINTS) -e '.[test,bench]'
 	touch $@
 
 clean-venv:

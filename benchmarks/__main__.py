@@ -40,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads per worker process (default 1: steadier timings; the loop's "
                              "overhead does not depend on it). 0 keeps torch's default.")
+    parser.add_argument("--rounds", type=int, default=None, metavar="N",
+                        help="measured rounds of the per-step benchmark (overhead), instead of its size's "
+                             "(full 7, quick 3)")
     args = parser.parse_args(argv)
     selected = [name.strip() for item in args.only for name in item.split(",") if name.strip()]
     unknown = [name for name in selected if name not in BENCHMARKS]
@@ -51,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    suite = Suite(size=args.size, out_dir=args.out, threads=args.threads)
+    suite = Suite(size=args.size, out_dir=args.out, threads=args.threads, rounds_wanted=args.rounds)
     results = {"environment": {}, "benchmarks": {}}
     try:
         environment = describe(suite.threads)

@@ -1,4 +1,6 @@
-"""The three contenders: a hand-written PyTorch loop, HF Trainer and loopkit's Loop, training the same `TrainSpec`.
+"""The three contenders: a hand-written PyTorch loop, HF Trainer and loopkit's Loop, training the same `TrainSpec`
+(and, for the per-step benchmark, the peers of `benchmarks.peers`: pytorch-ignite, Lightning Fabric and Lightning's
+Trainer).
 
 Worker side. Framework imports happen inside the functions, so a loopkit process never imports
 `transformers.trainer` and the time-to-first-step benchmark measures each contender's real import cost.
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 
 from . import workloads
-from .spec import TrainSpec
+from .spec import PEERS, TrainSpec
 
 NO_DECAY_NAME_PARTS = ("bias", "norm")  # HF's decay rule for these models: no decay on biases and norm weights
 
@@ -32,6 +34,7 @@ class StepClock:
     def __init__(self, save_at=(), stop_at: int | None = None, sync_at=(), synchronize=None):
         self.begins: list[float] = []
         self.ends: list[float] = []
+        self.cpu_ends: list[float] = []  # time.process_time() at each end: the process's CPU time, all its threads
         self.first_end_wall: float | None = None  # time.time() at the end of the first step (process-start clocks)
         self.save_at, self.stop_at = set(save_at), stop_at
         self.sync_at, self.synchronize = set(sync_at), synchronize
@@ -45,6 +48,7 @@ class StepClock:
         if step in self.sync_at and self.synchronize is not None:
             self.synchronize()
         self.ends.append(time.perf_counter())
+        self.cpu_ends.append(time.process_time())
         if self.first_end_wall is None:
             self.first_end_wall = time.time()
         for listener in self.listeners:
@@ -96,6 +100,9 @@ class EpochShuffle(torch.utils.data.Sampler):
     def __len__(self):
         return self.size
 
+    def set_epoch(self, epoch: int) -> None:  # the hook Lightning's loop calls before each epoch
+        self.epoch = epoch
+
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         return iter(torch.randperm(self.size, generator=generator).tolist())
@@ -122,25 +129,48 @@ def linear_warmup(warmup_steps: int, total_steps: int):
     return multiplier
 
 
-def train_raw(spec: TrainSpec, model, dataset, clock: StepClock, output_dir: str | None = None) -> TrainResult:
-    if spec.data != "map":
-        raise ValueError("the hand-written loop trains map-style data only (it is not a resume contender)")
-    called_at = time.perf_counter()
+def prepare_model(spec: TrainSpec, model) -> torch.device:
+    """Seed as HF's `set_seed` does, move the model to the spec's device in training mode, no KV cache (HF Trainer
+    and loopkit turn it off too); returns the device."""
     device = torch.device(spec.device)
     seed_everything(spec.seed)
     model.to(device).train()
     if hasattr(getattr(model, "config", None), "use_cache"):
-        model.config.use_cache = False  # training builds no KV cache (HF Trainer and loopkit turn it off too)
+        model.config.use_cache = False
+    return device
+
+
+def adamw_with_decay_groups(model, spec: TrainSpec) -> torch.optim.AdamW:
+    """AdamW over HF's two parameter groups: weight decay on everything but biases and norm weights."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     no_decay = [p for n, p in named if any(part in n.lower() for part in NO_DECAY_NAME_PARTS)]
     decay = [p for n, p in named if not any(part in n.lower() for part in NO_DECAY_NAME_PARTS)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": spec.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=spec.learning_rate, betas=(0.9, 0.999), eps=1e-8, fused=True)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup(spec.warmup_steps, spec.max_steps))
+    return torch.optim.AdamW([{"params": decay, "weight_decay": spec.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=spec.learning_rate, betas=(0.9, 0.999), eps=1e-8, fused=True)
+
+
+def warmup_schedule(optimizer, spec: TrainSpec) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup(spec.warmup_steps, spec.max_steps))
+
+
+def epoch_loader(spec: TrainSpec, dataset) -> tuple[EpochShuffle, torch.utils.data.DataLoader]:
+    """HF's data order (`EpochShuffle`: set its `epoch` before each epoch) and the spec's collator."""
     sampler = EpochShuffle(len(dataset), spec.seed)
     loader = torch.utils.data.DataLoader(dataset, batch_size=spec.batch_size, sampler=sampler,
-                                         collate_fn=workloads.collator_for(spec), pin_memory=device.type == "cuda")
+                                         collate_fn=workloads.collator_for(spec),
+                                         pin_memory=torch.device(spec.device).type == "cuda")
+    return sampler, loader
+
+
+def train_raw(spec: TrainSpec, model, dataset, clock: StepClock, output_dir: str | None = None) -> TrainResult:
+    if spec.data != "map":
+        raise ValueError("the hand-written loop trains map-style data only (it is not a resume contender)")
+    called_at = time.perf_counter()
+    device = prepare_model(spec, model)
+    optimizer = adamw_with_decay_groups(model, spec)
+    schedule = warmup_schedule(optimizer, spec)
+    sampler, loader = epoch_loader(spec, dataset)
     # Token-weighted accumulation exactly where HF does it: the model takes the window's label-token count.
     weigh_by_tokens = workloads.accepts_token_count(model)
     shift = workloads.is_causal_lm(model)
@@ -254,6 +284,12 @@ def train(contender: str, spec: TrainSpec, clock: StepClock, output_dir: str, re
         if resume_from is not None:
             raise ValueError("the hand-written loop does not resume")
         return train_raw(spec, model, dataset, clock, output_dir)
+    if contender in PEERS:
+        if resume_from is not None or trainer_kwargs:
+            raise ValueError(f"{contender} runs the per-step benchmark only: no resume, no replaced stages")
+        from . import peers
+
+        return peers.TRAINERS[contender](spec, model, dataset, clock, output_dir)
     started_at = time.perf_counter()
     trainer = build_trainer(contender, spec, model, output_dir, dataset, callbacks=[ClockCallback(clock)],
                             **(trainer_kwargs or {}))

@@ -21,7 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import bench_compile, bench_storage
+from . import bench_compile, bench_overhead, bench_storage
 from .bench_ladder import COMPILED, DATASETS, RUNGS
 from .harness import REPO_ROOT, fmt, fmt_comparison, median, paired_ratio, rebuilt_row, verdict
 from .report import markdown, rebuilt, with_range
@@ -30,7 +30,8 @@ FULL_RESULTS = "benchmarks/results/results.json"
 LADDER_RESULTS = "benchmarks/results/quick/results.json"
 PAGES = ("README.md", "docs/performance.md", "docs/packing.md", "docs/evaluation.md")
 # The results.md files written again from their results.json (quick-under-load/: an older format, left as run)
-RESULTS_PAGES = ("benchmarks/results/results.md", "benchmarks/results/quick/results.md")
+RESULTS_PAGES = ("benchmarks/results/results.md", "benchmarks/results/quick/results.md",
+                 "benchmarks/results/overhead/results.md")
 NUMBERED = re.compile(r"^## (\d+)\. [^\n]*\n\n", re.MULTILINE)
 SECTION = re.compile(r"^(?P<indent> *)<!-- generated: (?P<name>[\w-]+) from (?P<file>\S+) -->\n(?P<body>.*?)"
                      r"^(?P=indent)<!-- end generated: (?P=name) -->", re.DOTALL | re.MULTILINE)
@@ -267,10 +268,23 @@ def eval_memory(results: dict) -> str:
     return f"Measured by {measured_by(results, 'eval_memory')}:\n\n" + "\n".join(lines)
 
 
-GENERATORS = {"summary": summary_table, "ladder": ladder, "ladder-headline": ladder_headline,
-              "durations": durations, "compile": compile_runs, "optimizer-step": optimizer_step,
-              "chunked-loss": chunked_loss, "storage": storage, "environment": environment,
-              "eval-memory": eval_memory}
+def overhead_peers(results: dict) -> str:
+    """docs/performance.md's per-step table with the peers (Lightning's Trainer and Fabric, ignite): every contender's
+    wall and CPU time per step, loopkit / contender round by round, the verdicts, and whether loopkit is ahead of
+    every peer, from the run's raw samples by today's rules."""
+    section = benchmark_section(results, "overhead")
+    section = dict(section, rows=[rebuilt_row(row) for row in section["rows"]])
+    first = section["rows"][0]
+    rounds = len(next(iter(first["samples"].values())))
+    return "\n".join([f"Measured by {environment(results)} {rounds} measured rounds, each contender in its own "
+                      f"process, alternated; {first['extra']['timed_steps']} timed steps per run after "
+                      f"{first['extra']['warmup_steps']} warm-up steps.", "", bench_overhead.peer_table(section)])
+
+
+GENERATORS = {"summary": summary_table, "overhead-peers": overhead_peers, "ladder": ladder,
+              "ladder-headline": ladder_headline, "durations": durations, "compile": compile_runs,
+              "optimizer-step": optimizer_step, "chunked-loss": chunked_loss, "storage": storage,
+              "environment": environment, "eval-memory": eval_memory}
 
 
 def render(text: str) -> str:

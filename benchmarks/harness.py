@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .spec import CONTENDERS
+from .spec import CONTENDERS, LABELS, PEERS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SIZES = ("full", "quick", "tiny")
@@ -84,6 +84,7 @@ class Suite:
     size: str = "full"
     out_dir: Path = LOCAL_RESULTS
     threads: int = 1
+    rounds_wanted: int | None = None  # --rounds: measured rounds of the benchmarks that take it (overhead)
     started: float = field(default_factory=time.time)
     environment: dict = field(default_factory=dict)  # benchmarks.environment.describe(), filled in by __main__
 
@@ -98,6 +99,10 @@ class Suite:
     def pick(self, full, quick, tiny=None):
         """The value for this run's size (`tiny` defaults to `quick`)."""
         return {"full": full, "quick": quick, "tiny": quick if tiny is None else tiny}[self.size]
+
+    def measured_rounds(self, full, quick, tiny=None):
+        """How many measured rounds: `rounds` where the run sets it (`--rounds`), else the size's."""
+        return self.rounds_wanted or self.pick(full, quick, tiny)
 
     def env(self) -> dict:
         env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
@@ -278,8 +283,10 @@ def spread(values: list) -> float | None:
 
 def comparisons(samples: dict, kind: str, floor: str | None) -> dict:
     """The row's pairs ("loopkit/hf", ...) compared round by round: paired ratios for amounts, paired differences
-    for differences. With a `floor`, every contender against it too (the physical-limit check)."""
+    for differences; loopkit against each peer (benchmarks/peers.py) the row has. With a `floor`, every contender
+    against it too (the physical-limit check)."""
     pairs = [(a, b) for a, b in RATIO_PAIRS if a in samples and b in samples]
+    pairs += [("loopkit", peer) for peer in PEERS if "loopkit" in samples and peer in samples]
     if floor in samples:
         pairs += [(c, floor) for c in samples if c != floor and (c, floor) not in pairs]
     compare = paired_ratio if kind == "amount" else paired_difference
@@ -392,7 +399,7 @@ def loopkit_flags(row: dict) -> list[str]:
     return [flag for other in ("hf", "raw") for flag in [worse_than(row, other)] if flag]
 
 
-OTHER_LABELS = {"hf": "HF Trainer", "raw": "the raw loop"}
+OTHER_LABELS = {"hf": "HF Trainer", "raw": "the raw loop", **{peer: LABELS[peer] for peer in PEERS}}
 
 
 def verdict(row: dict, other: str) -> str | None:

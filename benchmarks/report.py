@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from .harness import FLOOR_MARGIN, NOISE_SPREAD, fmt, fmt_comparison, loopkit_flags, median, rebuilt_row, verdict
-from .spec import CONTENDERS, LABELS
+from .spec import CONTENDERS, LABELS, PEERS
 
 CHARTS_HINT = "Charts need matplotlib: pip install matplotlib (or pip install 'loopkit[charts]'), then re-run."
 
@@ -196,7 +196,8 @@ def write_charts(results: dict, out_dir: Path) -> list[str]:
     return written
 
 
-COLORS = {"raw": "#7f7f7f", "hf": "#ff9d00", "loopkit": "#1f77b4"}
+COLORS = {"raw": "#7f7f7f", "hf": "#ff9d00", "loopkit": "#1f77b4", "ignite": "#d62728", "fabric": "#9467bd",
+          "lightning": "#8c564b"}
 
 
 def comparison_chart(section: dict, plt):
@@ -210,7 +211,7 @@ def comparison_chart(section: dict, plt):
     for axis in axes.flat[len(rows):]:
         axis.set_visible(False)
     for axis, row in zip(axes.flat, rows):
-        names = [c for c in CONTENDERS if c in row["samples"]]
+        names = [c for c in CONTENDERS + PEERS if c in row["samples"]]
         for x, contender in enumerate(names):
             samples = row["samples"][contender]
             value = median(samples)
@@ -222,7 +223,9 @@ def comparison_chart(section: dict, plt):
             top = max([value or 0] + [v for v in samples if v is not None])
             axis.annotate(label, (x, top), xytext=(0, 4), textcoords="offset points", ha="center", va="bottom",
                           fontsize=8)
-        axis.set_xticks(range(len(names)), [LABELS[c] for c in names], fontsize=8)
+        crowded = len(names) > 3  # the per-step benchmark with the peers: slanted labels, or they overlap
+        axis.set_xticks(range(len(names)), [LABELS[c] for c in names], fontsize=8, rotation=30 if crowded else 0,
+                        ha="right" if crowded else "center")
         axis.set_title(row["name"], fontsize=9)
         axis.set_ylabel(row["unit"])
         values = [v for c in names for v in row["samples"][c] if v is not None]

@@ -1,5 +1,7 @@
 """Smoke tests of the benchmark harness (`python -m benchmarks`, issue 6) on a tiny size: it runs end to end, the
-three contenders do the same work, and the reports are written. No test asserts a speed.
+three contenders do the same work, and the reports are written. No test asserts a speed. The per-step benchmark's
+peers (Lightning's Trainer and Fabric, pytorch-ignite: loopkit's `bench` extra) run where they are installed; where
+one is not, the benchmark says so and runs the rest, and the peers' own test is skipped with that reason.
 
 One test drives the real command (worker processes, JSON over pipes) on the per-step benchmark; the other runs
 every other benchmark's schedule, checks and report in this process, with each worker task called directly.
@@ -15,6 +17,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `benchmarks/` lives in the repository, next to the installed loopkit
     sys.path.insert(0, str(REPO_ROOT))
@@ -23,13 +27,15 @@ from benchmarks import BENCHMARKS  # noqa: E402
 from benchmarks.environment import describe  # noqa: E402
 from benchmarks.harness import Suite  # noqa: E402
 from benchmarks.report import comparison_table, write_charts, write_json, write_markdown  # noqa: E402
-from benchmarks.spec import CONTENDERS  # noqa: E402
+from benchmarks.spec import CONTENDERS, LABELS, PEERS, missing_peers  # noqa: E402
 from benchmarks.worker import call  # noqa: E402
 from helpers import run_process  # noqa: E402
 
 
 def test_the_command_runs_the_per_step_benchmark_and_writes_the_reports(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")]
+                                                                         if p]))
+    missing = missing_peers()  # the worker processes see the same packages
     finished = run_process([sys.executable, "-m", "benchmarks", "--size", "tiny", "--only", "overhead",
                             "--out", str(tmp_path)], "python -m benchmarks --size tiny --only overhead", cwd=REPO_ROOT,
                            env=env)
@@ -37,16 +43,43 @@ def test_the_command_runs_the_per_step_benchmark_and_writes_the_reports(tmp_path
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["environment"]["versions"]["torch"]
     rows = results["benchmarks"]["overhead"]["rows"]
-    assert [row["name"] for row in rows] == ["near-null model (16x16 linear)", "tiny LlamaForCausalLM",
+    assert [row["name"] for row in rows] == ["near-null model (16x16 linear)", "near-null model (16x16 linear), CPU "
+                                             "time", "tiny LlamaForCausalLM", "tiny LlamaForCausalLM, CPU time",
                                              "setup, imports done: trainer built to end of step 1 (tiny "
                                              "LlamaForCausalLM)"]
+    assert results["benchmarks"]["overhead"]["peers_missing"] == missing
+    for peer, reason in missing.items():  # a missing peer: one line, and the rest runs
+        assert f"overhead: {LABELS[peer]} skipped: {reason}" in finished.stderr
     for row in rows:
         assert row["check"]["ok"], row["check"]["detail"]  # same seed, data and steps: the same final model
-        assert set(row["samples"]) == set(CONTENDERS)
+        assert set(row["samples"]) == set(CONTENDERS) | (set(PEERS) - set(missing))
         assert all(value > 0 for samples in row["samples"].values() for value in samples)
         assert row["ratios"]["loopkit/raw"]["median"] > 0
     markdown = (tmp_path / "results.md").read_text()
     assert "| near-null model (16x16 linear) | us/step |" in markdown
+    assert "Is loopkit ahead of every peer?" in markdown
+
+
+def test_the_peers_end_with_the_hand_written_loops_weights_bit_for_bit(tmp_path):
+    """pytorch-ignite, Lightning Fabric and Lightning's Trainer (benchmarks/peers.py) do the hand-written loop's
+    work: over two epochs (the data order of each), with warmup, clipping and accumulation, their final weights are
+    the raw loop's bit for bit, on the near-null model and on a tiny Llama (token-weighted accumulation)."""
+    from benchmarks.bench_overhead import train_steps
+    from benchmarks.spec import TrainSpec
+
+    missing = missing_peers()
+    if len(missing) == len(PEERS):
+        pytest.skip("; ".join(f"{LABELS[peer]}: {reason}" for peer, reason in missing.items()))
+    llama = dict(hidden_size=16, intermediate_size=32, vocab_size=64)
+    for spec in (TrainSpec(model="null", num_train=64, logging_steps=3, max_steps=11, warmup_steps=3),
+                 TrainSpec(model="llama-tiny", num_train=48, seq_len=16, logging_steps=2, max_steps=7, warmup_steps=2,
+                           model_overrides=llama)):
+        runs = {c: train_steps(c, spec.to_dict(), 2, str(tmp_path / c))
+                for c in ("raw",) + tuple(peer for peer in PEERS if peer not in missing)}
+        for contender, run in runs.items():
+            assert run["global_step"] == spec.max_steps
+            assert run["weights_sha256"] == runs["raw"]["weights_sha256"], (spec.model, contender)
+            assert run["probe_loss"] == runs["raw"]["probe_loss"]
 
 
 class InProcessWorker:
@@ -218,3 +251,25 @@ def test_the_ladder_flags_a_rung_whose_held_out_loss_leaves_the_order_noise():
     assert abs(check["tolerance"] - 0.06025) < 1e-12 and abs(check["noise"] - 0.05) < 1e-12
     assert check["mismatched"] == ["hf-best-cache"] and "hf-best-cache (+0.2)" in check["detail"]
     assert check["per_rung"]["loopkit-pack"]["agrees"]
+
+
+def test_loopkit_is_ahead_of_every_peer_only_where_every_round_against_every_peer_says_so():
+    from benchmarks.bench_overhead import peers_verdict
+    from benchmarks.harness import check_equal, comparison_row
+
+    def row(ignite, fabric, check=None):
+        samples = {"raw": [10.0, 10.2], "hf": [30.0, 31.0], "loopkit": [11.0, 11.1], "ignite": ignite,
+                   "fabric": fabric, "lightning": [40.0, 41.0]}
+        return comparison_row("a row", "us/step", samples, check, floor="raw")
+
+    assert peers_verdict(row([12.0, 12.5], [13.0, 12.0])).startswith("yes, faster than each in every round "
+                                                                      "(loopkit / peer: pytorch-ignite 0.902x")
+    # one round each way against Fabric: no verdict, so not ahead of every peer
+    assert peers_verdict(row([12.0, 12.5], [10.5, 12.0])) == (
+        "no: no verdict against Lightning Fabric: the rounds point both ways (0.986x (0.92-1.05))")
+    assert peers_verdict(row([10.5, 10.6], [13.0, 12.0])).startswith("no: 4.7% slower than pytorch-ignite (medians")
+    other_work = check_equal({"raw": 1.0, "hf": 1.0, "loopkit": 1.0, "ignite": 1.5, "fabric": 1.0, "lightning": 1.0},
+                             1e-5, "final probe loss")
+    assert peers_verdict(row([12.0, 12.5], [13.0, 12.0], other_work)) == (
+        "no: no verdict against pytorch-ignite: not the same work")
+    assert peers_verdict(comparison_row("no peers", "us/step", {"raw": [1.0], "loopkit": [1.1]})) == "no peer ran"
