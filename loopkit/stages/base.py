@@ -20,6 +20,8 @@ and no `Loop` at all.
 
 from __future__ import annotations
 
+from ..models import base_model  # noqa: F401 (re-exported: it lives in loopkit/models.py, below every layer)
+
 
 class Stage:
     """One phase of a run, bound to a `RunState` and a `RunContext`."""
@@ -36,8 +38,3 @@ class Stage:
 
     def load_state_dict(self, state: dict) -> None:
         pass
-
-
-def base_model(model):
-    """The model under a PEFT wrapper (its forward signature and class decide columns, labels and loss counting)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
