@@ -58,7 +58,8 @@ def cpu_per_step(contender: str, spec: TrainSpec, warmup_steps: int, profiler=No
     clock = StepClock()
     clock.listeners.append(lambda step: cpu_ends.append(time.process_time()))
     if profiler is not None:
-        clock.listeners.append(lambda step: profiler.active_from(step, warmup_steps))
+        clock.listeners.append(lambda step: profiler.active_from(step, warmup_steps, spec.max_steps))
+        (instrument_raw if contender == "raw" else instrument_loopkit)(profiler, clock)
     with tempfile.TemporaryDirectory() as output_dir:
         result = train(contender, spec, clock, output_dir)
     timed = spec.max_steps - warmup_steps
@@ -79,8 +80,8 @@ class Profiler:
         self.recording = False
         self.calls = 0  # wrapped calls in recorded steps (the profiler's own cost scales with it)
 
-    def active_from(self, step: int, warmup_steps: int) -> None:
-        self.recording = step >= warmup_steps
+    def active_from(self, step: int, warmup_steps: int, last_step: int) -> None:
+        self.recording = warmup_steps <= step < last_step
 
     def wrap(self, name, function):
         stack, current, now = self.stack, self.current, time.perf_counter
@@ -137,10 +138,41 @@ def wrapper_cost_us() -> float:
     return (time.perf_counter() - start) / 20000 * 1e6
 
 
-def instrument_loopkit(profiler: Profiler) -> None:
+def instrument_torch(profiler: Profiler) -> None:
+    """Wrap the torch work every contender does: forward, backward, clipping, the optimizer and scheduler steps."""
+    import torch
+
+    profiler.patch(torch.Tensor, "backward", "torch: backward")
+    profiler.patch(torch.nn.Module, "_call_impl", "torch: model forward")
+    profiler.patch(torch.optim.AdamW, "step", "torch: AdamW.step")
+    profiler.patch(torch.optim.lr_scheduler.LRScheduler, "step", "torch: scheduler.step")
+    profiler.patch(torch.nn.utils, "clip_grad_norm_", "torch: clip_grad_norm_")
+
+
+def instrument_raw(profiler: Profiler, clock) -> None:
+    """The hand-written loop: its data (the loader's batches grouped per step) and the torch work; a step ends at
+    the clock's end of step."""
+    from . import contenders
+
+    instrument_torch(profiler)
+    original_windows = contenders.accumulation_windows
+
+    def accumulation_windows(loader, grad_accum):
+        iterator = original_windows(loader, grad_accum)
+        fetch = profiler.wrap(DATA_LINE, lambda: next(iterator, None))
+        while (window := fetch()) is not None:
+            yield window
+
+    contenders.accumulation_windows = accumulation_windows
+    clock.listeners.append(lambda step: profiler.step_boundary())
+
+
+DATA_LINE = "data: fetch a window (loader, collate, to device)"
+
+
+def instrument_loopkit(profiler: Profiler, clock) -> None:
     """Wrap loopkit's per-step blocks (classes, so every instance the run makes is timed)."""
     import accelerate.utils
-    import torch
 
     from loopkit import events, phases, schedule, work
     from loopkit.loop import Loop
@@ -167,7 +199,7 @@ def instrument_loopkit(profiler: Profiler) -> None:
 
     def windows(stage, *args, **kwargs):
         iterator = original_windows(stage, *args, **kwargs)
-        fetch = profiler.wrap("data: fetch a window (loader, collate, to device)", lambda: next(iterator, None))
+        fetch = profiler.wrap(DATA_LINE, lambda: next(iterator, None))
         while (window := fetch()) is not None:
             yield window
 
@@ -179,11 +211,7 @@ def instrument_loopkit(profiler: Profiler) -> None:
         profiler.patch(step.StepStage, attribute, f"step: {attribute}")
     profiler.patch(work.WorkCounter, "count", "step: work counting")
     profiler.patch(step.TrainMode, "enter", "step: TrainMode.enter")
-    profiler.patch(torch.Tensor, "backward", "torch: backward")
-    profiler.patch(torch.nn.Module, "_call_impl", "torch: model forward")
-    profiler.patch(torch.optim.AdamW, "step", "torch: AdamW.step")
-    profiler.patch(torch.optim.lr_scheduler.LRScheduler, "step", "torch: scheduler.step")
-    profiler.patch(torch.nn.utils, "clip_grad_norm_", "torch: clip_grad_norm_")
+    instrument_torch(profiler)
     # Between steps: the schedule, the guards, the phase clock.
     profiler.patch(schedule.Schedule, "record", "schedule: record")
     profiler.patch(schedule.Schedule, "after_step", "schedule: after_step (log/eval/save)")
@@ -200,10 +228,9 @@ def instrument_loopkit(profiler: Profiler) -> None:
     phases.PhaseClock.step_done = step_done
 
 
-def profile_loopkit(spec: TrainSpec, warmup_steps: int) -> dict:
+def profile(contender: str, spec: TrainSpec, warmup_steps: int) -> dict:
     profiler = Profiler()
-    instrument_loopkit(profiler)
-    measured = cpu_per_step("loopkit", spec, warmup_steps, profiler)
+    measured = cpu_per_step(contender, spec, warmup_steps, profiler)
     return {"lines_us_per_step": profiler.table(), "wrapper_cost_us": wrapper_cost_us(),
             "profiled_cpu_us_per_step": measured["cpu_us_per_step"], "profiled_steps": len(profiler.steps)}
 
@@ -211,17 +238,20 @@ def profile_loopkit(spec: TrainSpec, warmup_steps: int) -> dict:
 def worker(request: dict) -> dict:
     spec = TrainSpec.from_dict(request["spec"])
     if request["task"] == "profile":
-        return profile_loopkit(spec, request["warmup_steps"])
+        return profile(request["contender"], spec, request["warmup_steps"])
     return cpu_per_step(request["contender"], spec, request["warmup_steps"])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Parent side
 # ---------------------------------------------------------------------------------------------------------------------
-def in_fresh_process(request: dict) -> dict:
+def in_fresh_process(request: dict, loopkit_from: str | None = None) -> dict:
+    """Run one worker request in a new process; `loopkit_from`: a folder holding a `loopkit` package to import
+    instead of this checkout's (an earlier version, measured beside this one)."""
+    first = [loopkit_from] if loopkit_from else []
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent)] +
+               TOKENIZERS_PARALLELISM="false", PYTHONDONTWRITEBYTECODE="1",
+               PYTHONPATH=os.pathsep.join(first + [str(Path(__file__).parent.parent)] +
                                           [p for p in [os.environ.get("PYTHONPATH")] if p]))
     done = subprocess.run([sys.executable, "-m", "benchmarks.overhead_profile", "--worker", json.dumps(request)],
                           capture_output=True, text=True, env=env, check=False)
@@ -230,24 +260,32 @@ def in_fresh_process(request: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(rounds: int, timed_steps: int, warmup_steps: int, say=print) -> dict:
+def measure(rounds: int, timed_steps: int, warmup_steps: int, before: str | None = None, say=print) -> dict:
+    """`before`: a checkout of an earlier loopkit, measured as a fourth contender ("loopkit-before")."""
+    import tempfile
+
     spec = near_null_spec(timed_steps, warmup_steps).to_dict()
     loads = [os.getloadavg()[0]]
-    samples = {c: [] for c in CONTENDERS}
-    losses = {c: [] for c in CONTENDERS}
+    contenders = CONTENDERS[:2] + (("loopkit-before",) if before else ()) + CONTENDERS[2:]
+    samples = {c: [] for c in contenders}
+    losses = {c: [] for c in contenders}
+    shadow = tempfile.mkdtemp(prefix="loopkit-before-")  # holds only a link to the earlier `loopkit` package
+    if before:
+        os.symlink(os.path.join(os.path.abspath(before), "loopkit"), os.path.join(shadow, "loopkit"))
     for round_index in range(rounds):
-        for contender in CONTENDERS:
-            reply = in_fresh_process({"task": "cpu", "contender": contender, "spec": spec,
-                                      "warmup_steps": warmup_steps})
+        for contender in contenders:
+            reply = in_fresh_process({"task": "cpu", "contender": contender.replace("-before", ""), "spec": spec,
+                                      "warmup_steps": warmup_steps}, shadow if contender.endswith("-before") else None)
             samples[contender].append(reply["cpu_us_per_step"])
             losses[contender].append(reply["logged_losses"])
             say(f"round {round_index + 1}/{rounds} {contender}: {reply['cpu_us_per_step']:.0f} us CPU/step "
                 f"({reply['wall_us_per_step']:.0f} wall), load {os.getloadavg()[0]:.1f}")
         loads.append(os.getloadavg()[0])
-    profile = in_fresh_process({"task": "profile", "spec": spec, "warmup_steps": warmup_steps})
+    profiles = {contender: in_fresh_process({"task": "profile", "contender": contender, "spec": spec,
+                                             "warmup_steps": warmup_steps}) for contender in ("raw", "loopkit")}
     loads.append(os.getloadavg()[0])
-    return {"spec": spec, "warmup_steps": warmup_steps, "timed_steps": timed_steps, "rounds": rounds,
-            "cpu_us_per_step": samples, "logged_losses": losses, "profile": profile,
+    return {"spec": spec, "warmup_steps": warmup_steps, "timed_steps": timed_steps, "rounds": rounds, "before": before,
+            "cpu_us_per_step": samples, "logged_losses": losses, "profiles": profiles,
             "load_average": {"min": min(loads), "max": max(loads)}, "cores": os.cpu_count(),
             "command": " ".join(["python -m benchmarks.overhead_profile"] + sys.argv[1:])}
 
@@ -261,24 +299,37 @@ def markdown(results: dict) -> str:
              f"{results['cores']} cores.\n",
              "| contender | CPU us/step (median, range) | minus the hand-written loop, per round (median, range) |",
              "|---|---|---|"]
-    for contender in CONTENDERS:
+    for contender in samples:
         values = samples[contender]
         diffs = [v - r for v, r in zip(values, raw)]
         lines.append(f"| {contender} | {statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f}) | "
                      + ("" if contender == "raw" else
                         f"{statistics.median(diffs):+,.0f} ({min(diffs):+,.0f} to {max(diffs):+,.0f})") + " |")
-    profile = results["profile"]
-    rows = dict(profile["lines_us_per_step"])
-    calls = rows.pop("_wrapped calls per step")
-    total = rows.pop("step, total")
-    lines += ["", f"loopkit's step, profiled ({profile['profiled_steps']} steps; wall microseconds per step, median "
-              f"over steps; each line exclusive of the lines inside it). Profiled total {total:,.1f} us/step; the "
-              f"profiler's own cost is about {calls:.0f} wrapped calls x {profile['wrapper_cost_us']:.2f} us = "
-              f"{calls * profile['wrapper_cost_us']:,.0f} us/step, spread over the lines that make the calls.\n",
-              "| event / stage | us per step |", "|---|---|"]
-    for name, value in sorted(rows.items(), key=lambda item: -item[1]):
-        lines.append(f"| {name} | {value:,.1f} |")
+    if "loopkit-before" in samples:
+        diffs = [a - b for a, b in zip(samples["loopkit"], samples["loopkit-before"])]
+        lines.append(f"\nloopkit minus loopkit-before ({results['before']}), per round: median "
+                     f"{statistics.median(diffs):+,.0f} us/step ({min(diffs):+,.0f} to {max(diffs):+,.0f}).")
+    lines += ["", profile_table(results["profiles"])]
     return "\n".join(lines) + "\n"
+
+
+def profile_table(profiles: dict) -> str:
+    """One line per event / stage: the hand-written loop's and loopkit's microseconds per step."""
+    rows = {c: dict(p["lines_us_per_step"]) for c, p in profiles.items()}
+    calls = {c: r.pop("_wrapped calls per step") for c, r in rows.items()}
+    totals = {c: r.pop("step, total") for c, r in rows.items()}
+    cost = {c: calls[c] * profiles[c]["wrapper_cost_us"] for c in rows}
+    lines = [f"Where a step's time goes ({profiles['loopkit']['profiled_steps']} profiled steps each; wall "
+             f"microseconds per step, the median over steps of each line; each line exclusive of the lines inside "
+             f"it). Profiled totals: hand-written {totals['raw']:,.1f}, loopkit {totals['loopkit']:,.1f} us/step; "
+             f"the profiler's own cost (about {cost['raw']:,.0f} and {cost['loopkit']:,.0f} us/step: "
+             f"{calls['raw']:.0f} and {calls['loopkit']:.0f} wrapped calls) lands in the lines that make the "
+             f"calls.\n", "| event / stage | hand-written loop | loopkit |", "|---|---|---|"]
+    names = sorted(set(rows["raw"]) | set(rows["loopkit"]), key=lambda n: -(rows["loopkit"][n] if n in rows["loopkit"] else rows["raw"][n]))
+    for name in names:
+        cells = [f"{rows[c][name]:,.1f}" if name in rows[c] else "" for c in ("raw", "loopkit")]
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -288,12 +339,13 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=400, help="timed optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=50, help="untimed optimizer steps first")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results path, without suffix (.json and .md)")
+    parser.add_argument("--before", help="a checkout of an earlier loopkit to measure beside this one")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
-    results = measure(args.rounds, args.steps, args.warmup, say=lambda text: print(text, file=sys.stderr))
+    results = measure(args.rounds, args.steps, args.warmup, args.before, say=lambda text: print(text, file=sys.stderr))
     out = args.out.with_suffix("") if args.out.suffix in (".json", ".md") else args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")

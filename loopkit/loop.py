@@ -151,6 +151,7 @@ class Loop(HFMethods, TrainerAPI):
     def run_training(self, batch_size, resume_from_checkpoint, trial, ignore_keys_for_eval):
         run, context, args = self.run, self.context, self.run.args
         run.train_batch_size = batch_size
+        self.several_processes = context.accelerator.num_processes > 1  # read by the guards after every step
         context.clock.reset()
         # 1. Setup: the model (model_init), and the checkpoint to resume from, whose weights load now.
         checkpoint = self.setup.begin_training(resume_from_checkpoint, trial)
@@ -240,7 +241,7 @@ class Loop(HFMethods, TrainerAPI):
     def check_guards(self) -> None:
         """Preemption and non-finite values (loopkit/guards.py): act on them at an optimizer-step boundary."""
         run, context, watch = self.run, self.context, self.context.preemption
-        step, several = run.state.global_step, context.accelerator.num_processes > 1
+        step, several = run.state.global_step, self.several_processes
         watch.checked(step, self.guard_check_every)  # what the next signal's message says
         due = step % self.guard_check_every == 0
         if several and not due:
