@@ -6,15 +6,19 @@ the same `benchmarks.contenders.train` functions):
 * CPU time per optimizer step (`time.process_time`, so other processes on a busy machine do not count) of the
   hand-written loop, HF Trainer and loopkit, in alternated rounds (raw, hf, loopkit, raw, hf, loopkit, ...): medians,
   and the median of the round-by-round differences to the hand-written loop.
-* A profile of loopkit's step: every callback event (`EventHandler.fire`, each callback method on its own line) and
-  every stage of the step (data, the step stage's parts, the schedule, the guards, the phase clock), timed by
-  wrappers with `perf_counter` and attributed exclusively (a wrapper's own time excludes the wrappers inside it).
-  Each line is the median over the timed steps of its microseconds in that step (robust to a step that the machine
-  preempted); "loop, unattributed" is what the step took beyond all the lines. The wrappers add about a
-  microsecond each (the "profiler's own" line estimates it), so the profile's total exceeds the unprofiled CPU time.
+* A profile of loopkit's step beside the hand-written loop's: every callback event (`EventHandler.fire`, each
+  callback method on its own line) and every stage of the step (data, the step stage's parts, the schedule, the
+  guards, the phase clock), and the torch work both do, timed by wrappers with `perf_counter` and attributed
+  exclusively (a line's time excludes the wrapped calls inside it, and the wrappers' own cost, calibrated at the
+  start). Each line is the median over the timed steps of its microseconds in that step (robust to a step that the
+  machine preempted); "loop, unattributed" is what the step took beyond all the lines (the loop's own code).
+  Wall time, as CPU clocks cost a system call each; the medians keep other processes' interference out.
+
+With `--before PATH`, the `loopkit` package of an earlier checkout at PATH runs as a fourth contender
+("loopkit-before"), alternated with the others: the before/after figure of a change, in one run.
 
     python -m benchmarks.overhead_profile                     # 5 rounds, 400 timed steps, writes results
-    python -m benchmarks.overhead_profile --rounds 3 --steps 200 --out /tmp/profile.json
+    python -m benchmarks.overhead_profile --rounds 8 --before ../loopkit-main --out /tmp/profile
 
 Results: benchmarks/results/overhead_profile.json and .md (the committed run), unless `--out` says otherwise.
 """
@@ -73,12 +77,15 @@ class Profiler:
     """Exclusive time per named block, summed per optimizer step (a step ends at the phase clock's `step_done`)."""
 
     def __init__(self):
-        self.stack = []  # [name, start, time of the timed blocks inside]
+        self.stack = []  # [name, start, time of the timed blocks inside, how many]
         self.current = {}  # name -> seconds in this step
         self.steps = []  # one dict per step
         self.step_started = None
         self.recording = False
-        self.calls = 0  # wrapped calls in recorded steps (the profiler's own cost scales with it)
+        self.calls = 0  # wrapped calls in this step (the profiler's own cost scales with it)
+        # What one wrapped call costs its caller beyond the time the callee measures: taken off the caller's line.
+        self.per_call = 0.0
+        self.per_call = wrapper_cost_us(self) / 1e6
 
     def active_from(self, step: int, warmup_steps: int, last_step: int) -> None:
         self.recording = warmup_steps <= step < last_step
@@ -87,16 +94,17 @@ class Profiler:
         stack, current, now = self.stack, self.current, time.perf_counter
 
         def timed(*args, **kwargs):
-            entry = [name, now(), 0.0]
+            entry = [name, now(), 0.0, 0]
             stack.append(entry)
             try:
                 return function(*args, **kwargs)
             finally:
                 elapsed = now() - entry[1]
                 stack.pop()
-                current[name] = current.get(name, 0.0) + elapsed - entry[2]
+                current[name] = current.get(name, 0.0) + elapsed - entry[2] - entry[3] * self.per_call
                 if stack:
                     stack[-1][2] += elapsed
+                    stack[-1][3] += 1
                 self.calls += 1
 
         timed.__wrapped__ = function
@@ -121,21 +129,26 @@ class Profiler:
         """Name -> median microseconds per step; 'loop, unattributed' = total - every line (per step)."""
         names = sorted({name for step in self.steps for name in step if not name.startswith("_")})
         rows = {name: statistics.median(step.get(name, 0.0) for step in self.steps) * 1e6 for name in names}
-        unattributed = [step["step, total"] - sum(v for k, v in step.items() if not k.startswith("_") and
-                                                    k != "step, total") for step in self.steps]
+        unattributed = [step["step, total"] - step["_calls"] * self.per_call -
+                        sum(v for k, v in step.items() if not k.startswith("_") and k != "step, total")
+                        for step in self.steps]
         rows["loop, unattributed"] = statistics.median(unattributed) * 1e6
         rows["_wrapped calls per step"] = statistics.median(step["_calls"] for step in self.steps)
         return rows
 
 
-def wrapper_cost_us() -> float:
-    """One wrapped call's own cost (a wrapper around a function doing nothing), in microseconds."""
-    profiler = Profiler()
+def wrapper_cost_us(profiler: Profiler, calls: int = 20000) -> float:
+    """What one wrapped call adds to its caller's line beyond what the callee's line measures (the best of five
+    tries, in microseconds); the profiler takes it off the caller's line."""
     nothing = profiler.wrap("nothing", lambda: None)
-    outer = profiler.wrap("outer", lambda: [nothing() for _ in range(20000)])
-    start = time.perf_counter()
-    outer()
-    return (time.perf_counter() - start) / 20000 * 1e6
+    outer = profiler.wrap("outer", lambda: [nothing() for _ in range(calls)])
+    costs = []
+    for _ in range(5):
+        outer()
+        costs.append(profiler.current.pop("outer") / calls * 1e6)
+        profiler.current.clear()
+    profiler.calls = 0
+    return min(costs)
 
 
 def instrument_torch(profiler: Profiler) -> None:
@@ -231,7 +244,7 @@ def instrument_loopkit(profiler: Profiler, clock) -> None:
 def profile(contender: str, spec: TrainSpec, warmup_steps: int) -> dict:
     profiler = Profiler()
     measured = cpu_per_step(contender, spec, warmup_steps, profiler)
-    return {"lines_us_per_step": profiler.table(), "wrapper_cost_us": wrapper_cost_us(),
+    return {"lines_us_per_step": profiler.table(), "wrapper_cost_us": profiler.per_call * 1e6,
             "profiled_cpu_us_per_step": measured["cpu_us_per_step"], "profiled_steps": len(profiler.steps)}
 
 
@@ -323,8 +336,9 @@ def profile_table(profiles: dict) -> str:
              f"microseconds per step, the median over steps of each line; each line exclusive of the lines inside "
              f"it). Profiled totals: hand-written {totals['raw']:,.1f}, loopkit {totals['loopkit']:,.1f} us/step; "
              f"the profiler's own cost (about {cost['raw']:,.0f} and {cost['loopkit']:,.0f} us/step: "
-             f"{calls['raw']:.0f} and {calls['loopkit']:.0f} wrapped calls) lands in the lines that make the "
-             f"calls.\n", "| event / stage | hand-written loop | loopkit |", "|---|---|---|"]
+             f"{calls['raw']:.0f} and {calls['loopkit']:.0f} wrapped calls, "
+             f"{profiles['loopkit']['wrapper_cost_us']:.2f} us each) is taken off the lines that make the calls "
+             f"and left out of the table.\n", "| event / stage | hand-written loop | loopkit |", "|---|---|---|"]
     names = sorted(set(rows["raw"]) | set(rows["loopkit"]), key=lambda n: -(rows["loopkit"][n] if n in rows["loopkit"] else rows["raw"][n]))
     for name in names:
         cells = [f"{rows[c][name]:,.1f}" if name in rows[c] else "" for c in ("raw", "loopkit")]

@@ -351,6 +351,12 @@ class StepStage(Stage):
         else:
             self.set_sync_gradients(sync)
 
+    @property
+    def work_by_shape(self) -> dict | None:
+        """The work counter's cache: main input shape -> (FLOPs, tokens, samples); None when FLOPs are not cached
+        (an overridden `floating_point_ops`) or before training."""
+        return self.work.by_shape if self.work is not None else None
+
     def floating_point_ops(self, inputs) -> int:
         """HF's estimate for one forward + backward: 6 x elements of the main input x non-embedding parameters; 0
         for a model without `num_parameters` (loopkit/work.py)."""
