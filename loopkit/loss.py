@@ -30,7 +30,8 @@ from .models import base_model, is_causal_lm, is_causal_lm_class
 
 def compute_loss(run, accelerator, model, inputs, num_items_in_batch=None):
     """HF's `compute_loss` with `return_outputs=True`: (loss, outputs)."""
-    require_named_batch(inputs)
+    if type(inputs) is not dict:  # a dict is named; the check for anything else costs an ABC lookup per micro-batch
+        require_named_batch(inputs)
     takes_labels = run.compute_loss_func is not None or run.label_smoother is not None
     labels = inputs.pop("labels") if takes_labels and "labels" in inputs else None
     if run.model_accepts_loss_kwargs and num_items_in_batch is not None:
@@ -53,9 +54,9 @@ def compute_loss(run, accelerator, model, inputs, num_items_in_batch=None):
 def count_loss_items(run, accelerator, batches, label_shift: bool | None) -> torch.Tensor | None:
     """`num_items_in_batch` for the window `batches`, or None when the loss does not take it. `label_shift`: whether
     labels are shifted (None: decide from the model)."""
-    if not batches or not isinstance(batches[0], Mapping) or "labels" not in batches[0]:
-        return None
     if not (run.model_accepts_loss_kwargs or run.compute_loss_func is not None):
+        return None
+    if not batches or not isinstance(batches[0], Mapping) or "labels" not in batches[0]:
         return None
     shift = label_shift if label_shift is not None else is_causal_lm(run.model)
     try:
@@ -91,7 +92,7 @@ def implicit_scaling_warning(run) -> str | None:
 
 def model_loss(outputs, inputs) -> torch.Tensor:
     """The loss a model returned, or an error that says why there is none and what to do."""
-    if isinstance(outputs, Mapping):
+    if type(outputs) is dict or isinstance(outputs, Mapping):
         if outputs.get("loss") is None:
             raise ValueError(
                 f"The model returned no loss (its outputs: {', '.join(outputs.keys())}; its inputs: "

@@ -50,7 +50,7 @@ class WorkCounter:
         self.warned_no_main_input = False
 
     def count(self, inputs, result) -> None:
-        main = inputs.get(self.main_input) if isinstance(inputs, Mapping) else None
+        main = inputs.get(self.main_input) if type(inputs) is dict or isinstance(inputs, Mapping) else None
         if self.input_tokens_mode != "no":
             result.input_tokens_seen = result.input_tokens_seen + self.input_tokens(inputs, main)
         if not isinstance(main, torch.Tensor):  # no main input (a plain module taking `x`): samples only
