@@ -67,8 +67,11 @@ def cpu_per_step(contender: str, spec: TrainSpec, warmup_steps: int, profiler=No
     with tempfile.TemporaryDirectory() as output_dir:
         result = train(contender, spec, clock, output_dir)
     timed = spec.max_steps - warmup_steps
+    steps = [b - a for a, b in zip(cpu_ends[warmup_steps - 1:], cpu_ends[warmup_steps:])]
     return {"contender": contender, "global_step": result.global_step, "timed_steps": timed,
             "cpu_us_per_step": (cpu_ends[-1] - cpu_ends[warmup_steps - 1]) / timed * 1e6,
+            # The median step: a step the machine's other processes slowed (caches, a shared core) is left out.
+            "cpu_us_median_step": statistics.median(steps) * 1e6,
             "wall_us_per_step": (clock.ends[-1] - clock.ends[warmup_steps - 1]) / timed * 1e6,
             "logged_losses": result.logged_losses}
 
@@ -111,7 +114,9 @@ class Profiler:
         return timed
 
     def patch(self, owner, attribute: str, name: str | None = None) -> None:
-        setattr(owner, attribute, self.wrap(name or f"{owner.__name__}.{attribute}", getattr(owner, attribute)))
+        """Wrap `owner.attribute`, if there is one (an earlier loopkit may lack it)."""
+        if owner is not None and hasattr(owner, attribute):
+            setattr(owner, attribute, self.wrap(name or f"{owner.__name__}.{attribute}", getattr(owner, attribute)))
 
     def step_boundary(self) -> None:
         """The end of an optimizer step (and the start of the next): store this step's lines."""
@@ -187,8 +192,12 @@ def instrument_loopkit(profiler: Profiler, clock) -> None:
     """Wrap loopkit's per-step blocks (classes, so every instance the run makes is timed)."""
     import accelerate.utils
 
-    from loopkit import events, phases, schedule, work
+    from loopkit import events, phases, schedule
     from loopkit.loop import Loop
+    try:
+        from loopkit import work
+    except ImportError:  # before loopkit/work.py: the step stage counted the work itself
+        work = None
     from loopkit.stages import data, step
 
     # Events: each fire, and each callback's method, on lines of their own.
@@ -222,7 +231,8 @@ def instrument_loopkit(profiler: Profiler, clock) -> None:
     for attribute in ("run_step", "count_loss_items", "training_step", "compute_loss", "optimizer_step",
                       "clip_gradients"):
         profiler.patch(step.StepStage, attribute, f"step: {attribute}")
-    profiler.patch(work.WorkCounter, "count", "step: work counting")
+    profiler.patch(getattr(work, "WorkCounter", None), "count", "step: work counting")
+    profiler.patch(step.StepStage, "count_work", "step: work counting")
     profiler.patch(step.TrainMode, "enter", "step: TrainMode.enter")
     instrument_torch(profiler)
     # Between steps: the schedule, the guards, the phase clock.
@@ -281,6 +291,7 @@ def measure(rounds: int, timed_steps: int, warmup_steps: int, before: str | None
     loads = [os.getloadavg()[0]]
     contenders = CONTENDERS[:2] + (("loopkit-before",) if before else ()) + CONTENDERS[2:]
     samples = {c: [] for c in contenders}
+    median_steps = {c: [] for c in contenders}
     losses = {c: [] for c in contenders}
     shadow = tempfile.mkdtemp(prefix="loopkit-before-")  # holds only a link to the earlier `loopkit` package
     if before:
@@ -290,59 +301,72 @@ def measure(rounds: int, timed_steps: int, warmup_steps: int, before: str | None
             reply = in_fresh_process({"task": "cpu", "contender": contender.replace("-before", ""), "spec": spec,
                                       "warmup_steps": warmup_steps}, shadow if contender.endswith("-before") else None)
             samples[contender].append(reply["cpu_us_per_step"])
+            median_steps[contender].append(reply["cpu_us_median_step"])
             losses[contender].append(reply["logged_losses"])
-            say(f"round {round_index + 1}/{rounds} {contender}: {reply['cpu_us_per_step']:.0f} us CPU/step "
-                f"({reply['wall_us_per_step']:.0f} wall), load {os.getloadavg()[0]:.1f}")
+            say(f"round {round_index + 1}/{rounds} {contender}: {reply['cpu_us_per_step']:.0f} us CPU/step, median "
+                f"step {reply['cpu_us_median_step']:.0f} ({reply['wall_us_per_step']:.0f} wall), "
+                f"load {os.getloadavg()[0]:.1f}")
         loads.append(os.getloadavg()[0])
-    profiles = {contender: in_fresh_process({"task": "profile", "contender": contender, "spec": spec,
-                                             "warmup_steps": warmup_steps}) for contender in ("raw", "loopkit")}
+    profiles = {contender: in_fresh_process({"task": "profile", "contender": contender.replace("-before", ""),
+                                             "spec": spec, "warmup_steps": warmup_steps},
+                                            shadow if contender.endswith("-before") else None)
+                for contender in ("raw",) + contenders[2:]}
     loads.append(os.getloadavg()[0])
     return {"spec": spec, "warmup_steps": warmup_steps, "timed_steps": timed_steps, "rounds": rounds, "before": before,
-            "cpu_us_per_step": samples, "logged_losses": losses, "profiles": profiles,
+            "cpu_us_per_step": samples, "cpu_us_median_step": median_steps, "logged_losses": losses,
+            "profiles": profiles,
             "load_average": {"min": min(loads), "max": max(loads)}, "cores": os.cpu_count(),
             "command": " ".join(["python -m benchmarks.overhead_profile"] + sys.argv[1:])}
 
 
 def markdown(results: dict) -> str:
-    samples = results["cpu_us_per_step"]
-    raw = samples["raw"]
     lines = [f"Near-null model (16x16 linear), CPU microseconds per optimizer step, {results['rounds']} alternated "
              f"rounds of {results['timed_steps']} timed steps, each contender in a fresh process; load average "
-             f"{results['load_average']['min']:.1f}-{results['load_average']['max']:.1f} on "
-             f"{results['cores']} cores.\n",
-             "| contender | CPU us/step (median, range) | minus the hand-written loop, per round (median, range) |",
-             "|---|---|---|"]
-    for contender in samples:
-        values = samples[contender]
+             f"{results['load_average']['min']:.1f}-{results['load_average']['max']:.1f} on {results['cores']} "
+             f"cores. Per run: the mean over its timed steps (logging steps included), and its median step (robust "
+             f"to the steps other processes slowed). Then the median of the rounds (their range), and the median of "
+             f"the round-by-round differences to the hand-written loop (their range).\n"]
+    for key, title in (("cpu_us_per_step", "mean step"), ("cpu_us_median_step", "median step")):
+        lines += [cpu_table(results[key], title), ""]
+        samples = results[key]
+        if "loopkit-before" in samples:
+            diffs = [a - b for a, b in zip(samples["loopkit"], samples["loopkit-before"])]
+            lines.append(f"{title}: loopkit minus loopkit-before ({results['before']}), per round: median "
+                         f"{statistics.median(diffs):+,.0f} us/step ({min(diffs):+,.0f} to {max(diffs):+,.0f}).\n")
+    lines.append(profile_table(results["profiles"]))
+    return "\n".join(lines) + "\n"
+
+
+def cpu_table(samples: dict, title: str) -> str:
+    raw = samples["raw"]
+    lines = [f"| contender | CPU us/step, {title} | minus the hand-written loop, per round |", "|---|---|---|"]
+    for contender, values in samples.items():
         diffs = [v - r for v, r in zip(values, raw)]
         lines.append(f"| {contender} | {statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f}) | "
                      + ("" if contender == "raw" else
                         f"{statistics.median(diffs):+,.0f} ({min(diffs):+,.0f} to {max(diffs):+,.0f})") + " |")
-    if "loopkit-before" in samples:
-        diffs = [a - b for a, b in zip(samples["loopkit"], samples["loopkit-before"])]
-        lines.append(f"\nloopkit minus loopkit-before ({results['before']}), per round: median "
-                     f"{statistics.median(diffs):+,.0f} us/step ({min(diffs):+,.0f} to {max(diffs):+,.0f}).")
-    lines += ["", profile_table(results["profiles"])]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
 def profile_table(profiles: dict) -> str:
-    """One line per event / stage: the hand-written loop's and loopkit's microseconds per step."""
+    """One line per event / stage, one column per profiled contender: microseconds per step."""
+    names = list(profiles)
     rows = {c: dict(p["lines_us_per_step"]) for c, p in profiles.items()}
     calls = {c: r.pop("_wrapped calls per step") for c, r in rows.items()}
     totals = {c: r.pop("step, total") for c, r in rows.items()}
-    cost = {c: calls[c] * profiles[c]["wrapper_cost_us"] for c in rows}
-    lines = [f"Where a step's time goes ({profiles['loopkit']['profiled_steps']} profiled steps each; wall "
-             f"microseconds per step, the median over steps of each line; each line exclusive of the lines inside "
-             f"it). Profiled totals: hand-written {totals['raw']:,.1f}, loopkit {totals['loopkit']:,.1f} us/step; "
-             f"the profiler's own cost (about {cost['raw']:,.0f} and {cost['loopkit']:,.0f} us/step: "
-             f"{calls['raw']:.0f} and {calls['loopkit']:.0f} wrapped calls, "
-             f"{profiles['loopkit']['wrapper_cost_us']:.2f} us each) is taken off the lines that make the calls "
-             f"and left out of the table.\n", "| event / stage | hand-written loop | loopkit |", "|---|---|---|"]
-    names = sorted(set(rows["raw"]) | set(rows["loopkit"]), key=lambda n: -(rows["loopkit"][n] if n in rows["loopkit"] else rows["raw"][n]))
-    for name in names:
-        cells = [f"{rows[c][name]:,.1f}" if name in rows[c] else "" for c in ("raw", "loopkit")]
-        lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
+    lines = [f"Where a step's time goes ({profiles['loopkit']['profiled_steps']} profiled steps each, one process per "
+             f"column; wall microseconds per step, the median over steps of each line; each line exclusive of the "
+             f"lines inside it). Profiled totals (medians): " +
+             ", ".join(f"{c} {totals[c]:,.1f}" for c in names) + " us/step. The profiler's own cost (" +
+             ", ".join(f"{c} {calls[c]:.0f} wrapped calls" for c in names) +
+             f", {profiles['loopkit']['wrapper_cost_us']:.2f} us each) is taken off the lines that make the calls "
+             f"and left out of the table.\n",
+             "| event / stage | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    order = sorted(set().union(*rows.values()), key=lambda n: -max(r.get(n, 0.0) for r in rows.values()))
+    for name in order:
+        lines.append(f"| {name} | " + " | ".join(f"{rows[c][name]:,.1f}" if name in rows[c] else ""
+                                                  for c in names) + " |")
+    lines.append("| **step, total** | " + " | ".join(f"**{totals[c]:,.1f}**" for c in names) + " |")
     return "\n".join(lines)
 
 
