@@ -31,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,8 +63,7 @@ def cpu_per_step(contender: str, spec: TrainSpec, warmup_steps: int, profiler=No
     clock = StepClock()
     clock.listeners.append(lambda step: cpu_ends.append(time.process_time()))
     if profiler is not None:
-        clock.listeners.append(lambda step: profiler.active_from(step, warmup_steps, spec.max_steps))
-        (instrument_raw if contender == "raw" else instrument_loopkit)(profiler, clock)
+        profile_steps(profiler, contender, clock, spec, warmup_steps)
     with tempfile.TemporaryDirectory() as output_dir:
         result = train(contender, spec, clock, output_dir)
     timed = spec.max_steps - warmup_steps
@@ -76,8 +76,18 @@ def cpu_per_step(contender: str, spec: TrainSpec, warmup_steps: int, profiler=No
             "logged_losses": result.logged_losses}
 
 
+# Thread -> the Profiler timing its calls: two contenders in one process (lockstep) each get their own lines, and a
+# call in a thread without one runs untimed.
+ROUTES = {}
+
+
+def current_profiler():
+    return ROUTES.get(threading.get_ident())
+
+
 class Profiler:
-    """Exclusive time per named block, summed per optimizer step (a step ends at the phase clock's `step_done`)."""
+    """Exclusive time per named block, summed per optimizer step, for the thread that makes it (a step ends at the
+    contender's end of step: `step_boundary`)."""
 
     def __init__(self):
         self.stack = []  # [name, start, time of the timed blocks inside, how many]
@@ -88,35 +98,50 @@ class Profiler:
         self.calls = 0  # wrapped calls in this step (the profiler's own cost scales with it)
         # What one wrapped call costs its caller beyond the time the callee measures: taken off the caller's line.
         self.per_call = 0.0
+        ROUTES[threading.get_ident()] = self
         self.per_call = wrapper_cost_us(self) / 1e6
 
     def active_from(self, step: int, warmup_steps: int, last_step: int) -> None:
         self.recording = warmup_steps <= step < last_step
 
-    def wrap(self, name, function):
-        stack, current, now = self.stack, self.current, time.perf_counter
+    @staticmethod
+    def wrap(name, function):
+        """`function`, timed on the calling thread's profiler under `name`."""
+        routes, thread, now = ROUTES, threading.get_ident, time.perf_counter
 
         def timed(*args, **kwargs):
-            entry = [name, now(), 0.0, 0]
+            profiler = routes.get(thread())
+            if profiler is None:
+                return function(*args, **kwargs)
+            stack, entry = profiler.stack, [name, now(), 0.0, 0]
             stack.append(entry)
             try:
                 return function(*args, **kwargs)
             finally:
                 elapsed = now() - entry[1]
                 stack.pop()
-                current[name] = current.get(name, 0.0) + elapsed - entry[2] - entry[3] * self.per_call
+                current = profiler.current
+                current[name] = current.get(name, 0.0) + elapsed - entry[2] - entry[3] * profiler.per_call
                 if stack:
                     stack[-1][2] += elapsed
                     stack[-1][3] += 1
-                self.calls += 1
+                profiler.calls += 1
 
         timed.__wrapped__ = function
         return timed
 
-    def patch(self, owner, attribute: str, name: str | None = None) -> None:
+    @staticmethod
+    def patch(owner, attribute: str, name: str) -> None:
         """Wrap `owner.attribute`, if there is one (an earlier loopkit may lack it)."""
         if owner is not None and hasattr(owner, attribute):
-            setattr(owner, attribute, self.wrap(name or f"{owner.__name__}.{attribute}", getattr(owner, attribute)))
+            setattr(owner, attribute, Profiler.wrap(name, getattr(owner, attribute)))
+
+    def pause(self, seconds: float) -> None:
+        """`seconds` just passed outside the contender (another's turn in lockstep): leave them out."""
+        for entry in self.stack:
+            entry[1] += seconds
+        if self.step_started is not None:
+            self.step_started += seconds
 
     def step_boundary(self) -> None:
         """The end of an optimizer step (and the start of the next): store this step's lines."""
@@ -156,7 +181,18 @@ def wrapper_cost_us(profiler: Profiler, calls: int = 20000) -> float:
     return min(costs)
 
 
-def instrument_torch(profiler: Profiler) -> None:
+INSTRUMENTED = set()
+
+
+def instrument(contender: str) -> None:
+    """Wrap the per-step blocks of `contender` ("raw" or "loopkit") and the torch work, once per process."""
+    for part in ("torch", contender):
+        if part not in INSTRUMENTED:
+            INSTRUMENTED.add(part)
+            {"torch": instrument_torch, "raw": instrument_raw, "loopkit": instrument_loopkit}[part](Profiler)
+
+
+def instrument_torch(profiler) -> None:
     """Wrap the torch work every contender does: forward, backward, clipping, the optimizer and scheduler steps."""
     import torch
 
@@ -167,12 +203,11 @@ def instrument_torch(profiler: Profiler) -> None:
     profiler.patch(torch.nn.utils, "clip_grad_norm_", "torch: clip_grad_norm_")
 
 
-def instrument_raw(profiler: Profiler, clock) -> None:
-    """The hand-written loop: its data (the loader's batches grouped per step) and the torch work; a step ends at
-    the clock's end of step."""
+def instrument_raw(profiler) -> None:
+    """The hand-written loop: its data (the loader's batches grouped per step); a step ends at the clock's end of
+    step (`cpu_per_step` / `lockstep` add the listener)."""
     from . import contenders
 
-    instrument_torch(profiler)
     original_windows = contenders.accumulation_windows
 
     def accumulation_windows(loader, grad_accum):
@@ -182,13 +217,12 @@ def instrument_raw(profiler: Profiler, clock) -> None:
             yield window
 
     contenders.accumulation_windows = accumulation_windows
-    clock.listeners.append(lambda step: profiler.step_boundary())
 
 
 DATA_LINE = "data: fetch a window (loader, collate, to device)"
 
 
-def instrument_loopkit(profiler: Profiler, clock) -> None:
+def instrument_loopkit(profiler) -> None:
     """Wrap loopkit's per-step blocks (classes, so every instance the run makes is timed)."""
     import accelerate.utils
 
@@ -234,7 +268,6 @@ def instrument_loopkit(profiler: Profiler, clock) -> None:
     profiler.patch(getattr(work, "WorkCounter", None), "count", "step: work counting")
     profiler.patch(step.StepStage, "count_work", "step: work counting")
     profiler.patch(step.TrainMode, "enter", "step: TrainMode.enter")
-    instrument_torch(profiler)
     # Between steps: the schedule, the guards, the phase clock.
     profiler.patch(schedule.Schedule, "record", "schedule: record")
     profiler.patch(schedule.Schedule, "after_step", "schedule: after_step (log/eval/save)")
@@ -246,22 +279,106 @@ def instrument_loopkit(profiler: Profiler, clock) -> None:
 
     def step_done(clock, step_number):
         timed_step_done(clock, step_number)
-        profiler.step_boundary()
+        if current_profiler() is not None:
+            current_profiler().step_boundary()
 
     phases.PhaseClock.step_done = step_done
 
 
+def profile_steps(profiler: Profiler, contender: str, clock, spec: TrainSpec, warmup_steps: int) -> None:
+    """Time `contender`'s steps after the first `warmup_steps` on `profiler` (this thread's)."""
+    instrument(contender)
+    clock.listeners.append(lambda step: profiler.active_from(step, warmup_steps, spec.max_steps))
+    if contender == "raw":  # loopkit's steps end at its phase clock's step_done (instrument_loopkit)
+        clock.listeners.append(lambda step: profiler.step_boundary())
+
+
+def profile_result(profiler: Profiler) -> dict:
+    return {"lines_us_per_step": profiler.table(), "wrapper_cost_us": profiler.per_call * 1e6,
+            "profiled_steps": len(profiler.steps)}
+
+
 def profile(contender: str, spec: TrainSpec, warmup_steps: int) -> dict:
     profiler = Profiler()
-    measured = cpu_per_step(contender, spec, warmup_steps, profiler)
-    return {"lines_us_per_step": profiler.table(), "wrapper_cost_us": profiler.per_call * 1e6,
-            "profiled_cpu_us_per_step": measured["cpu_us_per_step"], "profiled_steps": len(profiler.steps)}
+    cpu_per_step(contender, spec, warmup_steps, profiler)
+    return profile_result(profiler)
+
+
+def lockstep(spec: TrainSpec, warmup_steps: int, contenders=("raw", "loopkit"), profiled: bool = False) -> dict:
+    """The contenders in one process, one thread each, taking turns step by step (a step of one, then a step of
+    the next, ...): each step's CPU time (`time.thread_time`) sits beside the others' under the same machine
+    conditions, a millisecond apart. Returns the median over steps of the contenders' step-by-step differences to
+    the first contender, and each contender's median step; `profiled`: and each one's profile (the lines of a step,
+    `Profiler`), measured side by side."""
+    import tempfile
+
+    import torch
+
+    from .contenders import StepClock, train
+
+    torch.set_num_threads(1)
+    turn = threading.Condition()
+    state = {"turn": 0, "done": set()}
+    ends = {c: [] for c in contenders}
+    profilers = {}
+    if profiled:
+        for contender in contenders:
+            instrument(contender)
+
+    def wait_for_turn(index: int) -> None:
+        turn.wait_for(lambda: state["turn"] == index)
+
+    def pass_turn(index: int) -> None:
+        waiting = [i for i in range(1, len(contenders) + 1)
+                   if (index + i) % len(contenders) not in state["done"]]
+        state["turn"] = (index + waiting[0]) % len(contenders) if waiting else index
+        turn.notify_all()
+
+    def run(index: int, contender: str) -> None:
+        clock = StepClock()
+
+        def step_ended(step):
+            ends[contender].append(time.thread_time())
+            paused = time.perf_counter()
+            with turn:
+                pass_turn(index)
+                wait_for_turn(index)
+            if profiled:  # the other contender's turn is no part of this one's step
+                profilers[contender].pause(time.perf_counter() - paused)
+
+        with turn:
+            wait_for_turn(index)
+        if profiled:
+            profilers[contender] = Profiler()
+            profile_steps(profilers[contender], contender, clock, spec, warmup_steps)
+        clock.listeners.append(step_ended)
+        try:
+            with tempfile.TemporaryDirectory() as output_dir:
+                train(contender, spec, clock, output_dir)
+        finally:
+            with turn:
+                state["done"].add(index)
+                pass_turn(index)
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(contenders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    steps = {c: [b - a for a, b in zip(ends[c][warmup_steps - 1:], ends[c][warmup_steps:])] for c in contenders}
+    first = contenders[0]
+    return {"median_step_us": {c: statistics.median(steps[c]) * 1e6 for c in contenders},
+            "median_difference_us": {c: statistics.median(b - a for a, b in zip(steps[first], steps[c])) * 1e6
+                                     for c in contenders[1:]},
+            "steps": len(steps[first]), "profiles": {c: profile_result(p) for c, p in profilers.items()}}
 
 
 def worker(request: dict) -> dict:
     spec = TrainSpec.from_dict(request["spec"])
     if request["task"] == "profile":
         return profile(request["contender"], spec, request["warmup_steps"])
+    if request["task"] == "lockstep":
+        return lockstep(spec, request["warmup_steps"], profiled=request.get("profiled", False))
     return cpu_per_step(request["contender"], spec, request["warmup_steps"])
 
 
@@ -307,14 +424,27 @@ def measure(rounds: int, timed_steps: int, warmup_steps: int, before: str | None
                 f"step {reply['cpu_us_median_step']:.0f} ({reply['wall_us_per_step']:.0f} wall), "
                 f"load {os.getloadavg()[0]:.1f}")
         loads.append(os.getloadavg()[0])
-    profiles = {contender: in_fresh_process({"task": "profile", "contender": contender.replace("-before", ""),
-                                             "spec": spec, "warmup_steps": warmup_steps},
-                                            shadow if contender.endswith("-before") else None)
-                for contender in ("raw",) + contenders[2:]}
+    # Lockstep: the hand-written loop and loopkit in one process, step by step (and the earlier loopkit likewise).
+    paired = {c: [] for c in contenders[2:]}
+    for round_index in range(rounds):
+        for contender in paired:
+            reply = in_fresh_process({"task": "lockstep", "spec": spec, "warmup_steps": warmup_steps},
+                                     shadow if contender.endswith("-before") else None)
+            paired[contender].append(reply)
+            say(f"lockstep round {round_index + 1}/{rounds} raw vs {contender}: median steps "
+                f"{reply['median_step_us']['raw']:.0f} and {reply['median_step_us']['loopkit']:.0f} us CPU, "
+                f"median difference {reply['median_difference_us']['loopkit']:+.1f} us, load {os.getloadavg()[0]:.1f}")
+    loads.append(os.getloadavg()[0])
+    profiles = {}  # each loopkit profiled in lockstep with the hand-written loop, in a process of its own
+    for contender in contenders[2:]:
+        reply = in_fresh_process({"task": "lockstep", "profiled": True, "spec": spec, "warmup_steps": warmup_steps},
+                                 shadow if contender.endswith("-before") else None)
+        profiles[f"raw beside {contender}"] = reply["profiles"]["raw"]
+        profiles[contender] = reply["profiles"]["loopkit"]
     loads.append(os.getloadavg()[0])
     return {"spec": spec, "warmup_steps": warmup_steps, "timed_steps": timed_steps, "rounds": rounds, "before": before,
             "cpu_us_per_step": samples, "cpu_us_median_step": median_steps, "logged_losses": losses,
-            "profiles": profiles,
+            "lockstep": paired, "profiles": profiles,
             "load_average": {"min": min(loads), "max": max(loads)}, "cores": os.cpu_count(),
             "command": " ".join(["python -m benchmarks.overhead_profile"] + sys.argv[1:])}
 
@@ -333,8 +463,26 @@ def markdown(results: dict) -> str:
             diffs = [a - b for a, b in zip(samples["loopkit"], samples["loopkit-before"])]
             lines.append(f"{title}: loopkit minus loopkit-before ({results['before']}), per round: median "
                          f"{statistics.median(diffs):+,.0f} us/step ({min(diffs):+,.0f} to {max(diffs):+,.0f}).\n")
-    lines.append(profile_table(results["profiles"]))
+    lines += [lockstep_table(results), "", profile_table(results["profiles"])]
     return "\n".join(lines) + "\n"
+
+
+def lockstep_table(results: dict) -> str:
+    """Per round, loopkit's step minus the hand-written loop's, the two taking turns step by step in one process."""
+    lines = [f"Lockstep ({results['rounds']} rounds; each a fresh process where the hand-written loop and loopkit "
+             f"take turns, one optimizer step each, in two threads, so both see the machine alike): per round the "
+             f"median over {results['timed_steps']} steps of loopkit's step CPU time minus the hand-written "
+             f"loop's step just before it; then the median of the rounds (their range).\n",
+             "| loopkit | hand-written loop, median step | loopkit, median step | loopkit minus hand-written |",
+             "|---|---|---|---|"]
+    for contender, replies in results["lockstep"].items():
+        raw = [r["median_step_us"]["raw"] for r in replies]
+        own = [r["median_step_us"]["loopkit"] for r in replies]
+        diffs = [r["median_difference_us"]["loopkit"] for r in replies]
+        lines.append(f"| {contender} | {statistics.median(raw):,.0f} ({min(raw):,.0f}-{max(raw):,.0f}) | "
+                     f"{statistics.median(own):,.0f} ({min(own):,.0f}-{max(own):,.0f}) | "
+                     f"{statistics.median(diffs):+,.1f} ({min(diffs):+,.1f} to {max(diffs):+,.1f}) |")
+    return "\n".join(lines)
 
 
 def cpu_table(samples: dict, title: str) -> str:
@@ -354,9 +502,10 @@ def profile_table(profiles: dict) -> str:
     rows = {c: dict(p["lines_us_per_step"]) for c, p in profiles.items()}
     calls = {c: r.pop("_wrapped calls per step") for c, r in rows.items()}
     totals = {c: r.pop("step, total") for c, r in rows.items()}
-    lines = [f"Where a step's time goes ({profiles['loopkit']['profiled_steps']} profiled steps each, one process per "
-             f"column; wall microseconds per step, the median over steps of each line; each line exclusive of the "
-             f"lines inside it). Profiled totals (medians): " +
+    lines = [f"Where a step's time goes ({profiles['loopkit']['profiled_steps']} profiled steps each; each loopkit "
+             f"in lockstep with the hand-written loop in a process of their own; wall microseconds per step, the "
+             f"median over steps of each line, the other contender's turn left out; each line exclusive of the lines "
+             f"inside it). Profiled totals (medians): " +
              ", ".join(f"{c} {totals[c]:,.1f}" for c in names) + " us/step. The profiler's own cost (" +
              ", ".join(f"{c} {calls[c]:.0f} wrapped calls" for c in names) +
              f", {profiles['loopkit']['wrapper_cost_us']:.2f} us each) is taken off the lines that make the calls "
