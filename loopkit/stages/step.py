@@ -193,7 +193,6 @@ class StepStage(Stage):
         self.scheduler_steps_on_metrics = steps_on_metrics(run.lr_scheduler)
         # HF's _get_learning_rate: a metric-driven scheduler's LR is the optimizer's.
         self.lr_from_scheduler = not self.scheduler_steps_on_metrics and hasattr(run.lr_scheduler, "get_last_lr")
-        self.max_grad_norm = run.args.max_grad_norm if run.args.max_grad_norm > 0 else math.inf
         # The labels of the first micro-batch are checked against the model's own loss (loopkit/first_batch.py).
         self.labels_unchecked = run.compute_loss_func is None and not self.compute_loss_overridden()
         # HF's FLOP estimate depends on the main input's shape only: computed once per shape, unless overridden.
@@ -363,10 +362,12 @@ class StepStage(Stage):
         return hf_floating_point_ops(inputs, self.main_input, self.num_non_embedding_params)
 
     def clip_gradients(self, model) -> torch.Tensor:
-        """Pre-clip total norm; clips to `max_grad_norm` when it is positive (HF logs the norm either way)."""
+        """Pre-clip total norm; clips to `max_grad_norm` when it is positive (HF logs the norm either way). Read at
+        every step, as HF does (a callback may change it)."""
+        max_norm = self.run.args.max_grad_norm if self.run.args.max_grad_norm > 0 else math.inf
         if self.direct:
-            return torch.nn.utils.clip_grad_norm_(self.clip_params, self.max_grad_norm)
-        return self.context.accelerator.clip_grad_norm_(model.parameters(), self.max_grad_norm)
+            return torch.nn.utils.clip_grad_norm_(self.clip_params, max_norm)
+        return self.context.accelerator.clip_grad_norm_(model.parameters(), max_norm)
 
     def optimizer_step(self, model, result: StepResult, where=None) -> None:
         run, acc, events = self.run, self.context.accelerator, self.context.events
