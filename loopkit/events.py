@@ -23,6 +23,7 @@ loopkit adds two events HF lacks:
 
 from __future__ import annotations
 
+import operator
 import time
 
 from .default_callbacks import become_hf_class, default_callback, hf_classes_are_free, is_stand_in
@@ -36,14 +37,15 @@ HF_EVENTS = (
 LOOPKIT_EVENTS = ("on_gradients_ready", "on_train_failed")
 EVENTS = HF_EVENTS + LOOPKIT_EVENTS
 
-# The handler's own flag resets, done before any callback runs (HF's CallbackHandler).
+# The handler's own flag resets, done before any callback runs (HF's CallbackHandler); `methodcaller`s, so a reset
+# on the hot path (on_step_begin) costs no Python frame of its own.
 FLAG_RESETS = {
-    "on_train_begin": lambda c: c._new_training(),
-    "on_epoch_begin": lambda c: c._new_epoch(),
-    "on_step_begin": lambda c: c._new_step(),
-    "on_log": lambda c: setattr(c, "should_log", False),
-    "on_evaluate": lambda c: setattr(c, "should_evaluate", False),
-    "on_save": lambda c: setattr(c, "should_save", False),
+    "on_train_begin": operator.methodcaller("_new_training"),
+    "on_epoch_begin": operator.methodcaller("_new_epoch"),
+    "on_step_begin": operator.methodcaller("_new_step"),
+    "on_log": operator.methodcaller("__setattr__", "should_log", False),
+    "on_evaluate": operator.methodcaller("__setattr__", "should_evaluate", False),
+    "on_save": operator.methodcaller("__setattr__", "should_save", False),
 }
 
 
@@ -158,7 +160,10 @@ class EventHandler:
             reset(run.control)
         if not self.methods_by_event[event]:  # the common case on the hot path: a lookup and nothing else
             return run.control
-        run.control = self.dispatch(event, run.args, run.state, run.control, {**run.event_objects(), **extra})
+        kwargs = run.event_objects()  # a new dict at every event, as HF's
+        if extra:
+            kwargs.update(extra)
+        run.control = self.dispatch(event, run.args, run.state, run.control, kwargs)
         return run.control
 
     def call_event(self, event: str, args, state, control, **kwargs):
@@ -172,9 +177,10 @@ class EventHandler:
         if not methods:
             return control
         start = time.perf_counter()
+        ignores_results = event == "on_push_begin"  # HF ignores what these callbacks return
         for method in methods:
             result = method(args, state, control, **kwargs)
-            if result is not None and event != "on_push_begin":
+            if result is not None and not ignores_results:
                 control = result
         if self.clock is not None:
             self.clock.add("callbacks", time.perf_counter() - start)

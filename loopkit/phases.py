@@ -14,6 +14,7 @@ keys for the schedule, the evaluation and the teardown.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -53,12 +54,15 @@ class PhaseClock:
         self.recent = deque(maxlen=100)  # recent steps' seconds, scheduled evaluation/checkpoint time left out
         self.recent_cpu_share = deque(maxlen=100)  # process CPU seconds per wall second of those steps
         self.median = self.spread = self.usual_cpu_share = None
-        self.timeline, self.timeline_stride = [], 1  # [step, seconds since start, scheduled seconds so far]
+        self.threshold = math.inf  # slow_threshold(), kept with the median it comes from
+        # [step, seconds since start, scheduled seconds so far], rounded when a segment is read
+        self.timeline, self.timeline_stride = [], 1
         self.totals_at_last_step = dict(self.totals)
         self.slow_steps = []
         self.steps = 0
         self.earlier_segments, self.first_step = [], 0
         self.background = None
+        self.spans = {phase: Span(self, phase) for phase in PHASES}  # reused while not open (no allocation per span)
         self.enter("setup")  # a run starts with its setup
 
     def watch_compilations(self) -> None:
@@ -97,7 +101,8 @@ class PhaseClock:
     def span(self, phase: str) -> "Span":
         """Time a block, leaving out the time of the phases timed inside it (backward inside a training step,
         the callbacks an optimizer step fires, ...): each second is counted once."""
-        return Span(self, phase)
+        span = self.spans.get(phase)
+        return span if span is not None and span.start is None else Span(self, phase)
 
     def step_done(self, step: int) -> None:
         now, cpu = self.wall(), self.cpu()
@@ -107,15 +112,16 @@ class PhaseClock:
         scheduled = totals["evaluation"] - before["evaluation"] + totals["checkpoint"] - before["checkpoint"]
         work = max(seconds - scheduled, 1e-9)
         self.steps += 1
-        if self.median is not None and self.steps > SLOW_WARMUP and work > self.slow_threshold():
+        if work > self.threshold and self.steps > SLOW_WARMUP:
             self.slow_steps.append(self.slow_step(step, seconds, work, cpu_seconds))
         self.recent.append(work)
         self.recent_cpu_share.append(cpu_seconds / seconds if seconds > 0 else 1.0)
         if self.steps % 10 == 0 or self.median is None:
-            self.median = statistics.median(self.recent)
-            self.spread = MAD_TO_SIGMA * statistics.median(abs(s - self.median) for s in self.recent)
+            median = self.median = statistics.median(self.recent)
+            self.spread = MAD_TO_SIGMA * statistics.median([abs(s - median) for s in self.recent])
             self.usual_cpu_share = statistics.median(self.recent_cpu_share)
-        self.totals_at_last_step = dict(self.totals)
+            self.threshold = self.slow_threshold()
+        self.totals_at_last_step = totals.copy()
         if self.steps % self.timeline_stride == 0:
             self.add_to_timeline(step, now)
 
@@ -136,8 +142,8 @@ class PhaseClock:
 
     def add_to_timeline(self, step: int, now: float) -> None:
         """The throughput chart's points; past TIMELINE_POINTS every other point goes and the stride doubles."""
-        scheduled = sum(self.totals[p] for p in SCHEDULED_PHASES)
-        self.timeline.append([step, round(now - self.wall_started, 6), round(scheduled, 6)])
+        totals = self.totals  # the SCHEDULED_PHASES, spelled out (every step, until the stride grows)
+        self.timeline.append([step, now - self.wall_started, totals["evaluation"] + totals["checkpoint"]])
         if len(self.timeline) > TIMELINE_POINTS:
             self.timeline, self.timeline_stride = self.timeline[1::2], self.timeline_stride * 2
 
@@ -159,7 +165,8 @@ class PhaseClock:
             phases[self.background.phase] += self.background.own_seconds()
         return {"from_step": self.first_step, "to_step": step,
                 "seconds": round(time.perf_counter() - self.started, 6),
-                "phase_seconds": {p: round(v, 6) for p, v in phases.items()}, "timeline": list(self.timeline),
+                "phase_seconds": {p: round(v, 6) for p, v in phases.items()},
+                "timeline": [[step, round(at, 6), round(scheduled, 6)] for step, at, scheduled in self.timeline],
                 "compilations": self.compilations}
 
     def segments(self, step: int) -> list[dict]:
@@ -173,7 +180,7 @@ class Span:
     __slots__ = ("clock", "phase", "start", "timed_before")
 
     def __init__(self, clock: PhaseClock, phase: str):
-        self.clock, self.phase = clock, phase
+        self.clock, self.phase, self.start = clock, phase, None  # start: None while not open
 
     def __enter__(self):
         self.timed_before = self.clock.timed
@@ -188,6 +195,7 @@ class Span:
         own = time.perf_counter() - self.start - (clock.timed - self.timed_before)  # own_seconds(), inlined
         clock.totals[self.phase] += own
         clock.timed += own
+        self.start = None
         return False
 
 

@@ -21,14 +21,10 @@ Reads `run.args`, `run.model`, `run.model_accepts_loss_kwargs`, `run.compute_los
 `compute_loss_context_manager`, `autocast_smart_context_manager`, `training_step`, `floating_point_ops`, and
 loopkit's `count_loss_items`.
 
-Which losses count as normalised over the accumulated batch (HF 5.x's rule, `loss_is_scaled_for_ga`): `None` (the
-default) means "scaled" when the model takes `num_items_in_batch` (its forward has `**kwargs` or
-`accepts_loss_kwargs = True`) and got it, or when a `compute_loss_func` computed the loss; otherwise the loss is
-treated as a per-micro-batch mean and divided by the number of micro-batches in the window. A `compute_loss`
-override that returns a per-batch mean on a model that takes `num_items_in_batch` must set
-`loss_is_scaled_for_ga = False` (on the stage subclass, or on a `Loop` subclass as on a `Trainer` subclass), or
-normalise by `num_items_in_batch` itself; `train()` warns when an override falls under the "scaled" rule with
-gradient accumulation, so the choice is never silent.
+Which losses count as normalised over the accumulated batch (`loss_is_scaled_for_ga`), what `num_items_in_batch`
+counts and where the loss comes from: HF's rules, in loopkit/loss.py. The FLOPs, tokens and samples each micro-batch
+adds to the `StepResult`: loopkit/work.py. What the step reads off the model (a causal LM? a plain `train()`?):
+loopkit/models.py.
 
 Hot path: nothing here calls `.item()` or otherwise waits for the device, except once per `train()`: the labels of
 the first micro-batch are checked against the model's own loss (loopkit/first_batch.py), behind a flag. A step's
@@ -38,47 +34,27 @@ losses, token counts and gradient norm stay device tensors in the `StepResult` u
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import config_error, plain
-from ..batches import find_batch_size, require_named_batch
 from ..first_batch import check_labels
 from ..guards import NONFINITE_POLICIES, NonFiniteWatch
+from ..loss import compute_loss, count_loss_items, implicit_scaling_warning, loss_is_scaled, model_loss
+from ..models import (PLAIN_TRAIN_METHODS, base_model, causal_lm_class_names, has_plain_train, is_causal_lm,
+                      is_causal_lm_class)
 from ..optimizers import (add_param_group, backward_kwargs, build_optimizer, build_scheduler, decay_parameter_names,
                           optimizer_cls_and_kwargs, steps_on_metrics, updates_in_backward)
-from ..models import base_model
+from ..work import WorkCounter, hf_floating_point_ops
 from .base import Stage
 
-def is_causal_lm(model) -> bool:
-    """Causal LMs shift labels inside their loss, so their token count is `labels[..., 1:]`. Unlike HF Trainer
-    (which keys this on `loss_type` and so miscounts GPT-2), loopkit counts shifted labels for every causal LM."""
-    base = base_model(model)
-    config = getattr(base, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        return False
-    if getattr(base, "loss_type", None) == "ForCausalLM":
-        return True
-    return is_causal_lm_class(base)
-
-
-@functools.lru_cache(maxsize=1)
-def causal_lm_class_names() -> frozenset:
-    """transformers' causal-LM class names, built once (label smoothing asks at every micro-batch)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-
-
-def is_causal_lm_class(model) -> bool:
-    """HF's test for shifting labels in the label smoother: the (PEFT-unwrapped) class is a causal-LM class."""
-    return type(base_model(model)).__name__ in causal_lm_class_names()
-
+# Re-exported: these lived here before loss semantics, model introspection and work counting had modules of their own.
+__all__ = ["StepStage", "StepResult", "TrainMode", "NO_CONTEXT", "has_train_mode", "model_loss", "is_causal_lm",
+           "is_causal_lm_class", "causal_lm_class_names", "has_plain_train", "PLAIN_TRAIN_METHODS", "base_model",
+           "check_labels"]
 
 NO_CONTEXT = contextlib.nullcontext()  # reusable: the context of a micro-batch that needs none
 
@@ -88,11 +64,6 @@ def has_train_mode(optimizer) -> bool:
     which Accelerate's `AcceleratedOptimizer.train` forwards to."""
     return callable(getattr(optimizer, "train", None)) or \
         callable(getattr(getattr(optimizer, "optimizer", None), "train", None))
-
-
-# `train()` methods that only set the `training` flags when a module is already in training mode: with these,
-# calling `model.train()` on a model whose modules all train changes nothing.
-PLAIN_TRAIN_METHODS = {"torch.nn.modules.module.Module.train", "transformers.modeling_utils.PreTrainedModel.train"}
 
 
 class TrainMode:
@@ -105,14 +76,13 @@ class TrainMode:
         self.skippable = all(has_plain_train(module) for module in self.modules)
 
     def enter(self, model) -> None:
-        if model is not self.model or not self.skippable or not all(m.training for m in self.modules):
-            model.train()
-
-
-def has_plain_train(module) -> bool:
-    method = getattr(type(module), "train", None)
-    return "train" not in vars(module) and \
-        f"{getattr(method, '__module__', '')}.{getattr(method, '__qualname__', '')}" in PLAIN_TRAIN_METHODS
+        if model is self.model and self.skippable:
+            for module in self.modules:
+                if not module.training:
+                    break
+            else:
+                return
+        model.train()
 
 
 @dataclass(eq=False)
@@ -150,10 +120,9 @@ class StepStage(Stage):
         self.prepared_model = None  # the model the optimizer was built for and `accelerator.prepare` wrapped
         # Decided once per train() by `prepare_hot_path`; these defaults serve an evaluation before any training.
         self.label_shift, self.main_input, self.num_non_embedding_params = None, "input_ids", 0
-        self.warned_no_main_input = False
-        self.labels_unchecked = self.count_input_tokens = False
-        self.work_by_shape = None  # main input shape -> (FLOPs, tokens, samples), when FLOPs depend on it alone
-        self.train_mode = self.optimizer_train = self.no_sync = None
+        self.labels_unchecked = False
+        self.work = None  # a WorkCounter (loopkit/work.py): the FLOPs, tokens and samples of each micro-batch
+        self.train_mode = self.optimizer_train = self.no_sync = self.forward_context = None
         self.engine_backward = {}  # what the engine's backward takes beyond the loss (DeepSpeed: scale_wrt_gas)
 
     # -- optimizer and scheduler (HF's create_optimizer / create_scheduler) --
@@ -222,13 +191,18 @@ class StepStage(Stage):
         self.main_input = getattr(run.model, "main_input_name", "input_ids")
         self.label_shift = is_causal_lm(run.model)
         self.scheduler_steps_on_metrics = steps_on_metrics(run.lr_scheduler)
-        self.count_input_tokens = run.args.include_num_input_tokens_seen != "no"
+        # HF's _get_learning_rate: a metric-driven scheduler's LR is the optimizer's.
+        self.lr_from_scheduler = not self.scheduler_steps_on_metrics and hasattr(run.lr_scheduler, "get_last_lr")
         # The labels of the first micro-batch are checked against the model's own loss (loopkit/first_batch.py).
         self.labels_unchecked = run.compute_loss_func is None and not self.compute_loss_overridden()
         # HF's FLOP estimate depends on the main input's shape only: computed once per shape, unless overridden.
-        overridden = "floating_point_ops" in vars(self) or \
-            type(self).floating_point_ops is not StepStage.floating_point_ops
-        self.work_by_shape = None if overridden else {}
+        self.work = WorkCounter(self.main_input, self.floating_point_ops, cache_by_shape=not self.overrides(
+            "floating_point_ops"), input_tokens=run.args.include_num_input_tokens_seen,
+            pad_token_id=getattr(run.processing_class, "pad_token_id", None))
+        # The forward's context: HF's autocast_smart_context_manager (a no-op here: Accelerate wraps the forward)
+        # unless a subclass overrides it or compute_loss_context_manager; then theirs, at every micro-batch.
+        self.forward_context = None if self.overrides("compute_loss_context_manager") or \
+            self.overrides("autocast_smart_context_manager") else NO_CONTEXT
         # Plain engines (one process, DDP) without a loss scaler: Accelerate's backward, clip and optimizer wrappers
         # then only forward to torch, but cost ~250 us a step on a CPU (an optional-package lookup in every
         # `AcceleratedOptimizer.step`, a per-parameter DTensor scan in every clip). Call torch directly there, with
@@ -248,6 +222,9 @@ class StepStage(Stage):
         # (and reduces) gradients in its engine: HF's loop syncs every micro-batch there, as this does.
         deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
         self.no_sync = acc.no_sync if acc.use_distributed and not deepspeed else None
+        # Accelerate's setter adds a TPU check for every micro-batch; the direct engines are never on a TPU.
+        self.set_sync_gradients = None if self.direct else acc.gradient_state._set_sync_gradients
+        self.gradient_state = acc.gradient_state
         # The loss is already divided by the micro-batches of the window (or normalised over its tokens): DeepSpeed's
         # engine would divide it by its gradient_accumulation_steps again (HF's training_step passes the same).
         self.engine_backward = {"scale_wrt_gas": False} if deepspeed else {}
@@ -269,72 +246,38 @@ class StepStage(Stage):
         if not self.compute_loss_overridden() or self.loss_is_scaled_for_ga is not None or \
                 run.args.gradient_accumulation_steps == 1:
             return
-        if run.model_accepts_loss_kwargs and run.compute_loss_func is None:
-            warnings.warn(
-                f"compute_loss is overridden and {type(base_model(run.model)).__name__} takes num_items_in_batch, so "
-                f"with gradient_accumulation_steps={run.args.gradient_accumulation_steps} its loss is taken as "
-                f"already normalised over the whole accumulation window (HF's rule) and not divided by the number "
-                f"of micro-batches. If it is a per-batch mean, set loss_is_scaled_for_ga = False on your stage or "
-                f"Loop subclass (or divide a summed loss by num_items_in_batch); set it to True to silence this.")
+        message = implicit_scaling_warning(run)
+        if message is not None:
+            warnings.warn(message)
 
     def compute_loss_overridden(self) -> bool:
-        return "compute_loss" in vars(self) or type(self).compute_loss is not StepStage.compute_loss
+        return self.overrides("compute_loss")
 
-    # -- loss --
+    def overrides(self, name: str) -> bool:
+        """Whether HF's overridable method `name` is not the step stage's own (a subclass's, or a `Loop`
+        subclass's bound onto this stage: loopkit/hf_methods.py)."""
+        return name in vars(self) or getattr(type(self), name) is not getattr(StepStage, name)
+
+    # -- loss (HF's rules: loopkit/loss.py) --
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
-        return contextlib.nullcontext()  # Accelerate applies autocast by wrapping model.forward, as in Trainer
+        return NO_CONTEXT  # Accelerate applies autocast by wrapping model.forward, as in Trainer
 
     def compute_loss_context_manager(self):
         """The context of every forward, training and evaluation: `autocast_smart_context_manager`'s (HF)."""
         return self.autocast_smart_context_manager()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """HF's: the model's loss, or `compute_loss_func`'s, or the label smoother's (`label_smoothing_factor`,
-        over shifted labels for a causal LM class, as HF decides it by the class name)."""
-        run, context = self.run, self.context
-        require_named_batch(inputs)
-        takes_labels = run.compute_loss_func is not None or run.label_smoother is not None
-        labels = inputs.pop("labels") if takes_labels and "labels" in inputs else None
-        if run.model_accepts_loss_kwargs and num_items_in_batch is not None:
-            inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
-        outputs = model(**inputs)
-        if run.compute_loss_func is not None:
-            loss = run.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-        elif labels is not None:
-            causal = is_causal_lm_class(context.accelerator.unwrap_model(model))
-            loss = run.label_smoother(outputs, labels, shift_labels=causal, num_items_in_batch=num_items_in_batch)
-        else:
-            loss = model_loss(outputs, inputs)
-        if (run.args.average_tokens_across_devices and num_items_in_batch is not None
-                and (run.model_accepts_loss_kwargs or run.compute_loss_func is not None)):
-            # The token count is global, and DDP averages gradients over processes: undo that average.
-            loss = loss * context.accelerator.num_processes
+        """HF's: the model's loss, or `compute_loss_func`'s, or the label smoother's (loopkit/loss.py)."""
+        loss, outputs = compute_loss(self.run, self.context.accelerator, model, inputs, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def count_loss_items(self, batches) -> torch.Tensor | None:
         """`num_items_in_batch`: label tokens != -100 over the whole window (summed over processes), a device
-        tensor, or None when the loss does not take it."""
-        run, accelerator = self.run, self.context.accelerator
-        if not batches or not isinstance(batches[0], Mapping) or "labels" not in batches[0]:
-            return None
-        if not (run.model_accepts_loss_kwargs or run.compute_loss_func is not None):
-            return None
-        shift = self.label_shift if self.label_shift is not None else is_causal_lm(run.model)
-        try:
-            count = sum(
-                (b["shift_labels"] if "shift_labels" in b else b["labels"][..., 1:] if shift
-                 else b["labels"]).ne(-100).sum() for b in batches)
-        except (TypeError, AttributeError):
-            return None
-        if run.args.average_tokens_across_devices and accelerator.num_processes > 1:
-            count = accelerator.gather(count.to(accelerator.device)).sum()
-        return count.to(accelerator.device)
+        tensor, or None when the loss does not take it (loopkit/loss.py)."""
+        return count_loss_items(self.run, self.context.accelerator, batches, self.label_shift)
 
     def loss_is_scaled(self, num_items_in_batch) -> bool:
-        if self.loss_is_scaled_for_ga is not None:
-            return self.loss_is_scaled_for_ga
-        run = self.run
-        return (run.model_accepts_loss_kwargs and num_items_in_batch is not None) or run.compute_loss_func is not None
+        return loss_is_scaled(self.run, self.loss_is_scaled_for_ga, num_items_in_batch)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Forward and backward of one micro-batch; returns the detached loss scaled for accumulation."""
@@ -345,7 +288,8 @@ class StepStage(Stage):
             model.train()
         if self.optimizer_train is not None:
             self.optimizer_train()
-        with self.compute_loss_context_manager():
+        forward_context = self.forward_context
+        with forward_context if forward_context is not None else self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         every = run.args.torch_empty_cache_steps
         if every is not None and run.state.global_step % every == 0:  # HF: at every micro-batch of such a step
@@ -367,82 +311,59 @@ class StepStage(Stage):
     # -- one optimizer step --
     def run_step(self, window, epoch: int, steps_in_epoch: int) -> StepResult:
         """Train on one window of micro-batches (see the module docstring for the order of events)."""
-        run, acc, events, clock = self.run, self.context.accelerator, self.context.events, self.context.clock
+        run, events, clock = self.run, self.context.events, self.context.clock
         model, batches = run.model_wrapped, window.batches
         if self.labels_unchecked:  # once per train(): one flag test per step after that
             self.labels_unchecked = False
             check_labels(run.model, batches[0], self.label_shift)
         num_items = self.count_loss_items(batches)
-        self.current_gradient_accumulation_steps = len(batches)
+        last = len(batches) - 1
+        self.current_gradient_accumulation_steps = last + 1
         result = StepResult(completed=False)
         events.fire("on_step_begin")
-        last = len(batches) - 1
         for i, inputs in enumerate(batches):
-            acc.gradient_state._set_sync_gradients(i == last)
-            sync = NO_CONTEXT if i == last or self.no_sync is None else self.no_sync(model)
-            with sync, clock.span("forward"):
-                result.losses.append(self.training_step(model, inputs, num_items))
-            self.count_work(inputs, result)
+            self.sync_gradients(i == last)
+            if i == last or self.no_sync is None:
+                with clock.span("forward"):
+                    result.losses.append(self.training_step(model, inputs, num_items))
+            else:
+                with self.no_sync(model), clock.span("forward"):
+                    result.losses.append(self.training_step(model, inputs, num_items))
+            self.work.count(inputs, result)
             if i != last:
                 events.fire("on_substep_end")
                 if run.control.should_epoch_stop or run.control.should_training_stop:
                     return result
         with clock.span("optimizer"):
-            self.optimizer_step(model, result, (epoch, window.first_index, len(batches)))
-        run.state.global_step += 1
-        run.state.epoch = epoch + (window.first_index + len(batches)) / steps_in_epoch
+            self.optimizer_step(model, result, (epoch, window.first_index, last + 1))
+        state = run.state
+        state.global_step += 1
+        state.epoch = epoch + (window.first_index + last + 1) / steps_in_epoch
         result.completed = True
         events.fire("on_step_end")
         return result
 
+    def sync_gradients(self, sync: bool) -> None:
+        """Accelerate's `sync_gradients` flag (HF's loop sets it for every micro-batch; callbacks may read it)."""
+        if self.set_sync_gradients is None:
+            self.gradient_state.sync_gradients = sync
+        else:
+            self.set_sync_gradients(sync)
+
+    @property
+    def work_by_shape(self) -> dict | None:
+        """The work counter's cache: main input shape -> (FLOPs, tokens, samples); None when FLOPs are not cached
+        (an overridden `floating_point_ops`) or before training."""
+        return self.work.by_shape if self.work is not None else None
+
     def floating_point_ops(self, inputs) -> int:
         """HF's estimate for one forward + backward: 6 x elements of the main input x non-embedding parameters; 0
-        for a model without `num_parameters`. Any mapping counts (collators return `BatchEncoding`, not a dict)."""
-        if isinstance(inputs, Mapping) and self.main_input in inputs and self.num_non_embedding_params:
-            return 6 * inputs[self.main_input].numel() * self.num_non_embedding_params
-        return 0
-
-    def count_work(self, inputs, result: StepResult) -> None:
-        """FLOPs (HF's estimate), and the input tokens and samples the run report divides by time; the FLOP estimate
-        depends on the main input's shape only, so it is computed once per shape. Sizes are tensor metadata: no
-        device sync."""
-        main = inputs.get(self.main_input) if isinstance(inputs, Mapping) else None
-        if self.count_input_tokens:
-            result.input_tokens_seen = result.input_tokens_seen + self.input_tokens(inputs, main)
-        if not isinstance(main, torch.Tensor):  # no main input (a plain module taking `x`): samples only
-            if self.work_by_shape is None:  # HF's estimate is 0 without the main input; an override may differ
-                result.flos += float(self.floating_point_ops(inputs))
-            result.samples += find_batch_size(inputs) or 0
-            return
-        work = self.work_by_shape.get(main.shape) if self.work_by_shape is not None else None
-        if work is None:
-            work = (float(self.floating_point_ops(inputs)), main.numel(), main.shape[0] if main.ndim else 1)
-            if self.work_by_shape is not None:
-                self.work_by_shape[main.shape] = work
-        result.flos += work[0]
-        result.tokens += work[1]
-        result.samples += work[2]
-
-    def input_tokens(self, inputs, main) -> torch.Tensor | int:
-        """HF's `_track_num_input_tokens` for one micro-batch: every token of the main input ("all"), or the
-        attention mask's sum / the tokens that are not padding ("non_padding"), a device tensor (no sync)."""
-        run = self.run
-        if not isinstance(main, torch.Tensor):
-            if not self.warned_no_main_input:
-                warnings.warn(f"include_num_input_tokens_seen: the batch has no {self.main_input!r} (the model's "
-                              f"main_input_name), so its tokens are not counted (as HF Trainer does).")
-                self.warned_no_main_input = True
-            return 0
-        if run.args.include_num_input_tokens_seen == "non_padding":
-            if "attention_mask" in inputs:
-                return inputs["attention_mask"].sum()
-            pad = getattr(run.processing_class, "pad_token_id", None)
-            if pad is not None:
-                return (main != pad).sum()
-        return main.numel()
+        for a model without `num_parameters` (loopkit/work.py)."""
+        return hf_floating_point_ops(inputs, self.main_input, self.num_non_embedding_params)
 
     def clip_gradients(self, model) -> torch.Tensor:
-        """Pre-clip total norm; clips to `max_grad_norm` when it is positive (HF logs the norm either way)."""
+        """Pre-clip total norm; clips to `max_grad_norm` when it is positive (HF logs the norm either way). Read at
+        every step, as HF does (a callback may change it)."""
         max_norm = self.run.args.max_grad_norm if self.run.args.max_grad_norm > 0 else math.inf
         if self.direct:
             return torch.nn.utils.clip_grad_norm_(self.clip_params, max_norm)
@@ -467,10 +388,11 @@ class StepStage(Stage):
             run.optimizer.step()
         events.fire("on_optimizer_step")
         scheduler = run.lr_scheduler
-        # HF's _get_learning_rate: a metric-driven scheduler's LR is the optimizer's.
-        result.learning_rate = scheduler.get_last_lr()[0] if not self.scheduler_steps_on_metrics and \
-            hasattr(scheduler, "get_last_lr") else run.optimizer.param_groups[0]["lr"]
-        if not acc.optimizer_step_was_skipped and not self.scheduler_steps_on_metrics:
+        result.learning_rate = scheduler.get_last_lr()[0] if self.lr_from_scheduler else \
+            run.optimizer.param_groups[0]["lr"]
+        # Only Accelerate's optimizer wrapper skips a step (fp16 overflow); the direct path never calls it.
+        skipped = False if self.direct else acc.optimizer_step_was_skipped
+        if not skipped and not self.scheduler_steps_on_metrics:
             scheduler.step()  # a metric-driven scheduler steps after each evaluation instead (loopkit/schedule.py)
         if self.direct:
             for param in self.clip_params:  # = model.zero_grad(), without walking the module tree every step
@@ -499,20 +421,3 @@ class StepStage(Stage):
             raise config_error("optimizer", None, "there is no optimizer yet", "call this from on_train_begin or later")
         add_param_group(run.optimizer, run.lr_scheduler, params, **group_options)
 
-
-def model_loss(outputs, inputs) -> torch.Tensor:
-    """The loss a model returned, or an error that says why there is none and what to do."""
-    if isinstance(outputs, Mapping):
-        if outputs.get("loss") is None:
-            raise ValueError(
-                f"The model returned no loss (its outputs: {', '.join(outputs.keys())}; its inputs: "
-                f"{', '.join(inputs.keys())}). Fix: pass labels in the batch (check label_names and the "
-                f"collator), or give Loop a compute_loss_func, or override compute_loss.")
-        return outputs["loss"]
-    if isinstance(outputs, torch.Tensor):
-        # HF would index it (outputs[0]) and fail far from the cause; a bare tensor is never (loss, ...).
-        raise ValueError(
-            f"The model returned a bare tensor of shape {tuple(outputs.shape)}, not outputs with a loss. Fix: "
-            f"return a dict (or ModelOutput) with a 'loss' entry, or give Loop a compute_loss_func, or override "
-            f"compute_loss.")
-    return outputs[0]
