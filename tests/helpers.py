@@ -366,7 +366,7 @@ class ForkServer:
 class ForkedChild:
     """A child `ForkServer.start` (or `launch`) started: `wait()` gives its `subprocess.CompletedProcess`, or fails
     the test (killing the child) if it runs past the limit, saying what it was and what it printed. It also answers
-    as a `subprocess.Popen` with `text=True` does (`communicate`, `returncode`, `poll`, `terminate`, `kill`)."""
+    as a `subprocess.Popen` with `text=True` does (`communicate`, `returncode`, `terminate`, `kill`)."""
 
     def __init__(self, server: ForkServer, command, what, request_id, out, err, launch: bool = False):
         self.server, self.command, self.what, self.id, self.out, self.err = server, command, what, request_id, out, err
@@ -397,14 +397,6 @@ class ForkedChild:
                 raise subprocess.TimeoutExpired(self.command, timeout, *self._output())
             self.returncode = reply["returncode"]
         return self._output()
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                self.communicate(timeout=0)
-            except subprocess.TimeoutExpired:
-                pass
-        return self.returncode
 
     def send_signal(self, signum: int) -> None:
         if self.returncode is None:
