@@ -350,7 +350,7 @@ class ForkServer:
                    "stdout": out, "stderr": err, **launch}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
-        return ForkedChild(self, command, what, request_id, out, None if merge_stderr else err, bool(launch))
+        return ForkedChild(self, command, what, request_id, out, None if merge_stderr else err)
 
     def run(self, command: list[str], what: str, env: dict | None = None, merge_stderr: bool = False,
             timeout: float = PROCESS_WAIT_S) -> subprocess.CompletedProcess:
@@ -368,10 +368,10 @@ class ForkedChild:
     the test (killing the child) if it runs past the limit, saying what it was and what it printed. It also answers
     as a `subprocess.Popen` with `text=True` does (`communicate`, `returncode`, `terminate`, `kill`)."""
 
-    def __init__(self, server: ForkServer, command, what, request_id, out, err, launch: bool = False):
+    def __init__(self, server: ForkServer, command, what, request_id, out, err):
         self.server, self.command, self.what, self.id, self.out, self.err = server, command, what, request_id, out, err
         self.pid = self._reply("pid", PROCESS_WAIT_S)["pid"]
-        self.returncode, self.command_is_launch = None, launch
+        self.returncode = None
 
     def _reply(self, key: str, timeout: float) -> dict:
         try:
@@ -406,9 +406,8 @@ class ForkedChild:
         self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        """SIGKILL; to a launch's ranks too (its process group), since a killed agent passes nothing on."""
-        if self.returncode is None:
-            (os.killpg if self.command_is_launch else os.kill)(self.pid, signal.SIGKILL)
+        """SIGKILL (a launch's ranks die with their agent: tests/scripts/fork_server.py)."""
+        self.send_signal(signal.SIGKILL)
 
     def wait(self, timeout: float = PROCESS_WAIT_S) -> subprocess.CompletedProcess:
         try:

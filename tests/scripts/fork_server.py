@@ -19,7 +19,8 @@ its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...; rank 0
 `init_process_group("gloo")` does with `env://`). The ranks share the agent's two output files (torchrun's ranks share
 its stdout). As torchrun's agent, it passes SIGTERM and SIGINT on to the ranks, and when a rank fails it stops the
 others (SIGTERM, then SIGKILL after 30 s), says which rank failed and how, and exits 1; it exits 0 when every rank
-did. The agent's `returncode` is the launch's.
+did. The agent's `returncode` is the launch's. A rank dies with its agent (PR_SET_PDEATHSIG), and the agent stays in
+the server's process group, so a Ctrl-C at the terminal reaches it and its ranks as it reaches torchrun's.
 """
 
 import importlib
@@ -80,6 +81,16 @@ def rank_env(env: dict, rank: int, ranks: int, master_port: int) -> dict:
     return env
 
 
+def die_with_parent(parent: int) -> None:
+    """A rank gets SIGKILL when its agent dies (Linux's PR_SET_PDEATHSIG): a test that gives up on a launch kills the
+    agent, and no rank is left behind writing into the test's folders."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the agent died before the call
+        os._exit(1)
+
+
 def signal_name(returncode: int) -> str:
     return f"Signal {-returncode} ({signal.Signals(-returncode).name})" if returncode < 0 else f"exit {returncode}"
 
@@ -87,12 +98,12 @@ def signal_name(returncode: int) -> str:
 def run_launch(request: dict, replies: int) -> None:
     """In the forked agent: fork the ranks, pass signals on, stop the others when one fails; exit as torchrun."""
     os.close(replies)
-    os.setpgid(0, 0)  # the agent and its ranks: one group, which a test that gives up on the launch can SIGKILL
     redirect(request)
-    ranks, pids = request["ranks"], {}
+    ranks, pids, agent = request["ranks"], {}, os.getpid()
     for rank in range(ranks):
         pid = os.fork()
         if pid == 0:
+            die_with_parent(agent)
             run_script(request["argv"], rank_env(request["env"], rank, ranks, request["master_port"]))
         pids[pid] = rank
 
@@ -147,8 +158,6 @@ def main() -> None:
             pid = os.fork()
             if pid == 0:
                 (run_launch if request.get("ranks") else run_child)(request, replies)
-            if request.get("ranks"):
-                os.setpgid(pid, pid)  # as the agent does itself: whichever runs first
             running[pid] = request["id"]
             answer(replies, {"id": request["id"], "pid": pid})
         while running:
