@@ -330,12 +330,24 @@ class ForkServer:
         """Start `command` (`[sys.executable, script, *args]`, as for `run_process`), stdout and stderr captured
         (`merge_stderr`: both in stdout, as `stderr=subprocess.STDOUT`)."""
         assert command[0] == sys.executable, command
+        return self._request(command, what, env, merge_stderr, {})
+
+    def launch(self, script_args: list[str], ranks: int, what: str, env: dict | None = None) -> "ForkedChild":
+        """What `torchrun --nproc_per_node RANKS --master_port PORT script args` starts, as forks: `ranks` processes
+        of `script_args` (`[script, *args]`) with torchrun's worker environment on a free port, and an agent that
+        passes signals on, stops the others when one fails and exits 1 then (tests/scripts/fork_server.py). Its
+        output is the ranks' stdout and stderr together (`stderr=subprocess.STDOUT`); the child is `Popen`-like, so
+        `wait_for` waits for it."""
+        command = [sys.executable, *map(str, script_args)]
+        return self._request(command, what, env, True, {"ranks": ranks, "master_port": free_port()})
+
+    def _request(self, command, what, env, merge_stderr, launch: dict) -> "ForkedChild":
         request_id = len(self.replies)
         self.replies[request_id] = queue.Queue()
         out = os.path.join(self.folder.name, f"{request_id}.out")
         err = out if merge_stderr else os.path.join(self.folder.name, f"{request_id}.err")
         request = {"id": request_id, "argv": command[1:], "env": dict(self.env if env is None else env),
-                   "stdout": out, "stderr": err}
+                   "stdout": out, "stderr": err, **launch}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         return ForkedChild(self, command, what, request_id, out, None if merge_stderr else err)
@@ -352,12 +364,14 @@ class ForkServer:
 
 
 class ForkedChild:
-    """A child `ForkServer.start` started: `wait()` gives its `subprocess.CompletedProcess`, or fails the test
-    (killing the child) if it runs past the limit, saying what it was and what it printed."""
+    """A child `ForkServer.start` (or `launch`) started: `wait()` gives its `subprocess.CompletedProcess`, or fails
+    the test (killing the child) if it runs past the limit, saying what it was and what it printed. It also answers
+    as a `subprocess.Popen` with `text=True` does (`communicate`, `returncode`, `terminate`, `kill`)."""
 
     def __init__(self, server: ForkServer, command, what, request_id, out, err):
         self.server, self.command, self.what, self.id, self.out, self.err = server, command, what, request_id, out, err
         self.pid = self._reply("pid", PROCESS_WAIT_S)["pid"]
+        self.returncode = None
 
     def _reply(self, key: str, timeout: float) -> dict:
         try:
@@ -374,16 +388,36 @@ class ForkedChild:
                 return f.read()
         return read(self.out), None if self.err is None else read(self.err)
 
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        """As `Popen.communicate`: (stdout, stderr) once the child has exited; `subprocess.TimeoutExpired` if it
+        is still running after `timeout` seconds."""
+        if self.returncode is None:
+            reply = self._reply("returncode", PROCESS_WAIT_S if timeout is None else timeout)
+            if not reply:
+                raise subprocess.TimeoutExpired(self.command, timeout, *self._output())
+            self.returncode = reply["returncode"]
+        return self._output()
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL (a launch's ranks die with their agent: tests/scripts/fork_server.py)."""
+        self.send_signal(signal.SIGKILL)
+
     def wait(self, timeout: float = PROCESS_WAIT_S) -> subprocess.CompletedProcess:
-        reply = self._reply("returncode", timeout)
-        if not reply:
-            os.kill(self.pid, signal.SIGKILL)
-            self._reply("returncode", PROCESS_WAIT_S)
-            stdout, stderr = self._output()
+        try:
+            stdout, stderr = self.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            stdout, stderr = self.communicate()
             pytest.fail(f"{self.what} was still running after {timeout:g} s (killed); its output ends:\n"
                         f"{output_tail(stdout)}\n{output_tail(stderr)}")
-        stdout, stderr = self._output()
-        return subprocess.CompletedProcess(self.command, reply["returncode"], stdout, stderr)
+        return subprocess.CompletedProcess(self.command, self.returncode, stdout, stderr)
 
 
 class JumpingClock:

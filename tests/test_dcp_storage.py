@@ -5,9 +5,11 @@ interface.
   planted pickle in the DCP metadata is refused with the file named and never runs (the same through the FSDP
   sharded resume path of `HFStorage`: tests/test_fsdp.py and tests/test_planted_checkpoints.py); conversion to a
   `save_pretrained` folder and to an HF checkpoint that HF Trainer resumes (live);
-* SIGKILL inside a synchronous and an asynchronous save (child processes, tests/scripts/dcp_child.py): the previous
-  checkpoint stays the newest complete one and the resumed run ends bit-exactly as an uninterrupted one;
-* launches (started together): FSDP2 on 2 processes (2 -> 2 bit-exact with asynchronous saves, 1 -> 2), then 4
+* SIGKILL inside a synchronous and an asynchronous save (children forked from the session's fork server,
+  tests/scripts/dcp_child.py): the previous checkpoint stays the newest complete one and the resumed run ends
+  bit-exactly as an uninterrupted one;
+* launches (started together; the first a real torchrun, the others forked with torchrun's worker environment by
+  helpers.ForkServer.launch): FSDP2 on 2 processes (2 -> 2 bit-exact with asynchronous saves, 1 -> 2), then 4
   processes (2 -> 4), DDP on 2 (asynchronous, bit-exact resume), and 2 -> 1 here: the state right after loading
   equals the checkpoint's, and the run ends as the 2-process reference within tolerance.
 """
@@ -147,15 +149,15 @@ def test_planted_pickle_in_dcp_metadata_is_refused_and_never_runs(tmp_path, one_
     assert not os.path.exists(marker), "the planted pickle ran"
 
 
-def test_convert_to_save_pretrained_and_to_a_checkpoint_hf_trainer_resumes(tmp_path, one_process):
+def test_convert_to_save_pretrained_and_to_a_checkpoint_hf_trainer_resumes(tmp_path, one_process, forked):
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
     out, _ = one_process
     checkpoint = os.path.join(out, "plain", "checkpoint-4")
     saved = read_whole_state(checkpoint)
     pretrained = os.path.join(tmp_path, "pretrained")
-    result = run_process([sys.executable, "-m", "loopkit", "convert-dcp", checkpoint, pretrained],
-                         "python -m loopkit convert-dcp", env=child_env(cpu_mode=False))
+    result = forked.run([sys.executable, "-m", "loopkit", "convert-dcp", checkpoint, pretrained],
+                        "python -m loopkit convert-dcp", env=child_env(cpu_mode=False))
     assert result.returncode == 0, result.stderr[-3000:]
     model = LlamaForCausalLM.from_pretrained(pretrained)
     assert_equal_tensors({k: v for k, v in model.state_dict().items()}, saved["model"], "save_pretrained folder")
@@ -184,31 +186,33 @@ def test_convert_to_save_pretrained_and_to_a_checkpoint_hf_trainer_resumes(tmp_p
 # ---------------------------------------------------------------------------------------------------------------
 # SIGKILL during a save
 # ---------------------------------------------------------------------------------------------------------------
-def run_child(out, *arguments):
+def run_child(forked, out, *arguments):
+    """dcp_child.py OUT kill ARGUMENTS..., forked from the session's fork server (conftest.forked)."""
     env = dict(child_env(cpu_mode=False), PYTHONUNBUFFERED="1")
-    return run_process([sys.executable, CHILD, str(out), "kill", *arguments], "the DCP child killed during a save",
-                       env=env)
+    return forked.run([sys.executable, CHILD, str(out), "kill", *arguments], "the DCP child killed during a save",
+                      env=env)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(tmp_path_factory, forked):
     out = tmp_path_factory.mktemp("uninterrupted")
-    result = run_child(out, "-", "sync")
+    result = run_child(forked, out, "-", "sync")
     assert result.returncode == 0, result.stderr[-3000:]
     return load_file(os.path.join(out, "final.safetensors"))
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_sigkill_during_a_dcp_save_keeps_the_previous_checkpoint_and_resumes_exactly(tmp_path, uninterrupted, mode):
+def test_sigkill_during_a_dcp_save_keeps_the_previous_checkpoint_and_resumes_exactly(tmp_path, uninterrupted, mode,
+                                                                                     forked):
     for moment in ("data", "metadata", "rename"):
-        result = run_child(tmp_path, moment, mode)
+        result = run_child(forked, tmp_path, moment, mode)
         assert result.returncode == -9, f"{moment} was not reached: {result.stderr[-2000:]}"
         folders = [os.path.basename(d) for d in checkpoint_dirs(os.path.join(tmp_path, "run"))]
         assert "checkpoint-4" not in folders, f"after a kill at {moment}: a half-written checkpoint-4 is named"
         assert "checkpoint-2" in folders
         for path in checkpoint_dirs(os.path.join(tmp_path, "run")):
             assert DCPStorage().checkpoint_problem(path) is None, f"after a kill at {moment}: {path} is broken"
-    result = run_child(tmp_path, "-", mode)
+    result = run_child(forked, tmp_path, "-", mode)
     assert result.returncode == 0, result.stderr[-3000:]
     assert not [n for n in os.listdir(tmp_path / "run") if n.startswith(".")], "a killed save's folder was left"
     assert_equal_tensors(load_file(os.path.join(tmp_path, "final.safetensors")), uninterrupted,
@@ -218,29 +222,35 @@ def test_sigkill_during_a_dcp_save_keeps_the_previous_checkpoint_and_resumes_exa
 # ---------------------------------------------------------------------------------------------------------------
 # Several processes: FSDP2 and DDP, resharding
 # ---------------------------------------------------------------------------------------------------------------
-def launch(out, processes: int, *arguments) -> subprocess.Popen:
+def launch(out, processes: int, *arguments, forked=None):
+    """`ACCELERATE_USE_CPU=1 torchrun --nproc_per_node PROCESSES dcp_child.py OUT ARGUMENTS...`, or its ranks forked
+    from `forked` (helpers.ForkServer.launch: torchrun's worker environment, ~5 s of imports spared per rank)."""
+    if forked is not None:
+        return forked.launch([CHILD, out, *arguments], processes, f"the {processes}-process {arguments[0]} launch",
+                             env=child_env(cpu_mode=True))
     command = [os.path.join(BIN, "torchrun"), "--nproc_per_node", str(processes), "--master_port", str(free_port()),
                CHILD, str(out), *map(str, arguments)]
     return subprocess.Popen(command, env=child_env(cpu_mode=True), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
 
-def finish(process: subprocess.Popen, what: str) -> str:
+def finish(process, what: str) -> str:
     output = finish_launch(process, what)
     assert process.returncode == 0, f"{what} failed (rc {process.returncode}):\n{output[-6000:]}"
     return output
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory, one_process):
-    """2 FSDP2 processes (sharded, resumed 2 -> 2, from_one 1 -> 2) and 2 DDP processes together; then 4 FSDP2
-    processes (2 -> 4) and, here, one process (2 -> 1)."""
+def launches(tmp_path_factory, one_process, forked):
+    """2 FSDP2 processes (sharded, resumed 2 -> 2, from_one 1 -> 2: a real torchrun launch) and 2 DDP processes
+    together; then 4 FSDP2 processes (2 -> 4) and, here, one process (2 -> 1). The DDP and 4-process ranks are forks
+    of the session's fork server."""
     one, _ = one_process
     two, ddp, four = (tmp_path_factory.mktemp(name) for name in ("fsdp2", "ddp", "four"))
     started = {"fsdp2": launch(two, 2, "fsdp2", os.path.join(one, "plain", "checkpoint-4")),
-               "ddp": launch(ddp, 2, "ddp")}
+               "ddp": launch(ddp, 2, "ddp", forked=forked)}
     finish(started.pop("fsdp2"), "the FSDP2 launch")
-    started["four"] = launch(four, 4, "fsdp2-from", os.path.join(two, "sharded", "checkpoint-4"))
+    started["four"] = launch(four, 4, "fsdp2-from", os.path.join(two, "sharded", "checkpoint-4"), forked=forked)
     dcp_child.run(str(two), "from_two_in_one", resume_from=os.path.join(two, "sharded", "checkpoint-4"))
     for what, process in started.items():
         finish(process, f"the {what} launch")

@@ -1,6 +1,8 @@
-"""Distributed training through Accelerate, proven on CPU: 2 gloo processes started by a real launcher against the
+"""Distributed training through Accelerate, proven on CPU: 2 gloo processes with a launcher's environment against the
 same script run in one process with the same global batch (tests/scripts/dist_child.py), the launch trap, and the
-FSDP / DeepSpeed configuration handed to Accelerate (sharded FSDP2 runs: tests/test_fsdp.py).
+FSDP / DeepSpeed configuration handed to Accelerate (sharded FSDP2 runs: tests/test_fsdp.py). The 2 processes are
+forks of the session's fork server with torchrun's worker environment (helpers.ForkServer.launch); the trap is a
+real `accelerate launch`.
 
 One launch of 2 processes runs four scenarios (AdamW with one checkpoint, SGD with gradient accumulation, a resume
 from that checkpoint, a SIGTERM to one rank) while the one-process references run here; a second launch, without
@@ -13,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -51,15 +52,16 @@ def child_env(cpu_mode: bool) -> dict:
     return env
 
 
-def start_torchrun(out, mode: str) -> subprocess.Popen:
-    """`ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 dist_child.py OUT MODE` (the documented CPU launch)."""
-    command = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-               CHILD_PATH, str(out), mode]
-    return subprocess.Popen(command, env=child_env(cpu_mode=True), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+def start_launch(forked, out, mode: str):
+    """What `ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 dist_child.py OUT MODE` (the documented CPU launch)
+    starts, as forks of the session's fork server (helpers.ForkServer.launch: the ranks skip ~5 s of imports each).
+    The real launchers are proven by test_two_processes_without_cpu_mode_are_refused (`accelerate launch`),
+    tests/test_process_exit.py (torchrun, a user's script) and the real torchrun launch of each engine's file."""
+    return forked.launch([CHILD_PATH, out, mode], 2, f"the 2-process {mode} launch", env=child_env(cpu_mode=True))
 
 
-def finish(process: subprocess.Popen, what: str = "the 2-process launch") -> str:
+def finish(process, what: str = "the 2-process launch") -> str:
+    """The output of a launch (a `subprocess.Popen` of torchrun, or a `helpers.ForkedChild` of a forked one)."""
     return wait_for(process, what)
 
 
@@ -90,11 +92,11 @@ def assert_same_losses(actual: dict, expected: dict, what: str):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, forked):
     """The 2-process launch, and meanwhile the one-process runs with the same global batch (here, in pytest)."""
     two, one = tmp_path_factory.mktemp("two_processes"), tmp_path_factory.mktemp("one_process")
     start = time.time()
-    launch = start_torchrun(two, "all")
+    launch = start_launch(forked, two, "all")
     child.run_training(str(one), "adamw", 4, eval_batch=6)  # 1 x 4 = 2 x 2 samples per optimizer step
     child.run_training(str(one), "sgd", 2, accumulation=2, sgd=True, eval_batch=6)
     child.run_training(str(one), "iterable", 4, iterable=True, eval_batch=6)

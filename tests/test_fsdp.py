@@ -5,7 +5,9 @@ script run unsharded in one process with the same global batch (tests/scripts/fs
 
 Launches, at most 4 ranks at a time (all 11 at once peaked at 9.4 GB of resident memory, enough for two suites side
 by side to run a 24 GB machine out of memory): the scenarios (2 processes), the kill during a sharded save (2
-processes), and one optimizer step of a ~33 M-parameter model at 1, 2 and 4 processes for the memory per rank.
+processes), and one optimizer step of a ~33 M-parameter model at 1, 2 and 4 processes for the memory per rank. The
+scenarios are a real `torchrun` launch; the others fork their ranks from the session's fork server with torchrun's
+worker environment (helpers.ForkServer.launch), which spares each rank ~5 s of imports.
 """
 
 from __future__ import annotations
@@ -41,14 +43,25 @@ def load_child():
 child = load_child()
 
 
-def launch(out, mode: str, processes: int = 2, *extra) -> subprocess.Popen:
+# The one real `torchrun` launch of this file (a user's launch stays proven); the other launches start the same
+# ranks as forks of the session's fork server, with torchrun's worker environment (helpers.ForkServer.launch).
+REAL_TORCHRUN = "scenarios"
+
+
+def launch(out, mode: str, processes: int = 2, *extra, forked=None):
+    """`ACCELERATE_USE_CPU=1 torchrun --nproc_per_node PROCESSES fsdp_child.py OUT MODE EXTRA...`, or its ranks
+    forked from `forked` (a `helpers.ForkServer`)."""
+    arguments = [CHILD_PATH, str(out), mode, *map(str, extra)]
+    if forked is not None:
+        return forked.launch(arguments, processes, f"the {processes}-process {mode} launch",
+                             env=child_env(cpu_mode=True))
     command = [os.path.join(BIN, "torchrun"), "--nproc_per_node", str(processes), "--master_port", str(free_port()),
-               CHILD_PATH, str(out), mode, *map(str, extra)]
+               *arguments]
     return subprocess.Popen(command, env=child_env(cpu_mode=True), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
 
-def finish(process: subprocess.Popen, what: str, expect_success: bool = True) -> str:
+def finish(process, what: str, expect_success: bool = True) -> str:
     output = finish_launch(process, what)
     if expect_success:
         assert process.returncode == 0, f"{what} failed (rc {process.returncode}):\n{output[-6000:]}"
@@ -58,9 +71,9 @@ def finish(process: subprocess.Popen, what: str, expect_success: bool = True) ->
 RANKS_AT_ONCE = 4
 
 
-def run_launches(launches: dict, may_fail: tuple = ()) -> dict:
+def run_launches(launches: dict, forked, may_fail: tuple = ()) -> dict:
     """Start the launches {what: (out, mode, processes, *extra)} in order, never more than RANKS_AT_ONCE ranks
-    running; returns {what: output}. Each must exit 0 unless named in `may_fail`."""
+    running, each forked but REAL_TORCHRUN; returns {what: output}. Each must exit 0 unless named in `may_fail`."""
     running, outputs = {}, {}  # what -> (process, ranks), oldest first
 
     def finish_oldest():
@@ -72,12 +85,13 @@ def run_launches(launches: dict, may_fail: tuple = ()) -> dict:
         for what, (out, mode, processes, *extra) in launches.items():
             while running and sum(ranks for _, ranks in running.values()) + processes > RANKS_AT_ONCE:
                 finish_oldest()
-            running[what] = (launch(out, mode, processes, *extra), processes)
+            running[what] = (launch(out, mode, processes, *extra,
+                                    forked=None if what == REAL_TORCHRUN else forked), processes)
         while running:
             finish_oldest()
     finally:  # one launch failed: the others stop now, not write into pytest's folders after the test
         for what, (process, _) in running.items():
-            process.terminate()  # torchrun passes SIGTERM on to its ranks; SIGKILL would orphan them
+            process.terminate()  # torchrun (and the forked agent) passes SIGTERM on; SIGKILL would orphan them
             wait_for(process, f"{what} (stopped: another launch failed)")
     return outputs
 
@@ -92,7 +106,7 @@ def weights(folder, name: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, forked):
     """The one-process references here, then every launch (4 ranks at a time). Returns the folders."""
     two, one = tmp_path_factory.mktemp("sharded"), tmp_path_factory.mktemp("unsharded")
     start = time.time()
@@ -102,7 +116,7 @@ def runs(tmp_path_factory):
     launches = {"scenarios": (two, "all", 2, whole_checkpoint), "kill": (two, "kill", 2)}
     memory = {n: tmp_path_factory.mktemp(f"memory{n}") for n in (1, 2, 4)}
     launches.update({f"memory {n}": (memory[n], "memory+ram_efficient" if n == 2 else "memory", n) for n in memory})
-    outputs = run_launches(launches, may_fail=("kill",))
+    outputs = run_launches(launches, forked, may_fail=("kill",))
     # 2 -> 1: the sharded checkpoint resumed by one unsharded process; and the checkpoint the kill left.
     child.run_training(str(one), "from_sharded", 2, sharded=False,
                        resume_from=os.path.join(two, "sharded", f"checkpoint-{child.SAVE_AT}"))
@@ -272,13 +286,13 @@ def test_memory_per_rank_falls_with_the_number_of_processes(runs):
 
 
 @pytest.fixture(scope="module")
-def planted(tmp_path_factory):
+def planted(tmp_path_factory, forked):
     """A 2-process sharded checkpoint, two copies with a malicious `.metadata` (model folder, optimizer folder),
     each resumed by 2 sharded processes (tests/scripts/fsdp_child.py, mode planted). Returns the launch's folder
     and the file the payload would create."""
     out = tmp_path_factory.mktemp("planted")
     marker = os.path.join(tmp_path_factory.mktemp("marker"), "payload-ran")
-    finish(launch(out, "planted", 2, marker), "the planted-metadata launch")
+    finish(launch(out, "planted", 2, marker, forked=forked), "the planted-metadata launch")
     return out, marker
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from transformers import BertConfig, BertForMaskedLM, DataCollatorWithFlattening
 from loopkit import Loop, LoopArgs, PackingDataStage
 from loopkit import row_packing as packing
 
-from helpers import free_port, small_run, tiny_llama, wait_for
+from helpers import small_run, tiny_llama, wait_for
 
 datasets = pytest.importorskip("datasets")
 
@@ -226,16 +224,15 @@ def test_an_interrupted_packed_run_resumes_bit_identical(tmp_path, kind):
         assert state["data"]["position"]["dataset_state"]["pending"] is not None
 
 
-def test_two_processes_train_the_packed_model_of_one_process(tmp_path):
-    """torchrun, 2 gloo processes x per-device batch 4 = 1 process x batch 8, each batch packed on its own: the
-    ranks hold different token counts, so equal weights need the window's count summed across ranks."""
+def test_two_processes_train_the_packed_model_of_one_process(tmp_path, forked):
+    """2 gloo processes x per-device batch 4 = 1 process x batch 8, each batch packed on its own: the ranks hold
+    different token counts, so equal weights need the window's count summed across ranks. The ranks are what
+    `torchrun --nproc_per_node 2` starts, forked from the session's fork server (helpers.ForkServer.launch)."""
     script = os.path.join(os.path.dirname(__file__), "scripts", "packing_dist_child.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
                PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
-               "--master_port", str(free_port()), script, str(tmp_path / "two")]
-    launch = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launch = forked.launch([script, tmp_path / "two"], 2, "the 2-process packing launch", env=env)
     spec = importlib.util.spec_from_file_location("packing_dist_child", script)
     child = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(child)

@@ -56,11 +56,19 @@ LAUNCHES = 3
 
 
 @pytest.mark.parametrize("launch", range(LAUNCHES))
-def test_a_user_script_on_two_processes_exits_0(tmp_path, launch):
-    command = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-               USER_SCRIPT, "--output_dir", str(tmp_path), "--report_to", "none", "--disable_tqdm", "true"]
-    result = run_process(command, "the user script's 2-process launch", env=child_env(cpu_mode=True))
-    output = result.stdout + result.stderr
+def test_a_user_script_on_two_processes_exits_0(tmp_path, launch, forked):
+    """Launch 0 is a real torchrun; the others start the same two ranks as forks of the session's fork server with
+    torchrun's worker environment (helpers.ForkServer.launch), which exit through the interpreter's exit as well
+    (the moment the gloo threads are settled), and fail the launch as torchrun would if one does not exit 0."""
+    arguments = [USER_SCRIPT, "--output_dir", str(tmp_path), "--report_to", "none", "--disable_tqdm", "true"]
+    if launch == 0:
+        command = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+                   *arguments]
+        result = run_process(command, "the user script's 2-process launch", env=child_env(cpu_mode=True))
+    else:
+        result = forked.launch(arguments, 2, "the user script's 2-process launch",
+                               env=child_env(cpu_mode=True)).wait()
+    output = result.stdout + (result.stderr or "")
     assert result.returncode == 0, output[-4000:]
     assert "terminate called" not in output
     with open(os.path.join(tmp_path, "result.json")) as f:

@@ -10,15 +10,14 @@ import importlib.util
 import json
 import logging
 import os
-import subprocess
 
 import pytest
 import torch
 
-from helpers import (IGNORE_PIN_MEMORY_WARNING, free_port, hf_args, lm_data, regression_data, runners,
+from helpers import (IGNORE_PIN_MEMORY_WARNING, hf_args, lm_data, regression_data, runners,
                      tiny_llama, tiny_regression)
 from loopkit import Loop
-from test_distributed import BIN, child_env, finish
+from test_distributed import child_env, finish
 
 pytestmark = IGNORE_PIN_MEMORY_WARNING
 
@@ -120,11 +119,11 @@ def test_construction_notes_equal_trainers(tmp_path):
     assert runs["loopkit"] == runs["hf"]
 
 
-def test_main_and_replica_process_of_a_two_process_launch(tmp_path):
+def test_main_and_replica_process_of_a_two_process_launch(tmp_path, forked):
+    """The ranks `torchrun --nproc_per_node 2` starts, forked from the session's fork server (helpers.ForkServer.launch;
+    every configuration sets both log levels, so the verbosity the server's imports read does not count)."""
     env = {**child_env(cpu_mode=True), "TRANSFORMERS_VERBOSITY": "warning"}
-    command = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), CHILD_PATH,
-               str(tmp_path)]
-    output = finish(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    output = finish(forked.launch([CHILD_PATH, tmp_path], 2, "the 2-process logging launch", env=env))
     ranks = []
     for rank in (0, 1):
         path = tmp_path / f"records_rank{rank}.json"
