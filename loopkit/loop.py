@@ -26,7 +26,7 @@ from .distributed import release_earlier_run
 from .events import EventHandler, default_callbacks
 from .guards import PreemptionWatch, preemption_agreed, with_batch_size_search
 from .hf_methods import HFMethods, bind_overrides
-from .hub import quiet_hub_progress
+from .hub import HubPush, quiet_hub_progress
 from .trainer_api import TrainerAPI
 from .metrics import check_metrics
 from .notebook import default_progress_callback
@@ -109,6 +109,7 @@ class Loop(HFMethods, TrainerAPI):
         context.preemption = PreemptionWatch(run, context)
         context.clock = context.events.clock = PhaseClock()  # the run report's time by phase
         context.checkpointer = run_storage(storage, self.evaluation.checkpoint_options()).attach(run, context)
+        context.checkpointer.upload_with(HubPush(run, context))  # push_to_hub: uploads of complete checkpoints
         self.schedule = Schedule(run, context, evaluate=self.evaluate, save=self.save_checkpoint, observers=observers)
         self.initial_global_step = 0
         if getattr(args, "push_to_hub", False):  # as Trainer.__init__: the repo exists before training

@@ -787,14 +787,10 @@ def report_from_files(run_dir: str, force: bool = False) -> tuple[dict, bool]:
 def report_from_checkpoint(run_dir: str, checkpoint: str) -> dict:
     """The report as far as `checkpoint` knows the run. Without a run record (HF Trainer's checkpoints, loopkit's
     before it had one) the time and the metric name are unknown, and the report says so."""
-    from .checkpoint import LOOPKIT_STATE_NAME, TRAINER_STATE_NAME
+    from .checkpoint import read_states  # through the checkpoint's format (any storage's)
 
-    with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as f:
-        state = json.load(f)
-    record = None
-    if os.path.isfile(os.path.join(checkpoint, LOOPKIT_STATE_NAME)):
-        with open(os.path.join(checkpoint, LOOPKIT_STATE_NAME)) as f:
-            record = json.load(f).get(RUN_RECORD_KEY)
+    state, loopkit_state = read_states(checkpoint)
+    record = loopkit_state.get(RUN_RECORD_KEY)
     step = state["global_step"]
     segments = record["segments"] if record else [{"from_step": 0, "to_step": step, "seconds": None,
                                                   "phase_seconds": None}]
@@ -826,7 +822,13 @@ def main(argv=None) -> int:
     report_cmd.add_argument("run_dir")
     report_cmd.add_argument("--force", action="store_true", help="rebuild from the newest checkpoint and write "
                             "over the run's own run_report.* (otherwise a rebuilt report goes beside it)")
+    report_cmd.add_argument("--storage", metavar="MODULE:CLASS", help="the checkpoint storage that wrote RUN_DIR, "
+                            "when it is not a built-in one (HFStorage, DCPStorage)")
     args = parser.parse_args(argv)
+    if args.storage:
+        from .checkpoint import register_format
+
+        register_format(args.storage)
     report, own = report_from_files(args.run_dir, args.force)
     if own:  # the run's own report: printed, its charts drawn again, its files left as the run wrote them
         report["charts"] = charts_drawn(report, args.run_dir)

@@ -6,8 +6,9 @@ import json
 import os
 import sys
 
-from ..distributed import (FSDP_MODEL_FOLDER, active_engine, deepspeed_keeps_weights, engine_checkpoint_present,
-                           load_sharded_model, sharded_model_saved)
+from ..distributed import active_engine
+from .engines import (FSDP_MODEL_FOLDER, deepspeed_keeps_weights, engine_checkpoint_present, load_sharded_model,
+                      sharded_model_saved)
 from .lineage import WEIGHTS_NAME
 
 
