@@ -16,19 +16,9 @@ from .. import checkpoint as files  # the file operations, looked up at call tim
 from .format import Checkpoint
 from .lineage import CHECKPOINT_PREFIX, RECORD_KEY
 from .stage_tensors import split_stage_states
+from .staging import Staging, WeightsHold, copy_to_cpu  # noqa: F401 (copy_to_cpu: public here too)
 
 SAVE_ERROR_POLICIES = ("raise", "continue", "stop")
-
-
-def copy_to_cpu(obj):
-    """A deep copy with every tensor moved to (new) CPU memory: what an asynchronous save writes."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: copy_to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(copy_to_cpu(v) for v in obj)
-    return obj
 
 
 Snapshot = Checkpoint  # loopkit's earlier name (the fields were renamed: see `Checkpoint`)
@@ -63,6 +53,7 @@ class AtomicSaves:
     last_saved_step = None
     rng_for_next_save = None  # set when a checkpoint must hold an earlier RNG state (see Schedule)
     checkpoint_group = None  # the gloo process group of asynchronous saves with several processes
+    weights_hold = None  # an asynchronous save's hold on the optimizer's next step, until its staging is done
     hub = NoUploads()
 
     def upload_with(self, uploads) -> None:
@@ -101,15 +92,16 @@ class AtomicSaves:
 
     def collect(self, stage_states: dict) -> Checkpoint:
         """At the step boundary, on the training thread: everything the save writes (the format's
-        `states_to_save`, the scheduler, scaler, RNG, trainer and stage states), host copies for an asynchronous
-        save."""
+        `states_to_save`, the scheduler, scaler, RNG, trainer and stage states). For an asynchronous save the small
+        states are copied to host memory here; the model's and the optimizer's are staged on a thread
+        (`start_background_write`, staging.py)."""
         run, acc = self.run, self.context.accelerator
         copy = copy_to_cpu if self.async_save else (lambda x: x)
         full_state = not run.args.save_only_model
         stage_states, stage_tensors, own_stage_states = split_stage_states(stage_states)
         model_state, optimizer_state = self.states_to_save()
         return Checkpoint(
-            step=run.state.global_step, model_state=copy(model_state), optimizer_state=copy(optimizer_state),
+            step=run.state.global_step, model_state=model_state, optimizer_state=optimizer_state,
             scheduler=copy(run.lr_scheduler.state_dict()) if full_state and self.writes_files else None,
             scaler=copy(acc.scaler.state_dict()) if full_state and acc.scaler is not None else None,
             rng=(self.rng_for_next_save or files.rng_state()) if full_state else None,
@@ -119,13 +111,19 @@ class AtomicSaves:
             writes_files=self.writes_files, process_index=acc.process_index, num_processes=acc.num_processes)
 
     def start_background_write(self, checkpoint: Checkpoint, push: str | None) -> threading.Thread:
-        """`async_save`: the folder is opened on the training thread (every process), then the format writes the
-        host copies on a thread while training goes on. With several processes the write's collectives and the
-        agreement that every process wrote run on a gloo group of their own, apart from training's."""
+        """`async_save`: the folder is opened on the training thread (every process); the model's and optimizer's
+        states are copied to host memory on a staging thread while the next step's forward and backward run (the
+        optimizer's next step waits for it: `WeightsHold`), and the format writes the copies on the writer thread.
+        With several processes the write's collectives and the agreement that every process wrote run on a gloo
+        group of their own, apart from training's."""
         tmp, final = self.open_folder(checkpoint.step)
         if self.context.accelerator.num_processes > 1:
             checkpoint.process_group = self.async_group()
-        writer = threading.Thread(target=self.write_in_background, args=(checkpoint, tmp, final, push),
+        run = self.run
+        model = self.context.accelerator.unwrap_model(run.model_wrapped, keep_torch_compile=False)
+        staging = Staging(checkpoint, copy_now={name for name, _ in model.named_buffers()})
+        self.weights_hold = WeightsHold(getattr(run.optimizer, "optimizer", run.optimizer), staging)
+        writer = threading.Thread(target=self.write_in_background, args=(staging, tmp, final, push),
                                   daemon=False)
         writer.start()
         return writer
@@ -138,11 +136,12 @@ class AtomicSaves:
             self.checkpoint_group = dist.new_group(backend="gloo")
         return self.checkpoint_group
 
-    def write_in_background(self, checkpoint: Checkpoint, tmp: str, final: str, push: str | None) -> None:
+    def write_in_background(self, staging: Staging, tmp: str, final: str, push: str | None) -> None:
+        checkpoint = staging.checkpoint
         try:
             failure = None
             try:
-                self.write_checkpoint(checkpoint, tmp)
+                self.write_checkpoint(staging.result(), tmp)
             except Exception as exc:
                 failure = exc
             if not self.all_wrote(failure is None, checkpoint.process_group) and failure is None:
@@ -186,6 +185,9 @@ class AtomicSaves:
         if self.writer is not None:
             self.writer.join()
             self.writer = None
+        if self.weights_hold is not None:
+            self.weights_hold.release()
+            self.weights_hold = None
 
     def report_failure(self, checkpoint: Checkpoint, exc: Exception) -> None:
         previous = self.last_checkpoint()
