@@ -243,6 +243,35 @@ def active_engine(accelerator) -> str | None:
     return {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed"}.get(kind)
 
 
+def unwrap_model(accelerator, model, keep_torch_compile: bool = True):
+    """`accelerator.unwrap_model(model)`, without the import of DeepSpeed it makes (where DeepSpeed is installed) to
+    recognise DeepSpeed's engine: 0.6 s on a CPU, paid inside the first checkpoint save. When DeepSpeed is not the
+    engine (or is imported already) nothing can be wrapped in its engine, and the wrappers left are those Accelerate
+    strips without it: torch.compile's and DDP's (FSDP2 wraps nothing)."""
+    import sys
+
+    if active_engine(accelerator) == "DeepSpeed" or "deepspeed" in sys.modules:
+        return accelerator.unwrap_model(model, keep_torch_compile=keep_torch_compile)
+    import torch
+
+    compiled = model if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
+    if compiled is None and "_orig_mod" in model.__dict__:  # compiled regions: the top module compiled in place
+        compiled = model
+    if compiled is not None:
+        model = compiled.__dict__["_orig_mod"] if "_orig_mod" in compiled.__dict__ else compiled._orig_mod
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrappers += (FullyShardedDataParallel,)
+    while isinstance(model, wrappers):
+        model = model.module
+    if compiled is not None and keep_torch_compile:
+        compiled._orig_mod = model
+        return compiled
+    return model
+
+
 def check_engines_active(accelerator, requested: list[str]) -> None:
     """Raise when FSDP or DeepSpeed was asked for but Accelerate is running something else."""
     active = active_engine(accelerator)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from ..distributed import active_engine
+from ..distributed import active_engine, unwrap_model
 from .durable import safe_torch_load
 from .lineage import OPTIMIZER_NAME, SCHEDULER_NAME
 
@@ -141,7 +141,7 @@ def load_optimizer_state(run, context, checkpoint: str) -> bool:
     acc, engine = context.accelerator, active_engine(context.accelerator)
     if engine == "DeepSpeed":  # loaded with the model from the engine's checkpoint (load_engine_model)
         return deepspeed_checkpoint_present(checkpoint)
-    model, optimizer = acc.unwrap_model(run.model_wrapped), getattr(run.optimizer, "optimizer", run.optimizer)
+    model, optimizer = unwrap_model(acc, run.model_wrapped), getattr(run.optimizer, "optimizer", run.optimizer)
     sharded, whole = os.path.join(checkpoint, FSDP_OPTIMIZER_FOLDER), os.path.join(checkpoint, OPTIMIZER_NAME)
     if os.path.isdir(sharded):
         if engine == "FSDP" and not full_state_dict_saved(acc):  # as Accelerate's load_fsdp_optimizer

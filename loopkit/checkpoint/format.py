@@ -20,6 +20,8 @@ import importlib
 import json
 from dataclasses import dataclass, field
 
+from ..distributed import unwrap_model
+
 
 @dataclass
 class Checkpoint:
@@ -114,7 +116,7 @@ class CheckpointFormat(abc.ABC):
         save). Default: the unwrapped model's `state_dict()` and the optimizer's (none with `save_only_model`, or
         on a process that does not write)."""
         run, acc = self.run, self.context.accelerator
-        model = acc.unwrap_model(run.model_wrapped, keep_torch_compile=False).state_dict()
+        model = unwrap_model(acc, run.model_wrapped, keep_torch_compile=False).state_dict()
         with_optimizer = not run.args.save_only_model and self.writes_files and run.optimizer is not None
         return model, run.optimizer.state_dict() if with_optimizer else None
 

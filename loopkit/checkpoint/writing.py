@@ -13,6 +13,7 @@ import warnings
 import torch
 
 from .. import checkpoint as files  # the file operations, looked up at call time (the kill tests wrap them there)
+from ..distributed import unwrap_model
 from .format import Checkpoint
 from .lineage import CHECKPOINT_PREFIX, RECORD_KEY
 from .stage_tensors import split_stage_states
@@ -120,7 +121,7 @@ class AtomicSaves:
         if self.context.accelerator.num_processes > 1:
             checkpoint.process_group = self.async_group()
         run = self.run
-        model = self.context.accelerator.unwrap_model(run.model_wrapped, keep_torch_compile=False)
+        model = unwrap_model(self.context.accelerator, run.model_wrapped, keep_torch_compile=False)
         staging = Staging(checkpoint, copy_now={name for name, _ in model.named_buffers()})
         self.weights_hold = WeightsHold(getattr(run.optimizer, "optimizer", run.optimizer), staging)
         writer = threading.Thread(target=self.write_in_background, args=(staging, tmp, final, push),

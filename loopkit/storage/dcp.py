@@ -1,10 +1,10 @@
 """`DCPStorage`: checkpoints through PyTorch's distributed checkpoint (torch.distributed.checkpoint, DCP), the engine
 large runs use: every process writes its own shards (nothing is gathered), `async_save=True` stages the state in
-host memory at the step boundary and writes it on a background thread while training goes on (`dcp.async_save`;
-the policy's writer thread runs `dcp.save` of the host copies, with several processes on a gloo group of its own),
-and a checkpoint loads at any number of processes, sharded or not (DCP reshards on load). Plain, DDP and FSDP2
-models alike: the state is taken with torch's `get_state_dict` (parameter names without wrapper prefixes; FSDP2's
-DTensor shards as they are).
+host memory on a thread while the next step runs and writes it on a background thread while training goes on (the
+policy's staging and writer threads: `dcp.save` of the host copies, with several processes on a gloo group of its
+own), and a checkpoint loads at any number of processes, sharded or not (DCP reshards on load). Plain, DDP and
+FSDP2 models alike: the state is taken with torch's `get_state_dict` (parameter names without wrapper prefixes;
+FSDP2's DTensor shards as they are).
 
 The folder is the HF layout's with the weights and the optimizer replaced by one DCP folder:
 
@@ -42,6 +42,7 @@ from ..checkpoint.format import Checkpoint, ProcessState
 from ..checkpoint.state_files import (read_loopkit_state_file, read_process_files, read_state_files,
                                       write_state_files)
 from ..dcp_reading import UnsafeCheckpointError, distributed, load_metadata, one_process_quiet, read_dcp
+from ..distributed import unwrap_model
 from ..errors import config_error
 from .base import CheckpointStorage
 
@@ -116,7 +117,7 @@ class DCPStorage(CheckpointStorage):
         run, context = self.run, self.context
         if not self.writes_files:
             return
-        model = context.accelerator.unwrap_model(run.model_wrapped, keep_torch_compile=False)
+        model = unwrap_model(context.accelerator, run.model_wrapped, keep_torch_compile=False)
         config = getattr(model, "config", None)
         if hasattr(config, "save_pretrained"):
             config = copy.copy(config)

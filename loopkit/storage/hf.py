@@ -22,7 +22,7 @@ from ..checkpoint.model_files import holds_model_weights, load_model_weights
 from ..checkpoint.state_files import (read_loopkit_state_file, read_process_files, read_state_files,
                                       write_state_files)
 from ..checkpoint.validation import checkpoint_problem
-from ..distributed import active_engine
+from ..distributed import active_engine, unwrap_model
 from ..errors import config_error
 from .base import CheckpointStorage
 
@@ -57,7 +57,7 @@ class HFStorage(CheckpointStorage):
         run, acc = self.run, self.context.accelerator
         sharded = active_engine(acc) is not None  # FSDP / DeepSpeed: the optimizer is written by their own path
         with_optimizer = not run.args.save_only_model and self.writes_files and not sharded
-        model = acc.unwrap_model(run.model_wrapped, keep_torch_compile=False).state_dict() if self.async_save \
+        model = unwrap_model(acc, run.model_wrapped, keep_torch_compile=False).state_dict() if self.async_save \
             else None
         return model, run.optimizer.state_dict() if with_optimizer else None
 
@@ -105,7 +105,7 @@ class HFStorage(CheckpointStorage):
                 active_engine(context.accelerator) == "DeepSpeed":  # the engine's checkpoint, as HF's _load_best_model
             load_deepspeed_checkpoint(run.model_wrapped, checkpoint)
             return
-        load_model_weights(context.accelerator.unwrap_model(run.model_wrapped), checkpoint)
+        load_model_weights(unwrap_model(context.accelerator, run.model_wrapped), checkpoint)
 
 
 def Checkpointer(run, context, **options) -> HFStorage:
