@@ -1,6 +1,6 @@
-"""A checkpoint storage that writes each checkpoint as ONE file, written from docs/checkpoints.md ("Writing another
-storage") alone: it saves, survives a SIGKILL in the middle of its write and in training, resumes bit-identically,
-rotates (`save_total_limit`, the best kept), loads the best model (`load_best_model_at_end`), and the run's readers
+"""A checkpoint storage that writes each checkpoint as ONE file, the one docs/checkpoints.md ("Writing another
+storage") shows, taken from the page itself: it saves, survives a SIGKILL in the middle of its write and in
+training, resumes bit-identically, rotates (`save_total_limit`, the best kept), loads the best model (`load_best_model_at_end`), and the run's readers
 (`python -m loopkit report`, the interruption report's newest checkpoint) read its folders. The earlier protocol's
 method names are refused with the new ones named.
 
@@ -17,55 +17,19 @@ import sys
 import pytest
 import torch
 
-from loopkit.checkpoint import ProcessState, safe_torch_load, save_state_file
-from loopkit.storage import CheckpointStorage
 
 
-class OneFileStorage(CheckpointStorage):
-    """Each checkpoint is one file, `checkpoint-<step>/checkpoint.pt`: everything in one `torch.save`, read back
-    with `weights_only=True`. One process."""
+def storage_from_the_docs() -> type:
+    """The one-file storage of docs/checkpoints.md ("Writing another storage"), taken from the page as it stands."""
+    page = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "checkpoints.md")).read()
+    start = page.index("```py\n", page.index("A format that writes one file")) + len("```py\n")
+    namespace: dict = {}
+    exec(compile(page[start:page.index("```", start)], "docs/checkpoints.md", "exec"), namespace)
+    return namespace["OneFileStorage"]
 
-    FILE = "checkpoint.pt"
 
-    def whole(self, path):
-        return safe_torch_load(os.path.join(path, self.FILE))
-
-    def recognises(self, path):
-        return os.path.isfile(os.path.join(path, self.FILE))
-
-    def read_states(self, path):
-        whole = self.whole(path)
-        return json.loads(whole["trainer_state"]), json.loads(whole["loopkit_state"])
-
-    def checkpoint_problem(self, path):
-        try:
-            self.whole(path)
-        except RuntimeError as exc:
-            return str(exc)
-        return None
-
-    def write_checkpoint(self, checkpoint, folder):
-        c = checkpoint
-        save_state_file({"model": c.model_state, "optimizer": c.optimizer_state, "scheduler": c.scheduler,
-                         "rng": c.rng, "stage_tensors": c.stage_tensors, "own_stage_states": c.own_stage_states,
-                         "trainer_state": c.trainer_state, "loopkit_state": c.loopkit_state},
-                        os.path.join(folder, self.FILE))
-
-    def read_process_state(self, path):
-        whole = self.whole(path)
-        return ProcessState(whole["rng"], whole["stage_tensors"], json.loads(whole["own_stage_states"]))
-
-    def load_model_before_prepare(self, model, path):
-        model.load_state_dict(self.whole(path)["model"])
-
-    def load_optimizer_and_scheduler(self, path):
-        whole = self.whole(path)
-        if whole["optimizer"] is not None:
-            self.run.optimizer.load_state_dict(whole["optimizer"])
-            self.run.lr_scheduler.load_state_dict(whole["scheduler"])
-
-    def load_best_model(self, path):
-        self.run.model.load_state_dict(self.whole(path)["model"])
+OneFileStorage = storage_from_the_docs()  # checkpoint-<step>/checkpoint.pt: everything in one torch.save
+FILE = "checkpoint.pt"
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -85,7 +49,7 @@ class KillingStorage(OneFileStorage):
         super().write_checkpoint(checkpoint, folder)
         self.writes += 1
         if self.writes == self.kill_at:
-            path = os.path.join(folder, self.FILE)
+            path = os.path.join(folder, FILE)
             with open(path, "r+b") as f:
                 f.truncate(os.path.getsize(path) // 2)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -170,7 +134,7 @@ def test_each_checkpoint_is_one_file_rotated_with_the_best_kept_and_loaded(refer
     from loopkit.checkpoint import checkpoint_dirs
 
     folders = checkpoint_dirs(reference)
-    assert [os.listdir(path) for path in folders] == [[OneFileStorage.FILE]] * len(folders)
+    assert [os.listdir(path) for path in folders] == [[FILE]] * len(folders)
     # save_total_limit=2 keeps the newest and the best (the first save, by greater_is_better on the loss)
     assert [os.path.basename(path) for path in folders] == [f"checkpoint-{SAVE_STEPS}", f"checkpoint-{MAX_STEPS}"]
     best = json.load(open(os.path.join(reference, "best.json")))["best"]
