@@ -167,9 +167,7 @@ class PreemptionWatch:
                 f"{run.args.output_dir}; press Ctrl-C again to stop without saving.")
 
     def newest_checkpoint(self) -> str | None:
-        from .checkpoint import last_checkpoint
-
-        return last_checkpoint(self.run.args.output_dir)
+        return self.context.checkpointer.last_checkpoint()
 
     def interruption(self) -> TrainingInterrupted | None:
         """The interruption of this run, once it is over (None: not interrupted)."""

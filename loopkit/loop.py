@@ -38,7 +38,7 @@ from .stages.teardown import TeardownStage
 from .state import LoopState, restore_callback_states
 from .storage import run_storage
 from .trainer import log_messages
-from .trainer.hub import quiet_hub_progress
+from .trainer.hub import HubPush, quiet_hub_progress
 from .trainer.methods import TrainerAPI
 from .trainer.notebook import default_progress_callback
 from .trainer.overridable import HFMethods, bind_overrides
@@ -100,8 +100,7 @@ class Loop(HFMethods, TrainerAPI):
         run.metrics = check_metrics(metrics, context.accelerator.num_processes)
         run.label_names = list(args.label_names) if args.label_names is not None else find_labels(run.model)
         self.data.check_eval_labels()  # before any training: metric_for_best_model needs labelled evaluations
-        # Events: HF's callbacks in HF's order (flow, integrations, the user's, then progress or printer).
-        progress = default_progress_callback(args)  # the printer, HF's notebook display, or tqdm bars
+        progress = default_progress_callback(args)  # events: flow, integrations, the user's, then this (HF's order)
         context.events = EventHandler(default_callbacks(args, callbacks, progress), self.stages, run)
         # As in Trainer.__init__: an evaluate() before train() logs (and reports) on the main process only.
         run.state = LoopState(is_local_process_zero=context.accelerator.is_local_main_process,
@@ -109,6 +108,7 @@ class Loop(HFMethods, TrainerAPI):
         context.preemption = PreemptionWatch(run, context)
         context.clock = context.events.clock = PhaseClock()  # the run report's time by phase
         context.checkpointer = run_storage(storage, self.evaluation.checkpoint_options()).attach(run, context)
+        context.checkpointer.upload_with(HubPush(run, context))  # push_to_hub: uploads of complete checkpoints
         self.schedule = Schedule(run, context, evaluate=self.evaluate, save=self.save_checkpoint, observers=observers)
         self.initial_global_step = 0
         if getattr(args, "push_to_hub", False):  # as Trainer.__init__: the repo exists before training

@@ -14,7 +14,6 @@ import ast
 import pathlib
 import re
 
-import pytest
 
 import loopkit
 
@@ -30,8 +29,9 @@ LAYERS = {
     "building blocks": [  # the parts a run is made of, each usable on its own
         "loopkit.args.*", "loopkit.optimizers", "loopkit.data_order", "loopkit.columns", "loopkit.row_packing",
         "loopkit.first_batch", "loopkit.loss", "loopkit.work", "loopkit.metrics", "loopkit.phases", "loopkit.guards",
-        "loopkit.distributed", "loopkit.parallelism", "loopkit.process", "loopkit.events", "loopkit.callbacks", "loopkit.default_callbacks",
-        "loopkit.observers.*", "loopkit.export", "loopkit.trainer", "loopkit.trainer.log_messages",
+        "loopkit.distributed", "loopkit.parallelism", "loopkit.process", "loopkit.events", "loopkit.callbacks",
+        "loopkit.default_callbacks", "loopkit.observers.*", "loopkit.export", "loopkit.trainer",
+        "loopkit.trainer.log_messages",
     ],
     "checkpoint": [  # the checkpoint policy (checkpoint/) and formats (storage/)
         "loopkit.checkpoint.*", "loopkit.storage.*",
@@ -215,7 +215,6 @@ def test_every_module_has_one_declared_layer():
 # Until helper "storage"'s branch merges: its back-edges (distributed.py's engine checkpoint I/O, guards.py reading
 # checkpoint folders, storage/base.py's Hub push) are what this test reports here. Strict: it fails once they go,
 # so the marker is removed with them.
-@pytest.mark.xfail(strict=True, reason="the checkpoint-side back-edges helper 'storage' removes (issue 35)")
 def test_no_module_imports_from_a_higher_layer():
     found = upward_imports(import_graph(package_edges=False))
     assert not found, "imports going up the layers (LAYERS in tests/test_import_graph.py; inside functions too):\n" \

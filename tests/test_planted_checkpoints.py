@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from loopkit.checkpoint import load_model_weights
 from loopkit.dcp_reading import UnsafeCheckpointError, load_metadata, read_dcp
-from loopkit.distributed import FSDP_MODEL_FOLDER, load_deepspeed_checkpoint, load_sharded_model, \
+from loopkit.checkpoint.engines import FSDP_MODEL_FOLDER, load_deepspeed_checkpoint, load_sharded_model, \
     load_sharded_optimizer
 
 

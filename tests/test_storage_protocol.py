@@ -15,9 +15,9 @@ from loopkit.storage import HFStorage
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 import dist_child  # noqa: E402
 
-ROUTED = ("start", "take_snapshot", "write_files", "load_model_before_prepare", "load_optimizer_and_scheduler",
+ROUTED = ("start", "states_to_save", "write_checkpoint", "load_model_before_prepare", "load_optimizer_and_scheduler",
           "read_rng", "read_trainer_state", "read_stage_states", "load_best_model", "keep_only_best", "wait",
-          "finish_uploads")
+          "finish_uploads", "recognises", "read_states", "read_process_state", "checkpoint_problem")
 
 
 class RecordingStorage(HFStorage):
@@ -52,7 +52,7 @@ def make_loop(out, storage=None, evaluation=None, **overrides):
 def test_setup_step_data_loop_and_teardown_reach_checkpoints_through_the_storage(tmp_path):
     first = RecordingStorage()
     make_loop(tmp_path / "run", first).train()
-    assert {"start", "take_snapshot", "write_files", "load_best_model", "keep_only_best", "wait",
+    assert {"start", "states_to_save", "write_checkpoint", "load_best_model", "keep_only_best", "wait",
             "finish_uploads"} <= set(first.calls), first.calls
     resumed = RecordingStorage()
     make_loop(tmp_path / "run", resumed).train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))

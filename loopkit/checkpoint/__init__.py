@@ -31,11 +31,14 @@ Security: weights go through safetensors, state through JSON, and every `torch.l
 unpickler), DeepSpeed's `global_step*/` with its `torch.load`s forced to `weights_only=True` (loopkit/distributed.py).
 docs/checkpoints.md lists every file read and how.
 
-The modules: lineage.py (folder names, records, run ids, `RunLineage`), durable.py (fsync, state files, safe loads),
-rng.py (RNG states), model_files.py (`save_pretrained` files), validation.py (`checkpoint_problem`, reading the
-states), writing.py (`AtomicSaves`: the atomic protocol, async, `on_save_error`), rotation.py (`Rotation`),
-reading.py (`Resuming`). The names below are the package's public ones; the writer calls the file operations
-through this package (`checkpoint.write_text`, ...), so that wrapping one here reaches every save.
+The modules. The format (what a storage implements, docs/checkpoints.md): format.py (`CheckpointFormat`,
+`Checkpoint`, finding the format of a folder). The policy, written once on the format's methods: lineage.py (folder
+names, records, run ids, `RunLineage`), writing.py (`AtomicSaves`: the atomic protocol, async, `on_save_error`),
+rotation.py (`Rotation`), reading.py (`Resuming`). HF's layout, for the formats that write it: durable.py (fsync,
+state files, safe loads), rng.py (RNG states), model_files.py (`save_pretrained` files), state_files.py (the run's
+state files), stage_tensors.py, validation.py (`checkpoint_problem`), engines.py (FSDP and DeepSpeed checkpoint
+I/O). The names below are the package's public ones; the writers call the file operations through this package
+(`checkpoint.write_text`, ...), so that wrapping one here reaches every save.
 """
 
 from .durable import (EarlyFlush, FlushWhileWriting, fsync_dir, fsync_file, fsync_tree, safe_torch_load,
@@ -48,5 +51,7 @@ from .model_files import (TRAINING_ARGS_NAME, holds_model_weights, load_model_we
                           save_training_args)
 from .rng import read_rng_file, restore_rng_state, rng_file_name, rng_state, saved_world_size
 from .validation import checkpoint_problem, read_stage_states, read_trainer_state, warn_if_checkpoint_args_differ
-from .writing import SAVE_ERROR_POLICIES, Snapshot, copy_to_cpu
+from .writing import SAVE_ERROR_POLICIES, NoUploads, Snapshot, copy_to_cpu
+from .format import (BUILT_IN_FORMATS, Checkpoint, CheckpointFormat, ProcessState, format_of, read_states,
+                     register_format)
 

@@ -3,7 +3,6 @@ the run ids (see loopkit/checkpoint/__init__.py's docstring, "Reruns")."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -61,16 +60,15 @@ class CheckpointRecord:
         return f"{name} (run {self.run_id}, save #{self.save_index}, {self.saved_at})"
 
 
-def read_record(path: str) -> CheckpointRecord:
-    """The record of checkpoint folder `path`; a missing or unreadable one counts as not recorded."""
+def read_record(path: str, storage=None) -> CheckpointRecord:
+    """The record of checkpoint folder `path`, read through its format (`storage` first, else the one that
+    recognises it: format.py); a missing or unreadable one counts as not recorded."""
+    from .format import loopkit_state_of
+
     name = os.path.basename(os.path.normpath(path))
     match = CHECKPOINT_RE.match(name) or SET_ASIDE_RE.match(name)
-    entry = {}
-    try:
-        with open(os.path.join(path, LOOPKIT_STATE_NAME), encoding="utf-8") as f:
-            entry = json.load(f).get(RECORD_KEY) or {}
-    except (OSError, ValueError, AttributeError):
-        pass  # HF Trainer's folder, or a damaged file (resolve() names that one if it is picked)
+    entry = loopkit_state_of(path, storage).get(RECORD_KEY)  # {} for HF Trainer's folder, or a damaged one
+    entry = entry if isinstance(entry, dict) else {}
     run_id, save_index = entry.get("run_id"), entry.get("save_index")
     recorded = isinstance(run_id, str) and isinstance(save_index, int)
     return CheckpointRecord(path=path, step=int(match.group(1)) if match else -1,
@@ -78,15 +76,16 @@ def read_record(path: str) -> CheckpointRecord:
                             saved_at=entry.get("saved_at") if recorded else None, mtime=os.path.getmtime(path))
 
 
-def checkpoints_by_recency(output_dir: str) -> list[CheckpointRecord]:
-    """The checkpoint folders under `output_dir`, least recently saved first."""
-    return sorted((read_record(path) for path in checkpoint_dirs(output_dir)), key=CheckpointRecord.recency)
+def checkpoints_by_recency(output_dir: str, storage=None) -> list[CheckpointRecord]:
+    """The checkpoint folders under `output_dir`, least recently saved first (read through `storage`'s format where
+    it recognises them, else through the format that does)."""
+    return sorted((read_record(path, storage) for path in checkpoint_dirs(output_dir)), key=CheckpointRecord.recency)
 
 
-def last_checkpoint(output_dir: str) -> str | None:
+def last_checkpoint(output_dir: str, storage=None) -> str | None:
     """The most recently saved checkpoint folder under `output_dir` (not the highest step: see the module
     docstring)."""
-    records = checkpoints_by_recency(output_dir)
+    records = checkpoints_by_recency(output_dir, storage)
     return records[-1].path if records else None
 
 
@@ -123,10 +122,10 @@ class RunLineage:
         run (kept whole). Says what it found: a fresh run next to other runs' checkpoints warns in one line;
         `resume_from_checkpoint=True` names its pick. Returns the checkpoint path or None."""
         self.remove_leftovers()
-        records = checkpoints_by_recency(self.run.args.output_dir)
+        records = checkpoints_by_recency(self.run.args.output_dir, self)
         checkpoint = self.resolve(resume_from_checkpoint)
         previous_run = self.run_id
-        resumed = read_record(checkpoint) if checkpoint is not None else None
+        resumed = read_record(checkpoint, self) if checkpoint is not None else None
         self.begin_run((resumed.run_id if resumed is not None else None) or new_run_id(), records)
         others = [r for r in self.recorded_folders() if r.run_id != self.run_id]
         self.previous_run = max(others, key=CheckpointRecord.recency).run_id if others else None
@@ -152,7 +151,7 @@ class RunLineage:
         """Every folder in `output_dir` that records its run: checkpoints and the set-aside `-of-run-` ones."""
         run_dir = self.run.args.output_dir
         folders = checkpoint_dirs(run_dir) + checkpoint_dirs(run_dir, SET_ASIDE_RE)
-        return [r for r in map(read_record, folders) if r.run_id is not None]
+        return [r for r in (read_record(folder, self) for folder in folders) if r.run_id is not None]
 
     def older_runs(self) -> list[CheckpointRecord]:
         """The recorded folders of runs other than this one and the previous one (Rotation removes them)."""
@@ -203,7 +202,7 @@ class RunLineage:
     def record(self) -> dict:
         """The next save's entry in `loopkit_state.json`: its run and save number."""
         if self.run_id is None:  # a save outside train(): a run of its own
-            self.begin_run(new_run_id(), checkpoints_by_recency(self.run.args.output_dir))
+            self.begin_run(new_run_id(), checkpoints_by_recency(self.run.args.output_dir, self))
         entry = {"run_id": self.run_id, "save_index": self.next_save_index,
                  "saved_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
         self.next_save_index += 1
@@ -220,16 +219,20 @@ class RunLineage:
 
     def own_checkpoints(self) -> list[str]:
         """This run's checkpoint folders in `output_dir`, least recently saved first."""
-        records = checkpoints_by_recency(self.run.args.output_dir)
+        records = checkpoints_by_recency(self.run.args.output_dir, self)
         return [r.path for r in records if r.run_id is not None and r.run_id == self.run_id]
 
+    def last_checkpoint(self) -> str | None:
+        """The most recently saved checkpoint folder in `output_dir` (read through this storage's format)."""
+        return last_checkpoint(self.run.args.output_dir, self)
+
     def is_own(self, path: str) -> bool:
-        return self.run_id is not None and read_record(path).run_id == self.run_id
+        return self.run_id is not None and read_record(path, self).run_id == self.run_id
 
     def replace_existing(self, final: str, tmp: str) -> None:
         """A save at a step whose folder exists. This run's own (a re-save after a resume) is swapped and dropped;
         another run's, or an unrecorded one, is renamed to a name that is not a checkpoint's, never deleted."""
-        record = read_record(final)
+        record = read_record(final, self)
         own = record.run_id is not None and record.run_id == self.run_id
         name = os.path.basename(final)
         aside = os.path.join(os.path.dirname(final), f".old-{name}") if own else set_aside_path(record)

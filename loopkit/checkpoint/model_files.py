@@ -6,8 +6,9 @@ import json
 import os
 import sys
 
-from ..distributed import (FSDP_MODEL_FOLDER, active_engine, deepspeed_keeps_weights, engine_checkpoint_present,
-                           load_sharded_model, sharded_model_saved)
+from ..distributed import active_engine, unwrap_model
+from .engines import (FSDP_MODEL_FOLDER, deepspeed_keeps_weights, engine_checkpoint_present, load_sharded_model,
+                      sharded_model_saved)
 from .lineage import WEIGHTS_NAME
 
 
@@ -23,7 +24,7 @@ def save_model_files(model, accelerator, output_dir: str, processing_class=None,
     os.makedirs(output_dir, exist_ok=True)
     if state_dict is None and deepspeed_keeps_weights(accelerator, model):
         if writer:
-            save_config_only(accelerator.unwrap_model(model), output_dir, processing_class)
+            save_config_only(unwrap_model(accelerator, model), output_dir, processing_class)
         model.save_checkpoint(output_dir)
         return
     if state_dict is None and active_engine(accelerator) is not None:
@@ -31,7 +32,7 @@ def save_model_files(model, accelerator, output_dir: str, processing_class=None,
         state_dict = accelerator.get_state_dict(model)
         if not accelerator.is_main_process:
             return
-    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    unwrapped = unwrap_model(accelerator, model, keep_torch_compile=False)
     if hasattr(unwrapped, "save_pretrained"):
         unwrapped.save_pretrained(output_dir, is_main_process=writer, state_dict=state_dict)
     elif writer:

@@ -6,16 +6,14 @@ from __future__ import annotations
 import os
 import warnings
 
-from ..args import trainer_error
-from .lineage import WEIGHTS_NAME, checkpoints_by_recency
-from .rng import read_rng_file
-from .stage_tensors import with_stage_tensors
-from .validation import read_stage_states, read_trainer_state
+from ..errors import trainer_error
+from .lineage import checkpoints_by_recency
+from .stage_tensors import tensors_back
 
 
 class Resuming:
-    """The part of a checkpoint storage that picks and reads the checkpoint a `train()` resumes from. Needs the
-    layout's `checkpoint_problem` and `holds_model_weights`."""
+    """The part of a checkpoint storage that picks and reads the checkpoint a `train()` resumes from, through the
+    format's `recognises`, `checkpoint_problem`, `read_states` and `read_process_state`."""
 
     def resolve(self, resume_from_checkpoint) -> str | None:
         """The checkpoint folder to resume from. `True`: the most recently saved usable one in `output_dir` (module
@@ -25,7 +23,7 @@ class Resuming:
             return None
         output_dir = self.run.args.output_dir
         if resume_from_checkpoint is True:
-            for path in reversed([r.path for r in checkpoints_by_recency(output_dir)]):
+            for path in reversed([r.path for r in checkpoints_by_recency(output_dir, self)]):
                 problem = self.checkpoint_problem(path)
                 if problem is None:
                     return path
@@ -34,11 +32,12 @@ class Resuming:
                                 "resume_from_checkpoint", True, f"output_dir={output_dir!r} holds no usable "
                                 f"checkpoint-<step> folder", "train without resuming first, or pass the path of a "
                                 "checkpoint folder")
-        if not os.path.isdir(resume_from_checkpoint) or not self.holds_model_weights(resume_from_checkpoint):
+        if not os.path.isdir(resume_from_checkpoint) or not self.recognises(resume_from_checkpoint):
             raise trainer_error(f"Can't find a valid checkpoint at {resume_from_checkpoint}",
                                 "resume_from_checkpoint", resume_from_checkpoint,
                                 "it is not a folder" if not os.path.isdir(resume_from_checkpoint) else
-                                f"the folder holds no model weights ({WEIGHTS_NAME}, an index or an adapter)",
+                                f"the folder holds no checkpoint {type(self).__name__} reads (for HF's layout: "
+                                f"model weights, an index or an adapter)",
                                 "pass a checkpoint-<step> folder, or resume_from_checkpoint=True for the latest one")
         problem = self.checkpoint_problem(resume_from_checkpoint)
         if problem is not None:
@@ -46,14 +45,24 @@ class Resuming:
         return resume_from_checkpoint
 
     def read_trainer_state(self, checkpoint: str):
-        """The checkpoint's `trainer_state.json` as a `LoopState` (a clear error naming a damaged file)."""
-        return read_trainer_state(checkpoint)
+        """The checkpoint's trainer state as a `LoopState` (a clear error naming a damaged file)."""
+        import dataclasses
+
+        from ..state import LoopState
+
+        trainer_state = self.read_states(checkpoint)[0]
+        try:
+            known = {f.name for f in dataclasses.fields(LoopState)}
+            return LoopState(**{k: v for k, v in trainer_state.items() if k in known})
+        except (AttributeError, TypeError) as exc:
+            raise RuntimeError(f"{checkpoint}'s trainer state is corrupt ({exc}).") from exc
 
     def read_stage_states(self, checkpoint: str) -> dict:
-        """The checkpoint's `loopkit_state.json` (each stage's state by name; {} for HF Trainer's folders), with this
-        process's stage tensors put back (the data stage's batch read ahead)."""
-        return with_stage_tensors(read_stage_states(checkpoint), checkpoint, self.context.accelerator)
+        """The checkpoint's loopkit state (each stage's state by name; {} for HF Trainer's folders), with this
+        process's stage entries and tensors put back (the data stage's batch read ahead)."""
+        own = self.read_process_state(checkpoint)
+        return tensors_back({**self.read_states(checkpoint)[1], **own.own_stage_states}, own.stage_tensors)
 
     def read_rng(self, checkpoint: str) -> dict | None:
         """This process's RNG states saved in `checkpoint` (None if it has none, e.g. `save_only_model`)."""
-        return read_rng_file(checkpoint, self.context.accelerator)
+        return self.read_process_state(checkpoint).rng

@@ -54,21 +54,23 @@ def split_stage_states(stage_states: dict) -> tuple[dict, dict, dict]:
     return plain, tensors, own
 
 
-def write_stage_tensors(tensors: dict, own_states_json: str | None, folder: str, accelerator) -> None:
+def write_stage_tensors(tensors: dict, own_states_json: str | None, folder: str, num_processes: int,
+                        process_index: int) -> None:
     if not tensors:
         return
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
-    save_file(tensors, os.path.join(folder, stage_tensors_name(accelerator.num_processes, accelerator.process_index)),
+    save_file(tensors, os.path.join(folder, stage_tensors_name(num_processes, process_index)),
               metadata={"stage_states": own_states_json})
 
 
-def with_stage_tensors(states: dict, checkpoint: str, accelerator) -> dict:
-    """`states` (the main process's `loopkit_state.json`) with this process's own entries and their tensors."""
-    path = os.path.join(checkpoint, stage_tensors_name(accelerator.num_processes, accelerator.process_index))
+def read_stage_tensors(checkpoint: str, num_processes: int, process_index: int) -> tuple[dict, dict]:
+    """This process's stage entries that held tensors (decoded) and the tensors, as `write_stage_tensors` wrote
+    them; ({}, {}) when the checkpoint has no file for this process."""
+    path = os.path.join(checkpoint, stage_tensors_name(num_processes, process_index))
     if not os.path.isfile(path):
-        return tensors_back(states, {})
+        return {}, {}
     from safetensors import safe_open
 
     try:
@@ -77,4 +79,4 @@ def with_stage_tensors(states: dict, checkpoint: str, accelerator) -> dict:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except Exception as exc:
         raise RuntimeError(f"{path} is corrupt or truncated ({exc}).") from exc
-    return tensors_back({**states, **own}, tensors)
+    return own, tensors

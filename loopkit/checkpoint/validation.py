@@ -6,7 +6,7 @@ import json
 import os
 import warnings
 
-from ..distributed import engine_checkpoint_present
+from .engines import engine_checkpoint_present
 from .lineage import LOOPKIT_STATE_NAME, TRAINER_STATE_NAME, WEIGHTS_NAME
 
 

@@ -1,6 +1,6 @@
 """Writing a checkpoint atomically: a hidden temporary folder, fsynced, renamed into place, then rotation and the
 push; synchronously or on a background thread, with the failure policy of `on_save_error`. What goes into the folder
-is the storage's layout (`CheckpointStorage.write_files`)."""
+is the format's (`CheckpointFormat.write_checkpoint`, format.py)."""
 
 from __future__ import annotations
 
@@ -9,54 +9,59 @@ import os
 import shutil
 import threading
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 
 from .. import checkpoint as files  # the file operations, looked up at call time (the kill tests wrap them there)
-from .lineage import CHECKPOINT_PREFIX, LOOPKIT_STATE_NAME, RECORD_KEY, TRAINER_STATE_NAME, last_checkpoint
-from .stage_tensors import split_stage_states, write_stage_tensors
+from ..distributed import unwrap_model
+from .format import Checkpoint
+from .lineage import CHECKPOINT_PREFIX, RECORD_KEY
+from .stage_tensors import split_stage_states
+from .staging import Staging, WeightsHold, copy_to_cpu  # noqa: F401 (copy_to_cpu: public here too)
 
 SAVE_ERROR_POLICIES = ("raise", "continue", "stop")
 
 
-def copy_to_cpu(obj):
-    """A deep copy with every tensor moved to (new) CPU memory: what an asynchronous save writes."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: copy_to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(copy_to_cpu(v) for v in obj)
-    return obj
+Snapshot = Checkpoint  # loopkit's earlier name (the fields were renamed: see `Checkpoint`)
 
 
-@dataclass
-class Snapshot:
-    """Everything one checkpoint writes, taken at an optimizer-step boundary. `model_state` and `optimizer` are the
-    layout's (the HF layout's CPU copies for an asynchronous save; None: written from the live objects)."""
+class NoUploads:
+    """The uploads a save starts when nothing is uploaded: what a storage calls until a `Loop` registers its
+    uploader (`CheckpointStorage.upload_with`; with `push_to_hub`, loopkit/hub.py's `HubPush`)."""
 
-    step: int
-    model_state: dict | None
-    optimizer: dict | None
-    scheduler: dict | None
-    scaler: dict | None
-    rng: dict | None
-    trainer_state_json: str
-    stage_states_json: str
-    stage_tensors: dict = field(default_factory=dict)  # this process's, with its stage entries that hold them:
-    own_stage_states_json: str | None = None
+    repo_id = None
+
+    def begin_push(self):
+        return None
+
+    def push_checkpoint(self, folder: str, push) -> None:
+        pass
+
+    def uploading(self, folder: str) -> bool:
+        return False
+
+    def wait(self) -> None:
+        pass
 
 
 class AtomicSaves:
     """The part of a checkpoint storage that writes: `save` (the run's entry point), the background writer of
-    `async_save`, `wait`, and the failure policy. Needs `run`, the layout's `take_snapshot` / `write_files`,
-    RunLineage's `record` / `replace_existing` / `is_own`, Rotation's `rotate` and `hub`."""
+    `async_save`, `wait`, and the failure policy. Needs `run`, the format's `states_to_save` / `write_checkpoint`,
+    RunLineage's `record` / `replace_existing` / `is_own`, Rotation's `rotate`, and `hub` (the uploads)."""
 
     writer = None  # the background thread of an asynchronous save
     writer_error = None
     last_saved_step = None
     rng_for_next_save = None  # set when a checkpoint must hold an earlier RNG state (see Schedule)
+    checkpoint_group = None  # the gloo process group of asynchronous saves with several processes
+    weights_hold = None  # an asynchronous save's hold on the optimizer's next step, until its staging is done
+    hub = NoUploads()
+
+    def upload_with(self, uploads) -> None:
+        """Register what uploads complete checkpoints (`begin_push()` when a save starts, on the training thread;
+        `push_checkpoint(folder, push)` once it is complete; `uploading(folder)` before rotation deletes one;
+        `wait()`). The `Loop` registers Trainer's `push_to_hub` (loopkit/hub.py) here."""
+        self.hub = uploads
 
     @property
     def writes_files(self) -> bool:
@@ -67,7 +72,7 @@ class AtomicSaves:
 
     def save(self, stage_states: dict) -> str:
         """Save a full checkpoint of the current step atomically, with `stage_states` (JSON values by stage name)
-        as `loopkit_state.json`; return its final path."""
+        as the loopkit state; return its final path."""
         run, context = self.run, self.context
         state = run.state
         self.wait()  # one save in flight at a time; raises a background failure first
@@ -77,83 +82,117 @@ class AtomicSaves:
             if best == final or (os.path.isdir(best) and self.is_own(best)):  # never another run's folder
                 state.best_model_checkpoint = best
         run.state.record_callback_states(context.events.callback_objects + [run.control])
-        snapshot = self.take_snapshot(stage_states)
+        checkpoint = self.collect(stage_states)
         push = self.hub.begin_push()  # on the training thread: on_push_begin, and the commit message (or None)
         self.last_saved_step, self.rng_for_next_save = state.global_step, None
         if self.async_save:
-            self.writer = self.start_background_write(snapshot, push)
+            self.writer = self.start_background_write(checkpoint, push)
         else:
-            self.write_handling_errors(snapshot, push)
+            self.write_handling_errors(checkpoint, push)
         return final
 
-    def common_snapshot(self, stage_states: dict, model_state=None, optimizer=None) -> Snapshot:
-        """The snapshot's layout-independent parts (scheduler, scaler, RNG, trainer and stage states), copied to
-        host memory for an asynchronous save; `model_state` and `optimizer` are the layout's."""
+    def collect(self, stage_states: dict) -> Checkpoint:
+        """At the step boundary, on the training thread: everything the save writes (the format's
+        `states_to_save`, the scheduler, scaler, RNG, trainer and stage states). For an asynchronous save the small
+        states are copied to host memory here; the model's and the optimizer's are staged on a thread
+        (`start_background_write`, staging.py)."""
         run, acc = self.run, self.context.accelerator
         copy = copy_to_cpu if self.async_save else (lambda x: x)
         full_state = not run.args.save_only_model
         stage_states, stage_tensors, own_stage_states = split_stage_states(stage_states)
-        return Snapshot(
-            step=run.state.global_step, model_state=model_state, optimizer=optimizer,
+        model_state, optimizer_state = self.states_to_save()
+        return Checkpoint(
+            step=run.state.global_step, model_state=model_state, optimizer_state=optimizer_state,
             scheduler=copy(run.lr_scheduler.state_dict()) if full_state and self.writes_files else None,
             scaler=copy(acc.scaler.state_dict()) if full_state and acc.scaler is not None else None,
             rng=(self.rng_for_next_save or files.rng_state()) if full_state else None,
-            trainer_state_json=run.state.to_json_string(),
-            stage_states_json=json.dumps({**stage_states, RECORD_KEY: self.record()}, indent=2, sort_keys=True),
-            stage_tensors=stage_tensors, own_stage_states_json=json.dumps(own_stage_states, sort_keys=True),
-        )
+            trainer_state=run.state.to_json_string(),
+            loopkit_state=json.dumps({**stage_states, RECORD_KEY: self.record()}, indent=2, sort_keys=True),
+            stage_tensors=stage_tensors, own_stage_states=json.dumps(own_stage_states, sort_keys=True),
+            writes_files=self.writes_files, process_index=acc.process_index, num_processes=acc.num_processes)
 
-    def write_common_files(self, snapshot: Snapshot, folder: str) -> None:
-        """Scheduler, scaler, `training_args.bin`, this process's RNG states and stage tensors (every process calls
-        it)."""
-        acc = self.context.accelerator
-        if snapshot.scheduler is not None:
-            files.save_state_file(snapshot.scheduler, os.path.join(folder, files.SCHEDULER_NAME))
-        if snapshot.scaler is not None and self.writes_files:
-            files.save_state_file(snapshot.scaler, os.path.join(folder, files.SCALER_NAME))
-        if self.writes_files:
-            files.save_training_args(self.run.args, folder)  # Trainer's pickle, for its readers (never ours)
-        if snapshot.rng is not None:
-            files.save_state_file(snapshot.rng, os.path.join(folder, files.rng_file_name(acc.num_processes,
-                                                                                      acc.process_index)))
-        write_stage_tensors(snapshot.stage_tensors, snapshot.own_stage_states_json, folder, acc)
-
-    def start_background_write(self, snapshot: Snapshot, push: str | None) -> threading.Thread:
-        """`async_save`: the whole write on a thread (the snapshot holds host copies). One process only (checked
-        by the storage at `start`): the write's barriers would run beside training's collectives."""
-        writer = threading.Thread(target=self.write_in_background, args=(snapshot, push), daemon=False)
+    def start_background_write(self, checkpoint: Checkpoint, push: str | None) -> threading.Thread:
+        """`async_save`: the folder is opened on the training thread (every process); the model's and optimizer's
+        states are copied to host memory on a staging thread while the next step's forward and backward run (the
+        optimizer's next step waits for it: `WeightsHold`), and the format writes the copies on the writer thread.
+        With several processes the write's collectives and the agreement that every process wrote run on a gloo
+        group of their own, apart from training's."""
+        tmp, final = self.open_folder(checkpoint.step)
+        if self.context.accelerator.num_processes > 1:
+            checkpoint.process_group = self.async_group()
+        run = self.run
+        model = unwrap_model(self.context.accelerator, run.model_wrapped, keep_torch_compile=False)
+        staging = Staging(checkpoint, copy_now={name for name, _ in model.named_buffers()})
+        self.weights_hold = WeightsHold(getattr(run.optimizer, "optimizer", run.optimizer), staging)
+        writer = threading.Thread(target=self.write_in_background, args=(staging, tmp, final, push),
+                                  daemon=False)
         writer.start()
         return writer
 
-    def write_handling_errors(self, snapshot: Snapshot, push: str | None = None) -> None:
-        try:
-            self.write(snapshot, push)
-        except Exception as exc:
-            self.report_failure(snapshot, exc)
+    def async_group(self):
+        """A gloo group for the writer thread's collectives (created once, by every process at the same save)."""
+        if self.checkpoint_group is None:
+            import torch.distributed as dist
 
-    def write_in_background(self, snapshot: Snapshot, push: str | None = None) -> None:
+            self.checkpoint_group = dist.new_group(backend="gloo")
+        return self.checkpoint_group
+
+    def write_in_background(self, staging: Staging, tmp: str, final: str, push: str | None) -> None:
+        checkpoint = staging.checkpoint
         try:
-            self.write(snapshot, push)
+            failure = None
+            try:
+                self.write_checkpoint(staging.result(), tmp)
+            except Exception as exc:
+                failure = exc
+            if not self.all_wrote(failure is None, checkpoint.process_group) and failure is None:
+                failure = RuntimeError("another process failed to write its part of the checkpoint")
+            if failure is not None:
+                raise failure
+            self.close_folder(tmp, final)
         except Exception as exc:  # handed to the training thread at the next save or at the end
-            self.writer_error = (snapshot, exc)
+            self.discard_folder(tmp)
+            self.writer_error = (checkpoint, exc)
+            return
+        self.after_save(final, push)
+
+    @staticmethod
+    def all_wrote(wrote: bool, group) -> bool:
+        """Whether every process of `group` wrote its part (one all-reduce on it; True in one process)."""
+        if group is None:
+            return wrote
+        import torch.distributed as dist
+
+        flag = torch.tensor([0 if wrote else 1])
+        dist.all_reduce(flag, group=group)
+        return int(flag) == 0
+
+    def write_handling_errors(self, checkpoint: Checkpoint, push: str | None = None) -> None:
+        try:
+            self.write(checkpoint, push)
+        except Exception as exc:
+            self.report_failure(checkpoint, exc)
 
     def wait(self) -> None:
         """Wait for an asynchronous save to finish; then act on its failure, if any."""
         self.wait_quietly()
         if self.writer_error is not None:
-            snapshot, exc = self.writer_error
+            checkpoint, exc = self.writer_error
             self.writer_error = None
-            self.report_failure(snapshot, exc)
+            self.report_failure(checkpoint, exc)
 
     def wait_quietly(self) -> None:
         """On a failing run: let an asynchronous save finish (its checkpoint stays usable), reporting nothing."""
         if self.writer is not None:
             self.writer.join()
             self.writer = None
+        if self.weights_hold is not None:
+            self.weights_hold.release()
+            self.weights_hold = None
 
-    def report_failure(self, snapshot: Snapshot, exc: Exception) -> None:
-        previous = last_checkpoint(self.run.args.output_dir)
-        message = (f"Saving checkpoint-{snapshot.step} failed ({type(exc).__name__}: {exc}). Nothing was "
+    def report_failure(self, checkpoint: Checkpoint, exc: Exception) -> None:
+        previous = self.last_checkpoint()
+        message = (f"Saving checkpoint-{checkpoint.step} failed ({type(exc).__name__}: {exc}). Nothing was "
                    f"half-written; the most recently saved complete checkpoint is still {previous}.")
         if self.on_save_error == "raise":
             raise RuntimeError(message + " (on_save_error='raise')") from exc
@@ -162,14 +201,15 @@ class AtomicSaves:
         if self.on_save_error == "stop":
             self.run.control.should_training_stop = True
 
-    def write(self, snapshot: Snapshot, push: str | None = None) -> None:
-        """The atomic protocol: write into `.tmp-checkpoint-N`, fsync, rename to `checkpoint-N`, then rotate; then
-        `push` (a commit message from `HubPush.begin_push`) queues the uploads of the complete folder."""
-        tmp, final = self.open_folder(snapshot.step)
+    def write(self, checkpoint: Checkpoint, push: str | None = None) -> None:
+        """The atomic protocol: the format writes into `.tmp-checkpoint-N`, then fsync, rename to `checkpoint-N`,
+        rotate; then `push` (a commit message from the uploader's `begin_push`) queues the uploads of the complete
+        folder."""
+        tmp, final = self.open_folder(checkpoint.step)
         try:
-            self.write_files(snapshot, tmp)
+            self.write_checkpoint(checkpoint, tmp)
             self.context.accelerator.wait_for_everyone()
-            self.close_folder(snapshot, tmp, final)
+            self.close_folder(tmp, final)
         except BaseException:
             self.discard_folder(tmp)
             raise
@@ -188,13 +228,11 @@ class AtomicSaves:
         self.context.accelerator.wait_for_everyone()
         return tmp, final
 
-    def close_folder(self, snapshot: Snapshot, tmp: str, final: str) -> None:
-        """Once every process has written its files: the states (`loopkit_state.json` last: it marks the folder
-        complete), fsync, and the rename that makes it a checkpoint. No collective: it may run on a writer thread."""
+    def close_folder(self, tmp: str, final: str) -> None:
+        """Once every process has written its files: fsync, and the rename that makes the folder a checkpoint. No
+        collective: it may run on a writer thread."""
         if not self.writes_files:
             return
-        files.write_text(os.path.join(tmp, TRAINER_STATE_NAME), snapshot.trainer_state_json)
-        files.write_text(os.path.join(tmp, LOOPKIT_STATE_NAME), snapshot.stage_states_json)  # written last
         files.fsync_tree(tmp)
         if os.path.isdir(final):
             self.replace_existing(final, tmp)

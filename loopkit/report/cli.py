@@ -21,7 +21,13 @@ def main(argv=None) -> int:
     report_cmd.add_argument("run_dir")
     report_cmd.add_argument("--force", action="store_true", help="rebuild from the newest checkpoint and write "
                             "over the run's own run_report.* (otherwise a rebuilt report goes beside it)")
+    report_cmd.add_argument("--storage", metavar="MODULE:CLASS", help="the checkpoint storage that wrote RUN_DIR, "
+                            "when it is not a built-in one (HFStorage, DCPStorage)")
     args = parser.parse_args(argv)
+    if args.storage:
+        from ..checkpoint import register_format
+
+        register_format(args.storage)
     report, own = report_from_files(args.run_dir, args.force)
     if own:  # the run's own report: printed, its charts drawn again, its files left as the run wrote them
         report["charts"] = charts_drawn(report, args.run_dir)

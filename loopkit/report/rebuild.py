@@ -3,7 +3,6 @@ save numbers, never file times), else one rebuilt from that checkpoint and `run_
 
 from __future__ import annotations
 
-import json
 import os
 
 from .files import REPORT_NAME, STATUS_JSON, read_json
@@ -59,14 +58,10 @@ def report_from_files(run_dir: str, force: bool = False) -> tuple[dict, bool]:
 def report_from_checkpoint(run_dir: str, checkpoint: str) -> dict:
     """The report as far as `checkpoint` knows the run. Without a run record (HF Trainer's checkpoints, loopkit's
     before it had one) the time and the metric name are unknown, and the report says so."""
-    from ..checkpoint import LOOPKIT_STATE_NAME, TRAINER_STATE_NAME
+    from ..checkpoint import read_states  # through the checkpoint's format (any storage's)
 
-    with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as f:
-        state = json.load(f)
-    record = None
-    if os.path.isfile(os.path.join(checkpoint, LOOPKIT_STATE_NAME)):
-        with open(os.path.join(checkpoint, LOOPKIT_STATE_NAME)) as f:
-            record = json.load(f).get(RUN_RECORD_KEY)
+    state, loopkit_state = read_states(checkpoint)
+    record = loopkit_state.get(RUN_RECORD_KEY)
     step = state["global_step"]
     segments = record["segments"] if record else [{"from_step": 0, "to_step": step, "seconds": None,
                                                   "phase_seconds": None}]

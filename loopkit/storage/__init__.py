@@ -20,7 +20,7 @@ def __getattr__(name):
 def run_storage(storage, stage_options: dict):
     """The run's checkpoint storage: `storage`, or the default one with the options `EvalStage` was given (the
     earlier place of `async_save`, `on_save_error` and `best_total_limit`, still accepted)."""
-    from ..args import config_error
+    from ..errors import config_error
     from .base import CheckpointStorage
     from .hf import HFStorage
 

@@ -1,4 +1,6 @@
-"""`CheckpointStorage`: what a run needs from the storage of its checkpoints, as one interface.
+"""`CheckpointStorage`: what a run needs from the storage of its checkpoints, as one object: the POLICY (written
+once, loopkit/checkpoint/) on top of a FORMAT (a handful of methods each storage implements:
+loopkit/checkpoint/format.py, docs/checkpoints.md "Writing another storage").
 
 The user picks the storage: `Loop(..., storage=HFStorage(async_save=True))` (the default, `HFStorage()`: HF
 Trainer's layout, loopkit/storage/hf.py) or `storage=DCPStorage(...)` (torch.distributed.checkpoint,
@@ -11,17 +13,15 @@ loopkit/storage/dcp.py). The `Loop` attaches it to the run (`attach`), and every
     loop       read_trainer_state(folder), read_stage_states(folder), save(stage_states) -> path, wait_quietly(),
                finish_uploads(), last_saved_step
     schedule   save (through the Loop), rng_for_next_save
-    guards     resolve(resume_from_checkpoint), read_trainer_state(folder), last_saved_step
+    guards     resolve(resume_from_checkpoint), read_trainer_state(folder), last_checkpoint(), last_saved_step
     teardown   wait(), load_best_model(folder), own_checkpoints(), keep_only_best()
-    API        writes_files (`save_on_each_node`), hub (push_to_hub)
+    API        writes_files (`save_on_each_node`), hub (the uploads a `Loop` registers: `upload_with`)
 
-What every storage shares (the checkpoint-<step> folders and their guarantees) is implemented here once, from
-loopkit/checkpoint/: the run lineage (lineage.py: run ids and save numbers, other runs' folders kept), the atomic
-write (writing.py: a hidden temporary folder, fsync, rename; `async_save`; `on_save_error`), rotation
-(rotation.py: `save_total_limit`, the best kept, `best_total_limit`), resuming (reading.py) and the RNG files
-(rng.py). A storage decides the layout of the weights and the optimizer inside the folder: the abstract methods
-below. The FSDP and DeepSpeed paths are the HF layout's (they write Accelerate's folders); DCP handles plain, DDP
-and FSDP2 models itself.
+The policy: the run lineage (lineage.py: run ids and save numbers, other runs' folders kept), the atomic write
+(writing.py: a hidden temporary folder, fsync, rename; `async_save`; `on_save_error`), rotation (rotation.py:
+`save_total_limit`, the best kept, `best_total_limit`) and resuming (reading.py). The format: `recognises`,
+`read_states`, `checkpoint_problem`, `write_checkpoint`, `read_process_state`, `load_model_before_prepare`,
+`load_optimizer_and_scheduler`, `load_best_model` (and optionally `states_to_save`).
 
 Options (all storages): `async_save=True` writes on a background thread while training goes on;
 `on_save_error` ("raise", "continue", "stop") is what a failed save does after its temporary folder is removed and
@@ -31,18 +31,26 @@ the previous checkpoint left as it was; `best_total_limit=k` keeps the k best ch
 
 from __future__ import annotations
 
-import abc
-
+from ..checkpoint.format import Checkpoint, CheckpointFormat, ProcessState  # noqa: F401 (a storage's vocabulary)
 from ..checkpoint.lineage import RunLineage
 from ..checkpoint.reading import Resuming
 from ..checkpoint.rotation import Rotation
-from ..checkpoint.writing import SAVE_ERROR_POLICIES, AtomicSaves, Snapshot
+from ..checkpoint.writing import SAVE_ERROR_POLICIES, AtomicSaves, Snapshot  # noqa: F401 (Snapshot: earlier name)
+from ..errors import config_error
+
+# Methods of loopkit's earlier storage protocol, and what replaced them: a subclass that still defines one is
+# refused when it is defined, with the new method named (the base class no longer calls the old ones).
+REPLACED_METHODS = {
+    "take_snapshot": "states_to_save() (the model's and optimizer's states; the policy collects the rest)",
+    "write_files": "write_checkpoint(checkpoint, folder) (it writes the whole checkpoint, state files included)",
+    "common_snapshot": "the policy's collect(stage_states), which builds the whole Checkpoint",
+    "write_common_files": "write_checkpoint (HF's state files: loopkit.checkpoint.state_files.write_state_files)",
+    "holds_model_weights": "recognises(path)",
+}
 
 
 def check_options(on_save_error: str, best_total_limit: int | None) -> None:
     """A clear error, naming the option, for a value no storage takes."""
-    from ..args import config_error
-
     if on_save_error not in SAVE_ERROR_POLICIES:
         raise config_error("on_save_error", on_save_error, f"it must be one of {SAVE_ERROR_POLICIES}",
                            "pick one of those")
@@ -51,12 +59,18 @@ def check_options(on_save_error: str, best_total_limit: int | None) -> None:
                            "pass a positive integer, or None for HF's single protected best")
 
 
-class CheckpointStorage(RunLineage, AtomicSaves, Rotation, Resuming, abc.ABC):
-    """Where and how a run's checkpoints are written and read (module docstring). Subclasses implement the layout:
-    `take_snapshot`, `write_files`, `load_model_before_prepare`, `load_optimizer_and_scheduler`, `load_best_model`,
-    `holds_model_weights` and `checkpoint_problem`."""
+class CheckpointStorage(RunLineage, AtomicSaves, Rotation, Resuming, CheckpointFormat):
+    """Where and how a run's checkpoints are written and read (module docstring). Subclasses implement the format
+    (loopkit/checkpoint/format.py's `CheckpointFormat`); the policy comes with this class."""
 
     run = context = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for old, new in REPLACED_METHODS.items():
+            if old in vars(cls):
+                raise TypeError(f"{cls.__name__}.{old}: loopkit's storage protocol no longer has {old}(); "
+                                f"implement {new} instead (docs/checkpoints.md, 'Writing another storage').")
 
     def __init__(self, *, async_save: bool = False, on_save_error: str = "raise",
                  best_total_limit: int | None = None):
@@ -70,45 +84,8 @@ class CheckpointStorage(RunLineage, AtomicSaves, Rotation, Resuming, abc.ABC):
     def attach(self, run, context) -> "CheckpointStorage":
         """Serve `run`, with the services of `context` (the `Loop` calls this once). A storage serves one run: it
         holds that run's lineage."""
-        from ..args import config_error
-
         if self.run is not None and self.run is not run:
             raise config_error("storage", self, "this storage object already serves another Loop",
                                f"pass a new {type(self).__name__}(...) to each Loop")
-        from ..trainer.hub import HubPush
-
         self.run, self.context = run, context
-        self.hub = HubPush(run, context)  # push_to_hub: the uploads of complete checkpoints (loopkit/trainer/hub.py)
         return self
-
-    # -- the layout: what a storage implements --
-    @abc.abstractmethod
-    def take_snapshot(self, stage_states: dict) -> Snapshot:
-        """At the step boundary, on the training thread: what the save writes (`common_snapshot` plus the
-        layout's model and optimizer state; host copies when `async_save`)."""
-
-    @abc.abstractmethod
-    def write_files(self, snapshot: Snapshot, folder: str) -> None:
-        """Every process: write the snapshot's files into the temporary `folder` (the common ones through
-        `write_common_files`). The states, fsync and rename follow (`close_folder`)."""
-
-    @abc.abstractmethod
-    def load_model_before_prepare(self, model, checkpoint: str) -> None:
-        """Resuming: the weights a model needs before `accelerator.prepare` (nothing, if loaded after)."""
-
-    @abc.abstractmethod
-    def load_optimizer_and_scheduler(self, checkpoint: str) -> None:
-        """Resuming, after `accelerator.prepare`, on every process: what loads into prepared objects (sharded
-        weights, the optimizer, the scheduler, the scaler)."""
-
-    @abc.abstractmethod
-    def load_best_model(self, checkpoint: str) -> None:
-        """`load_best_model_at_end`: the weights of `checkpoint` into the run's model (every process)."""
-
-    @abc.abstractmethod
-    def holds_model_weights(self, path: str) -> bool:
-        """Whether folder `path` holds weights this storage can load (a quick look, before `checkpoint_problem`)."""
-
-    @abc.abstractmethod
-    def checkpoint_problem(self, path: str) -> str | None:
-        """Why `path` cannot be resumed from (a damaged or missing file, named), or None."""

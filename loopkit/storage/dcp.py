@@ -1,10 +1,10 @@
 """`DCPStorage`: checkpoints through PyTorch's distributed checkpoint (torch.distributed.checkpoint, DCP), the engine
 large runs use: every process writes its own shards (nothing is gathered), `async_save=True` stages the state in
-host memory at the step boundary and writes it on a background thread while training goes on (`dcp.async_save`;
-in one process `dcp.save` of a host copy on loopkit's writer thread, where torch's one-process notice is silenced),
-and a checkpoint loads at any number of processes, sharded or not (DCP reshards on load). Plain, DDP and FSDP2
-models alike: the state is taken with torch's `get_state_dict` (parameter names without wrapper prefixes; FSDP2's
-DTensor shards as they are).
+host memory on a thread while the next step runs and writes it on a background thread while training goes on (the
+policy's staging and writer threads: `dcp.save` of the host copies, with several processes on a gloo group of its
+own), and a checkpoint loads at any number of processes, sharded or not (DCP reshards on load). Plain, DDP and
+FSDP2 models alike: the state is taken with torch's `get_state_dict` (parameter names without wrapper prefixes;
+FSDP2's DTensor shards as they are).
 
 The folder is the HF layout's with the weights and the optimizer replaced by one DCP folder:
 
@@ -12,10 +12,11 @@ The folder is the HF layout's with the weights and the optimizer replaced by one
     checkpoint-<step>/config.json     the model's config (and the processing class's files), for conversion
     scheduler.pt, scaler.pt, rng_state[_<rank>].pth, trainer_state.json, loopkit_state.json (as in the HF layout)
 
-Everything else is `CheckpointStorage`'s: the run lineage, rotation and the best checkpoints, the atomic protocol
-(the DCP folder is written inside the hidden `.tmp-checkpoint-<step>`, which gets its name only once the metadata
-is written, fsynced and the states are written: a kill during a save, synchronous or not, leaves the previous
-checkpoint the newest complete one).
+Everything else is `CheckpointStorage`'s policy: the run lineage, rotation and the best checkpoints, the atomic
+protocol (the DCP folder is written inside the hidden `.tmp-checkpoint-<step>`, which gets its name only once every
+process has written, the metadata is written and everything is fsynced: a kill during a save, synchronous or not,
+leaves the previous checkpoint the newest complete one), and `async_save` (the host copies and the writer thread).
+This class is the format only: the same public methods `HFStorage` implements.
 
 Reading unpickles nothing loopkit did not write: DCP folders are read only through `loopkit.dcp_reading.read_dcp`
 (metadata through a restricted unpickler that admits DCP's metadata classes only, values with
@@ -32,38 +33,29 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import threading
 
 import torch
 
-from ..checkpoint import (OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, read_trainer_state,
-                          safe_torch_load, save_state_file)
-from ..checkpoint.writing import copy_to_cpu
+from ..checkpoint import (OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, safe_torch_load,
+                          save_state_file)
+from ..checkpoint.format import Checkpoint, ProcessState
+from ..checkpoint.state_files import (read_loopkit_state_file, read_process_files, read_state_files,
+                                      write_state_files)
 from ..dcp_reading import UnsafeCheckpointError, distributed, load_metadata, one_process_quiet, read_dcp
-from .base import CheckpointStorage, Snapshot
+from ..distributed import unwrap_model
+from ..errors import config_error
+from .base import CheckpointStorage
 
 DCP_FOLDER = "dcp"
 
 
-def save_dcp(state: dict, folder: str) -> None:
-    """`dcp.save` into `folder`: collective with a process group; in one process without torch's notice that it
-    assumes one (loopkit knows)."""
+def save_dcp(state: dict, folder: str, process_group=None) -> None:
+    """`dcp.save` into `folder`: collective with a process group (`process_group`, else the default one); in one
+    process without torch's notice that it assumes one (loopkit knows)."""
     import torch.distributed.checkpoint as dcp
 
     with one_process_quiet():
-        dcp.save(state, checkpoint_id=folder, no_dist=not distributed())
-
-
-class OneProcessWrite:
-    """An asynchronous save's write in one process: `save_dcp` of the host copies, called by `result()` on the
-    writer thread (what `dcp.async_save`'s future is with several processes)."""
-
-    def __init__(self, state: dict, folder: str):
-        self.state, self.folder = state, folder
-
-    def result(self) -> None:
-        save_dcp(self.state, self.folder)
-        self.state = None
+        dcp.save(state, checkpoint_id=folder, no_dist=not distributed(), process_group=process_group)
 
 
 def own_class(model) -> type:
@@ -87,10 +79,7 @@ class DCPStorage(CheckpointStorage):
     `async_save` (here also with several processes: the writer's collectives run on a process group of their
     own), `on_save_error`, `best_total_limit`."""
 
-    checkpoint_group = None  # the gloo process group of asynchronous saves (several processes)
-
     def start(self, resume_from_checkpoint) -> str | None:
-        from ..args import config_error
         from ..distributed import active_engine
 
         if active_engine(self.context.accelerator) == "DeepSpeed":
@@ -102,28 +91,33 @@ class DCPStorage(CheckpointStorage):
                                "use a shared file system with save_on_each_node=False, or the default storage")
         return super().start(resume_from_checkpoint)
 
-    # -- writing --
-    def state_to_save(self) -> dict:
+    # -- the format: any folder --
+    def recognises(self, path: str) -> bool:
+        return os.path.isfile(os.path.join(path, DCP_FOLDER, ".metadata"))
+
+    def read_states(self, path: str) -> tuple[dict, dict]:
+        return read_state_files(path)
+
+    def read_loopkit_state(self, path: str) -> dict:
+        return read_loopkit_state_file(path)
+
+    # -- the format: writing --
+    def states_to_save(self) -> tuple[dict, dict | None]:
         """The model's (and, unless `save_only_model`, the optimizer's) state as DCP saves it: torch's
-        `get_state_dict`, the same names for plain, DDP and FSDP2 models."""
+        `get_state_dict`, the same names for plain, DDP and FSDP2 models (every process: its own shards)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         run = self.run
         if run.args.save_only_model or run.optimizer is None:
-            return {"model": get_model_state_dict(run.model_wrapped)}
-        model_state, optimizer_state = get_state_dict(run.model_wrapped, getattr(run.optimizer, "optimizer",
-                                                                                  run.optimizer))
-        return {"model": model_state, "optimizer": optimizer_state}
-
-    def take_snapshot(self, stage_states: dict) -> Snapshot:
-        return self.common_snapshot(stage_states)  # the weights are read by `write_files` or staged by DCP
+            return get_model_state_dict(run.model_wrapped), None
+        return get_state_dict(run.model_wrapped, getattr(run.optimizer, "optimizer", run.optimizer))
 
     def write_model_description(self, folder: str) -> None:
         """The model's config and the processing class's files, for `convert-dcp` (the writing process only)."""
         run, context = self.run, self.context
         if not self.writes_files:
             return
-        model = context.accelerator.unwrap_model(run.model_wrapped, keep_torch_compile=False)
+        model = unwrap_model(context.accelerator, run.model_wrapped, keep_torch_compile=False)
         config = getattr(model, "config", None)
         if hasattr(config, "save_pretrained"):
             config = copy.copy(config)
@@ -132,56 +126,20 @@ class DCPStorage(CheckpointStorage):
         if hasattr(run.processing_class, "save_pretrained"):
             run.processing_class.save_pretrained(folder)
 
-    def write_files(self, snapshot: Snapshot, folder: str) -> None:
+    def write_checkpoint(self, checkpoint: Checkpoint, folder: str) -> None:
+        """The model description and the state files, then DCP's folder (collective: every process its shards,
+        rank 0 the metadata once all have written)."""
         self.write_model_description(folder)
-        self.write_common_files(snapshot, folder)
-        save_dcp(self.state_to_save(), os.path.join(folder, DCP_FOLDER))
+        write_state_files(checkpoint, folder, self.run.args)
+        state = {"model": checkpoint.model_state}
+        if checkpoint.optimizer_state is not None:
+            state["optimizer"] = checkpoint.optimizer_state
+        save_dcp(state, os.path.join(folder, DCP_FOLDER), checkpoint.process_group)
 
-    def start_background_write(self, snapshot: Snapshot, push: str | None) -> threading.Thread | None:
-        """`async_save`: on the training thread, the folder, the small files and the staging (host copies: DCP's
-        with several processes, `copy_to_cpu` in one); then a thread waits for (or, in one process, makes) DCP's
-        write and, on the writing process, closes the folder (states, fsync, rename) and rotates. DCP's
-        coordinator (rank 0) finishes only once every rank has written its shards."""
-        import torch.distributed.checkpoint as dcp
+    # -- the format: reading --
+    def read_process_state(self, path: str) -> ProcessState:
+        return read_process_files(path, self.context.accelerator)
 
-        tmp, final = self.open_folder(snapshot.step)
-        try:
-            self.write_model_description(tmp)
-            self.write_common_files(snapshot, tmp)
-            path = os.path.join(tmp, DCP_FOLDER)
-            if distributed():
-                future = dcp.async_save(self.state_to_save(), checkpoint_id=path, process_group=self.async_group())
-            else:  # a thread of ours, so that torch's one-process notice is silenced on the thread that saves
-                future = OneProcessWrite(copy_to_cpu(self.state_to_save()), path)
-        except Exception as exc:
-            self.discard_folder(tmp)
-            self.report_failure(snapshot, exc)
-            return None
-        writer = threading.Thread(target=self.finish_in_background, args=(future, snapshot, tmp, final, push),
-                                  daemon=False)
-        writer.start()
-        return writer
-
-    def async_group(self):
-        """A gloo group for the writer thread's collectives, apart from training's (created once, by every
-        process at the same save)."""
-        if self.checkpoint_group is None:
-            import torch.distributed as dist
-
-            self.checkpoint_group = dist.new_group(backend="gloo")
-        return self.checkpoint_group
-
-    def finish_in_background(self, future, snapshot: Snapshot, tmp: str, final: str, push: str | None) -> None:
-        try:
-            future.result()
-            self.close_folder(snapshot, tmp, final)
-        except Exception as exc:  # handed to the training thread at the next save or at the end
-            self.discard_folder(tmp)
-            self.writer_error = (snapshot, exc)
-            return
-        self.after_save(final, push)
-
-    # -- reading --
     def load_model_before_prepare(self, model, checkpoint: str) -> None:
         """Nothing: DCP loads into the prepared (possibly sharded) model, in `load_optimizer_and_scheduler`."""
 
@@ -220,17 +178,14 @@ class DCPStorage(CheckpointStorage):
         read_dcp(state, os.path.join(checkpoint, DCP_FOLDER))
         set_model_state_dict(model, state["model"])
 
-    def holds_model_weights(self, path: str) -> bool:
-        return os.path.isfile(os.path.join(path, DCP_FOLDER, ".metadata"))
-
     def checkpoint_problem(self, path: str) -> str | None:
         """The trainer state parses, the DCP metadata loads (restricted) and every data file it names is there
         and long enough."""
         try:
-            read_trainer_state(path)
+            read_state_files(path)
         except RuntimeError as exc:
             return str(exc)
-        if not self.holds_model_weights(path):
+        if not self.recognises(path):
             return (f"it has no {DCP_FOLDER}/.metadata (not written by DCPStorage: resume it with "
                     f"storage=HFStorage(), or convert it)")
         try:

@@ -13,12 +13,17 @@ import os
 
 from .. import checkpoint as files  # the file operations, looked up at call time (the kill tests wrap them there)
 from ..checkpoint.durable import EarlyFlush, FlushWhileWriting, safe_torch_load
-from ..checkpoint.lineage import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME
+from ..checkpoint.engines import (check_deepspeed_resumable, full_state_dict_saved, load_deepspeed_checkpoint,
+                                  load_engine_model, load_optimizer_state, model_loads_after_prepare,
+                                  save_engine_state)
+from ..checkpoint.format import Checkpoint, ProcessState
+from ..checkpoint.lineage import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from ..checkpoint.model_files import holds_model_weights, load_model_weights
+from ..checkpoint.state_files import (read_loopkit_state_file, read_process_files, read_state_files,
+                                      write_state_files)
 from ..checkpoint.validation import checkpoint_problem
-from ..checkpoint.writing import Snapshot, copy_to_cpu
-from ..distributed import (active_engine, check_deepspeed_resumable, full_state_dict_saved, load_deepspeed_checkpoint,
-                           load_engine_model, load_optimizer_state, model_loads_after_prepare, save_engine_state)
+from ..distributed import active_engine, unwrap_model
+from ..errors import config_error
 from .base import CheckpointStorage
 
 
@@ -28,39 +33,54 @@ class HFStorage(CheckpointStorage):
 
     def start(self, resume_from_checkpoint) -> str | None:
         if self.async_save and self.context.accelerator.num_processes > 1:
-            from ..args import config_error
-
             raise config_error("async_save", True, "HFStorage's asynchronous saving supports one process only",
                                "use DCPStorage(async_save=True) under a distributed launch, or async_save=False")
         return super().start(resume_from_checkpoint)
 
-    def take_snapshot(self, stage_states: dict) -> Snapshot:
+    # -- the format: any folder --
+    def recognises(self, path: str) -> bool:
+        return os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)) or holds_model_weights(path)
+
+    def read_states(self, path: str) -> tuple[dict, dict]:
+        return read_state_files(path)
+
+    def read_loopkit_state(self, path: str) -> dict:
+        return read_loopkit_state_file(path)
+
+    def checkpoint_problem(self, path: str) -> str | None:
+        return checkpoint_problem(path)
+
+    # -- the format: inside a run --
+    def states_to_save(self) -> tuple[dict | None, dict | None]:
+        """The optimizer's state (not under FSDP / DeepSpeed, whose own paths write it); the model's only for an
+        asynchronous save (a synchronous one writes the live weights through `save_pretrained`)."""
         run, acc = self.run, self.context.accelerator
-        copy = copy_to_cpu if self.async_save else (lambda x: x)
-        unwrapped = acc.unwrap_model(run.model_wrapped, keep_torch_compile=False)
         sharded = active_engine(acc) is not None  # FSDP / DeepSpeed: the optimizer is written by their own path
         with_optimizer = not run.args.save_only_model and self.writes_files and not sharded
-        return self.common_snapshot(
-            stage_states, model_state=copy(unwrapped.state_dict()) if self.async_save else None,
-            optimizer=copy(run.optimizer.state_dict()) if with_optimizer else None)
+        model = unwrap_model(acc, run.model_wrapped, keep_torch_compile=False).state_dict() if self.async_save \
+            else None
+        return model, run.optimizer.state_dict() if with_optimizer else None
 
-    def write_files(self, snapshot: Snapshot, folder: str) -> None:
+    def write_checkpoint(self, checkpoint: Checkpoint, folder: str) -> None:
         run, acc = self.run, self.context.accelerator
         early = EarlyFlush(folder)
         try:
             if full_state_dict_saved(acc):  # all but FSDP's SHARDED_STATE_DICT: one model.safetensors
                 files.save_model_files(run.model_wrapped, acc, folder, run.processing_class,
-                                       state_dict=snapshot.model_state, writer=self.writes_files)
+                                       state_dict=checkpoint.model_state, writer=checkpoint.writes_files)
             if active_engine(acc) is not None:  # FSDP / DeepSpeed: Accelerate's paths, on every process
                 save_engine_state(run, self.context, folder, with_optimizer=not run.args.save_only_model)
             early.flush_new_files()  # the weights reach the disk while the optimizer state is serialised
-            if snapshot.optimizer is not None:
+            if checkpoint.optimizer_state is not None:
                 path = os.path.join(folder, OPTIMIZER_NAME)
                 with FlushWhileWriting(path):
-                    files.save_state_file(snapshot.optimizer, path)
-            self.write_common_files(snapshot, folder)
+                    files.save_state_file(checkpoint.optimizer_state, path)
+            write_state_files(checkpoint, folder, run.args)
         finally:
             early.wait()
+
+    def read_process_state(self, path: str) -> ProcessState:
+        return read_process_files(path, self.context.accelerator)
 
     def load_model_before_prepare(self, model, checkpoint: str) -> None:
         check_deepspeed_resumable(self.context.accelerator, checkpoint)
@@ -85,13 +105,7 @@ class HFStorage(CheckpointStorage):
                 active_engine(context.accelerator) == "DeepSpeed":  # the engine's checkpoint, as HF's _load_best_model
             load_deepspeed_checkpoint(run.model_wrapped, checkpoint)
             return
-        load_model_weights(context.accelerator.unwrap_model(run.model_wrapped), checkpoint)
-
-    def holds_model_weights(self, path: str) -> bool:
-        return holds_model_weights(path)
-
-    def checkpoint_problem(self, path: str) -> str | None:
-        return checkpoint_problem(path)
+        load_model_weights(unwrap_model(context.accelerator, run.model_wrapped), checkpoint)
 
 
 def Checkpointer(run, context, **options) -> HFStorage:

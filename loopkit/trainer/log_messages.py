@@ -19,6 +19,8 @@ import sys
 import torch
 from transformers.utils import logging as hf_logging
 
+from ..distributed import unwrap_model
+
 logger = hf_logging.get_logger("transformers.trainer")
 
 
@@ -102,7 +104,7 @@ def log_model_save(run, context, output_dir=None, checkpoint: str | None = None)
     if checkpoint:
         output_dir = os.path.join(run.args.output_dir, checkpoint)
     logger.info(f"Saving model checkpoint to {output_dir or run.args.output_dir}")
-    model = context.accelerator.unwrap_model(run.model_wrapped if run.model_wrapped is not None else run.model)
+    model = unwrap_model(context.accelerator, run.model_wrapped if run.model_wrapped is not None else run.model)
     # A transformers model exists only once its module is imported; importing it for a plain module would import
     # transformers' quantizers (and torchao, noisily) for nothing.
     modeling = sys.modules.get("transformers.modeling_utils")

@@ -127,7 +127,7 @@ def weights_from_engine_checkpoint(folder: str) -> dict:
     every torch.load it makes held to weights_only=True (loopkit's reader of DeepSpeed checkpoints)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from loopkit.distributed import deepspeed_state_classes, weights_only_loads
+    from loopkit.checkpoint.engines import deepspeed_state_classes, weights_only_loads
 
     with weights_only_loads(deepspeed_state_classes()):
         state = get_fp32_state_dict_from_zero_checkpoint(folder)

@@ -190,7 +190,7 @@ def resume_planted(out: str, marker: str) -> None:
 
     import torch.distributed as dist
 
-    from loopkit.distributed import FSDP_MODEL_FOLDER, FSDP_OPTIMIZER_FOLDER
+    from loopkit.checkpoint.engines import FSDP_MODEL_FOLDER, FSDP_OPTIMIZER_FOLDER
 
     run_training(out, "sharded", 1, sharded=True, save_at=SAVE_AT)
     rank = int(os.environ["RANK"])

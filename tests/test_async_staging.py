@@ -1,0 +1,122 @@
+"""An asynchronous save copies the model's and the optimizer's states to host memory on a staging thread, while the
+next step's forward and backward run (loopkit/checkpoint/staging.py): the optimizer's next step waits for that copy,
+and the buffers a forward writes are copied at the step boundary. With the staging thread slowed down, the checkpoint
+still holds the weights, buffers and optimizer state of its own step, for both storages."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import regression_data
+from loopkit import Loop, LoopArgs
+from loopkit.checkpoint import staging
+from loopkit.storage import DCPStorage, HFStorage
+from transformers import TrainerCallback
+
+
+class NormedRegression(nn.Module):
+    """A linear regression behind a BatchNorm: its running statistics are buffers every training forward writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.linear = nn.BatchNorm1d(2), nn.Linear(2, 1)
+
+    def forward(self, x, labels=None):
+        prediction = self.linear(self.norm(x)).squeeze(-1)
+        return {"loss": nn.functional.mse_loss(prediction, labels), "logits": prediction}
+
+
+class AtSave(TrainerCallback):
+    """The model's and the optimizer's states as they are when each save returns (before the next step)."""
+
+    def __init__(self):
+        self.saved, self.position = {}, None
+
+    def on_save(self, args, state, control, model=None, optimizer=None, **kwargs):
+        inner = getattr(optimizer, "optimizer", optimizer)
+        params = [p for group in inner.param_groups for p in group["params"]]
+        self.position = next(i for i, p in enumerate(params) if p is model.linear.weight)  # its number in optimizer.pt
+        self.saved[state.global_step] = ({k: v.detach().clone() for k, v in model.state_dict().items()},
+                                         {k: v.detach().clone() for k, v in inner.state[model.linear.weight].items()})
+
+
+@pytest.fixture
+def slow_staging(monkeypatch):
+    """The staging thread's copies each take a while: without the hold, the optimizer would run ahead of them."""
+    copy = staging.copy_to_cpu
+
+    def slow(obj):
+        if threading.current_thread().name == "loopkit-checkpoint-staging":
+            time.sleep(0.3)
+        return copy(obj)
+
+    monkeypatch.setattr(staging, "copy_to_cpu", slow)
+
+
+def saved_states(storage, path, position):
+    if isinstance(storage, DCPStorage):
+        from loopkit.storage.dcp import read_whole_state
+
+        whole = read_whole_state(path)
+        return whole["model"], whole["optimizer"]["state"]["linear.weight"]
+    from safetensors.torch import load_file
+
+    from loopkit.checkpoint import safe_torch_load
+
+    return load_file(os.path.join(path, "model.safetensors")), safe_torch_load(os.path.join(path, "optimizer.pt"))[
+        "state"][position]
+
+
+@pytest.mark.parametrize("make_storage", [HFStorage, DCPStorage], ids=["hf", "dcp"])
+def test_a_staged_save_holds_its_own_steps_state(tmp_path, slow_staging, make_storage):
+    storage, watch = make_storage(async_save=True), AtSave()
+    args = LoopArgs(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, learning_rate=0.1,
+                    save_steps=2, logging_steps=10, disable_tqdm=True, report_to="none", seed=3)
+    torch.manual_seed(0)
+    loop = Loop(model=NormedRegression(), args=args, train_dataset=regression_data(48), storage=storage,
+                callbacks=[watch])
+    loop.train()
+    assert sorted(watch.saved) == [2, 4, 6]
+    for step, (model, moments) in watch.saved.items():
+        weights, optimizer = saved_states(storage, str(tmp_path / f"checkpoint-{step}"), watch.position)
+        for name, value in model.items():
+            assert torch.equal(weights[name], value), f"checkpoint-{step}: {name} is not its step's"
+        assert torch.equal(optimizer["exp_avg"], moments["exp_avg"]), f"checkpoint-{step}: AdamW's moments moved on"
+    # the weights did move between saves: the comparison above can tell one step's state from another's
+    assert not torch.equal(watch.saved[2][0]["linear.weight"], watch.saved[4][0]["linear.weight"])
+    assert not torch.equal(watch.saved[2][0]["norm.running_mean"], watch.saved[4][0]["norm.running_mean"])
+
+
+def test_unwrapping_for_a_save_matches_accelerate_and_does_not_import_deepspeed():
+    """`distributed.unwrap_model` (what the save path calls) returns what Accelerate's `unwrap_model` does, for a plain
+    and a compiled module, and, in a fresh process where DeepSpeed is installed, does not import it (0.6 s that the
+    first save of a run paid)."""
+    import subprocess
+    import sys
+
+    from accelerate import Accelerator
+
+    from loopkit.distributed import unwrap_model
+
+    accelerator, plain = Accelerator(cpu=True), nn.Linear(2, 1)
+    compiled = torch.compile(plain)
+    for model in (plain, compiled):
+        for keep in (True, False):
+            assert unwrap_model(accelerator, model, keep_torch_compile=keep) is \
+                accelerator.unwrap_model(model, keep_torch_compile=keep)
+    code = ("import sys, importlib.util, torch; from accelerate import Accelerator; "
+            "from loopkit.distributed import unwrap_model; "
+            "unwrap_model(Accelerator(cpu=True), torch.nn.Linear(2, 1)); "
+            "print(importlib.util.find_spec('deepspeed') is not None, 'deepspeed' in sys.modules)")
+    from helpers import run_process
+
+    result = run_process([sys.executable, "-c", code], "unwrap_model in a fresh process")
+    assert result.returncode == 0, result.stderr[-2000:]
+    installed, imported = result.stdout.split()[-2:]
+    assert imported == "False", f"DeepSpeed installed: {installed}; imported by unwrapping: {imported}"
