@@ -35,12 +35,18 @@ demo: $(VENV)/.installed-demo
 test: $(VENV)/.installed-test
 	$(VENV_PYTHON) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# The slow tier's tests mostly wait on launched processes, so they run on TEST_WORKERS pytest processes
+# (pytest-xdist; a file's tests stay on one worker, which keeps each file's fixtures and fork server to itself).
+# TEST_WORKERS=0 runs them in this process, one after another.
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile
+
 test-all: $(VENV)/.installed-test
-	$(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
+	$(VENV_PYTHON) -m pytest $(PARALLEL) $(PYTEST_ARGS)
 
 # The slow tier alone: .ci/run runs `make test` (the README's command) and then this, so CI runs every test once.
 test-slow: $(VENV)/.installed-test
-	$(VENV_PYTHON) -m pytest -m slow $(PYTEST_ARGS)
+	$(VENV_PYTHON) -m pytest -m slow $(PARALLEL) $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed-bench
 	$(VENV_PYTHON) -m benchmarks $(BENCH_ARGS)

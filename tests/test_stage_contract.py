@@ -190,7 +190,7 @@ def loop_selves(tree) -> set[int]:
 
 
 def is_loop(node, selves: set[int]) -> bool:
-    """A `Loop`: `self` in its classes, or a name `loop` (a function handed the Loop, e.g. loopkit/search.py)."""
+    """A `Loop`: `self` in its classes, or a name `loop` (a function handed the Loop, e.g. loopkit/trainer/search.py)."""
     return isinstance(node, ast.Name) and (node.id == "loop" or id(node) in selves)
 
 

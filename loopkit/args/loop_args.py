@@ -145,7 +145,7 @@ class LoopArgs:
     eval_use_gather_object: bool = False
     skip_memory_metrics: bool = True
     debug: str | list = ""  # "underflow_overflow" (space-separated options), a list after __post_init__
-    # pushing to the Hugging Face Hub at saves (loopkit/hub.py)
+    # pushing to the Hugging Face Hub at saves (loopkit/trainer/hub.py)
     push_to_hub: bool = False
     hub_token: str | None = field(default=None, repr=False)  # a secret: never printed (to_dict masks it too)
     hub_private_repo: bool | None = None

@@ -27,7 +27,7 @@ Snapshot = Checkpoint  # loopkit's earlier name (the fields were renamed: see `C
 
 class NoUploads:
     """The uploads a save starts when nothing is uploaded: what a storage calls until a `Loop` registers its
-    uploader (`CheckpointStorage.upload_with`; with `push_to_hub`, loopkit/hub.py's `HubPush`)."""
+    uploader (`CheckpointStorage.upload_with`; with `push_to_hub`, loopkit/trainer/hub.py's `HubPush`)."""
 
     repo_id = None
 
@@ -60,7 +60,7 @@ class AtomicSaves:
     def upload_with(self, uploads) -> None:
         """Register what uploads complete checkpoints (`begin_push()` when a save starts, on the training thread;
         `push_checkpoint(folder, push)` once it is complete; `uploading(folder)` before rotation deletes one;
-        `wait()`). The `Loop` registers Trainer's `push_to_hub` (loopkit/hub.py) here."""
+        `wait()`). The `Loop` registers Trainer's `push_to_hub` (loopkit/trainer/hub.py) here."""
         self.hub = uploads
 
     @property

@@ -255,7 +255,7 @@ class StepStage(Stage):
 
     def overrides(self, name: str) -> bool:
         """Whether HF's overridable method `name` is not the step stage's own (a subclass's, or a `Loop`
-        subclass's bound onto this stage: loopkit/hf_methods.py)."""
+        subclass's bound onto this stage: loopkit/trainer/overridable.py)."""
         return name in vars(self) or getattr(type(self), name) is not getattr(StepStage, name)
 
     # -- loss (HF's rules: loopkit/loss.py) --

@@ -150,8 +150,8 @@ def move_into(staging: str, output_dir: str) -> None:
 
 class HubPush:
     """One `Loop`'s pushes: the repo, the uploads in flight (futures, with the folder each reads), and the rules
-    above. Owned by the checkpoint storage (loopkit/storage/), which calls `begin_push` when a save starts,
-    `push_checkpoint` once the folder is complete, and asks `uploading(folder)` before rotation deletes one."""
+    above. The `Loop` registers it with its checkpoint storage (`upload_with`), which calls `begin_push` when a save
+    starts, `push_checkpoint` once the folder is complete, and asks `uploading(folder)` before rotation deletes one."""
 
     def __init__(self, run, context):
         self.run, self.context = run, context
