@@ -338,7 +338,8 @@ def fmt_comparison(comparison: dict | None, kind: str, unit: str) -> str:
         return "n/a"
     if kind == "amount":
         text = f"{comparison['median']:.3f}x"
-        return text if comparison["n"] == 1 else f"{text} ({comparison['min']:.2f}-{comparison['max']:.2f})"
+        digits = 3 if comparison["min"] < 0.1 else 2  # a range of small ratios keeps its digits (0.006x: 0.005-0.012)
+        return text if comparison["n"] == 1 else f"{text} ({comparison['min']:.{digits}f}-{comparison['max']:.{digits}f})"
     text = f"{comparison['median']:+.3g} {unit}"
     return text if comparison["n"] == 1 else f"{text} ({comparison['min']:+.3g} to {comparison['max']:+.3g})"
 
