@@ -32,14 +32,14 @@ export TOKENIZERS_PARALLELISM := false
 demo: $(VENV)/.installed-demo
 	$(VENV_PYTHON) examples/finetune_minilm.py $(DEMO_ARGS)
 
-test: $(VENV)/.installed-test
-	$(VENV_PYTHON) -m pytest -m "not slow" $(PYTEST_ARGS)
-
-# The slow tier's tests mostly wait on launched processes, so they run on TEST_WORKERS pytest processes
-# (pytest-xdist; a file's tests stay on one worker, which keeps each file's fixtures and fork server to itself).
-# TEST_WORKERS=0 runs them in this process, one after another.
+# The tests run on TEST_WORKERS pytest processes (pytest-xdist; a file's tests stay on one worker, which keeps each
+# file's fixtures and fork server to itself): the slow tier mostly waits on the processes it launches, and the fast
+# tier's files are independent. TEST_WORKERS=0 runs them in this process, one after another.
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile
+
+test: $(VENV)/.installed-test
+	$(VENV_PYTHON) -m pytest -m "not slow" $(PARALLEL) $(PYTEST_ARGS)
 
 test-all: $(VENV)/.installed-test
 	$(VENV_PYTHON) -m pytest $(PARALLEL) $(PYTEST_ARGS)
