@@ -21,7 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import bench_compile, bench_overhead, bench_storage
+from . import bench_compile, bench_overhead, bench_storage, ladder_profile, overhead_profile
 from .bench_ladder import COMPILED, DATASETS, RUNGS
 from .harness import REPO_ROOT, fmt, fmt_comparison, median, paired_ratio, rebuilt_row, verdict
 from .report import markdown, rebuilt, with_range
@@ -281,10 +281,24 @@ def overhead_peers(results: dict) -> str:
                       f"{first['extra']['warmup_steps']} warm-up steps.", "", bench_overhead.peer_table(section)])
 
 
+def overhead_interleaved(results: dict) -> str:
+    """docs/performance.md's per-step overhead in one process (benchmarks/overhead_profile.py, interleaved): every
+    contender's CPU time per step, its difference to the hand-written loop and loopkit's to it, per round."""
+    loads = results["load_average"]
+    return "\n".join([f"Measured by `{results['command']}` on {results['cores']} cores, load average "
+                      f"{loads['min']:.1f}-{loads['max']:.1f}.", "", overhead_profile.interleaved_table(results)])
+
+
 GENERATORS = {"summary": summary_table, "overhead-peers": overhead_peers, "ladder": ladder,
+              "overhead-interleaved": overhead_interleaved, "ladder-profile": ladder_profile.markdown,
               "ladder-headline": ladder_headline, "durations": durations, "compile": compile_runs,
               "optimizer-step": optimizer_step, "chunked-loss": chunked_loss, "storage": storage,
               "environment": environment, "eval-memory": eval_memory}
+
+
+# Sections read from a results file of a benchmark's own command (not `python -m benchmarks`).
+OWN_COMMAND = {"storage": "benchmarks.bench_storage", "overhead-interleaved": "benchmarks.overhead_profile",
+               "ladder-profile": "benchmarks.ladder_profile"}
 
 
 def render(text: str) -> str:

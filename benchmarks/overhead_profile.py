@@ -14,11 +14,20 @@ the same `benchmarks.contenders.train` functions):
   machine preempted); "loop, unattributed" is what the step took beyond all the lines (the loop's own code).
   Wall time, as CPU clocks cost a system call each; the medians keep other processes' interference out.
 
-With `--before PATH`, the `loopkit` package of an earlier checkout at PATH runs as a fourth contender
-("loopkit-before"), alternated with the others: the before/after figure of a change, in one run.
+* Interleaved in one process: each round a fresh process where every contender (the hand-written loop, loopkit,
+  HF Trainer, and the peers where installed: pytorch-ignite, Lightning Fabric, Lightning's Trainer) trains once to
+  warm up, then `--passes` times in turn (raw, loopkit, hf, ignite, ...). Each run's mean CPU time per step; per
+  round, the median over the passes of each contender's difference to the hand-written loop's run of the same pass.
+  Between processes the same code runs faster or slower by up to a third (where its memory lands, the caches it
+  finds); within one process, warm, the differences hold to a few microseconds, which is what resolves tens of them.
+
+With `--before PATH`, the `loopkit` package of an earlier checkout at PATH runs as a further contender
+("loopkit-before"), alternated with the others (interleaved: in processes of its own, beside the hand-written loop):
+the before/after figure of a change, in one run.
 
     python -m benchmarks.overhead_profile                     # 5 rounds, 400 timed steps, writes results
     python -m benchmarks.overhead_profile --rounds 8 --before ../loopkit-main --out /tmp/profile
+    python -m benchmarks.overhead_profile --methods interleaved --rounds 8 --passes 3   # one method only
 
 Results: benchmarks/results/overhead_profile.json and .md (the committed run), unless `--out` says otherwise.
 """
@@ -373,8 +382,21 @@ def lockstep(spec: TrainSpec, warmup_steps: int, contenders=("raw", "loopkit"), 
             "steps": len(steps[first]), "profiles": {c: profile_result(p) for c, p in profilers.items()}}
 
 
+def interleaved(spec: TrainSpec, warmup_steps: int, contenders: list, passes: int) -> dict:
+    """Every contender in this process: one run each to warm up, then `passes` passes in turn; each run's mean
+    CPU microseconds per step (and its median step), and its logged losses."""
+    runs = {c: [] for c in contenders}
+    for _ in range(passes + 1):
+        for contender in contenders:
+            runs[contender].append(cpu_per_step(contender, spec, warmup_steps))
+    return {c: [{key: run[key] for key in ("cpu_us_per_step", "cpu_us_median_step", "logged_losses")}
+                for run in measured[1:]] for c, measured in runs.items()}
+
+
 def worker(request: dict) -> dict:
     spec = TrainSpec.from_dict(request["spec"])
+    if request["task"] == "interleaved":
+        return interleaved(spec, request["warmup_steps"], request["contenders"], request["passes"])
     if request["task"] == "profile":
         return profile(request["contender"], spec, request["warmup_steps"])
     if request["task"] == "lockstep":
@@ -400,71 +422,163 @@ def in_fresh_process(request: dict, loopkit_from: str | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(rounds: int, timed_steps: int, warmup_steps: int, before: str | None = None, say=print) -> dict:
-    """`before`: a checkout of an earlier loopkit, measured as a fourth contender ("loopkit-before")."""
+METHODS = ("fresh", "lockstep", "profile", "interleaved")
+
+
+def measure(rounds: int, timed_steps: int, warmup_steps: int, before: str | None = None, say=print,
+            methods=METHODS, passes: int = 3) -> dict:
+    """`before`: a checkout of an earlier loopkit, measured as a further contender ("loopkit-before")."""
     import tempfile
 
     spec = near_null_spec(timed_steps, warmup_steps).to_dict()
     loads = [os.getloadavg()[0]]
     contenders = CONTENDERS[:2] + (("loopkit-before",) if before else ()) + CONTENDERS[2:]
-    samples = {c: [] for c in contenders}
-    median_steps = {c: [] for c in contenders}
-    losses = {c: [] for c in contenders}
     shadow = tempfile.mkdtemp(prefix="loopkit-before-")  # holds only a link to the earlier `loopkit` package
     if before:
         os.symlink(os.path.join(os.path.abspath(before), "loopkit"), os.path.join(shadow, "loopkit"))
+
+    def run(request: dict, contender: str) -> dict:
+        request = {"spec": spec, "warmup_steps": warmup_steps, **request}
+        reply = in_fresh_process(request, shadow if contender.endswith("-before") else None)
+        loads.append(os.getloadavg()[0])
+        return reply
+
+    results = {"spec": spec, "warmup_steps": warmup_steps, "timed_steps": timed_steps, "rounds": rounds,
+               "before": before, "methods": list(methods), "profiles": {}}
+    if "fresh" in methods:
+        results.update(fresh_rounds(run, rounds, contenders, say))
+    if "lockstep" in methods:  # the hand-written loop and loopkit in one process, step by step
+        results["lockstep"] = lockstep_rounds(run, rounds, contenders[2:], say)
+    if "profile" in methods:  # each loopkit profiled in lockstep with the hand-written loop, in a process of its own
+        for contender in contenders[2:]:
+            reply = run({"task": "lockstep", "profiled": True}, contender)
+            results["profiles"][f"raw beside {contender}"] = reply["profiles"]["raw"]
+            results["profiles"][contender] = reply["profiles"]["loopkit"]
+    if "interleaved" in methods:
+        results["interleaved"] = interleaved_rounds(run, rounds, passes, bool(before), say)
+    return {**results, "load_average": {"min": min(loads), "max": max(loads)}, "cores": os.cpu_count(),
+            "command": " ".join(["python -m benchmarks.overhead_profile"] + sys.argv[1:])}
+
+
+def fresh_rounds(run, rounds: int, contenders: tuple, say) -> dict:
+    """Each contender in a fresh process, alternated round by round."""
+    samples, median_steps, losses = ({c: [] for c in contenders} for _ in range(3))
     for round_index in range(rounds):
         for contender in contenders:
-            reply = in_fresh_process({"task": "cpu", "contender": contender.replace("-before", ""), "spec": spec,
-                                      "warmup_steps": warmup_steps}, shadow if contender.endswith("-before") else None)
+            reply = run({"task": "cpu", "contender": contender.replace("-before", "")}, contender)
             samples[contender].append(reply["cpu_us_per_step"])
             median_steps[contender].append(reply["cpu_us_median_step"])
             losses[contender].append(reply["logged_losses"])
             say(f"round {round_index + 1}/{rounds} {contender}: {reply['cpu_us_per_step']:.0f} us CPU/step, median "
                 f"step {reply['cpu_us_median_step']:.0f} ({reply['wall_us_per_step']:.0f} wall), "
                 f"load {os.getloadavg()[0]:.1f}")
-        loads.append(os.getloadavg()[0])
-    # Lockstep: the hand-written loop and loopkit in one process, step by step (and the earlier loopkit likewise).
-    paired = {c: [] for c in contenders[2:]}
+    return {"cpu_us_per_step": samples, "cpu_us_median_step": median_steps, "logged_losses": losses}
+
+
+def lockstep_rounds(run, rounds: int, loopkits: tuple, say) -> dict:
+    paired = {c: [] for c in loopkits}
     for round_index in range(rounds):
         for contender in paired:
-            reply = in_fresh_process({"task": "lockstep", "spec": spec, "warmup_steps": warmup_steps},
-                                     shadow if contender.endswith("-before") else None)
+            reply = run({"task": "lockstep"}, contender)
             paired[contender].append(reply)
             say(f"lockstep round {round_index + 1}/{rounds} raw vs {contender}: median steps "
                 f"{reply['median_step_us']['raw']:.0f} and {reply['median_step_us']['loopkit']:.0f} us CPU, "
                 f"median difference {reply['median_difference_us']['loopkit']:+.1f} us, load {os.getloadavg()[0]:.1f}")
-    loads.append(os.getloadavg()[0])
-    profiles = {}  # each loopkit profiled in lockstep with the hand-written loop, in a process of its own
-    for contender in contenders[2:]:
-        reply = in_fresh_process({"task": "lockstep", "profiled": True, "spec": spec, "warmup_steps": warmup_steps},
-                                 shadow if contender.endswith("-before") else None)
-        profiles[f"raw beside {contender}"] = reply["profiles"]["raw"]
-        profiles[contender] = reply["profiles"]["loopkit"]
-    loads.append(os.getloadavg()[0])
-    return {"spec": spec, "warmup_steps": warmup_steps, "timed_steps": timed_steps, "rounds": rounds, "before": before,
-            "cpu_us_per_step": samples, "cpu_us_median_step": median_steps, "logged_losses": losses,
-            "lockstep": paired, "profiles": profiles,
-            "load_average": {"min": min(loads), "max": max(loads)}, "cores": os.cpu_count(),
-            "command": " ".join(["python -m benchmarks.overhead_profile"] + sys.argv[1:])}
+    return paired
+
+
+def interleaved_rounds(run, rounds: int, passes: int, before: bool, say) -> dict:
+    """Per round, a fresh process running every contender in turn (`interleaved`); with `before`, a second process
+    running the earlier loopkit beside the hand-written loop the same way."""
+    from .spec import PEERS, missing_peers
+
+    missing = missing_peers()
+    contenders = ["raw", "loopkit", "hf"] + [peer for peer in PEERS if peer not in missing]
+    replies = []
+    for round_index in range(rounds):
+        reply = run({"task": "interleaved", "contenders": contenders, "passes": passes}, "loopkit")
+        if before:
+            earlier = run({"task": "interleaved", "contenders": ["raw", "loopkit"], "passes": passes},
+                          "loopkit-before")
+            reply["raw beside loopkit-before"], reply["loopkit-before"] = earlier["raw"], earlier["loopkit"]
+        replies.append(reply)
+        say(f"interleaved round {round_index + 1}/{rounds}: " + ", ".join(
+            f"{c} {statistics.median(r['cpu_us_per_step'] for r in runs):.0f}" for c, runs in reply.items()) +
+            f" us CPU/step (median of {passes} passes), load {os.getloadavg()[0]:.1f}")
+    return {"contenders": contenders, "passes": passes, "peers_missing": missing, "rounds": replies}
 
 
 def markdown(results: dict) -> str:
-    lines = [f"Near-null model (16x16 linear), CPU microseconds per optimizer step, {results['rounds']} alternated "
-             f"rounds of {results['timed_steps']} timed steps, each contender in a fresh process; load average "
-             f"{results['load_average']['min']:.1f}-{results['load_average']['max']:.1f} on {results['cores']} "
-             f"cores. Per run: the mean over its timed steps (logging steps included), and its median step (robust "
-             f"to the steps other processes slowed). Then the median of the rounds (their range), and the median of "
-             f"the round-by-round differences to the hand-written loop (their range).\n"]
-    for key, title in (("cpu_us_per_step", "mean step"), ("cpu_us_median_step", "median step")):
-        lines += [cpu_table(results[key], title), ""]
-        samples = results[key]
-        if "loopkit-before" in samples:
-            diffs = [a - b for a, b in zip(samples["loopkit"], samples["loopkit-before"])]
-            lines.append(f"{title}: loopkit minus loopkit-before ({results['before']}), per round: median "
-                         f"{statistics.median(diffs):+,.0f} us/step ({min(diffs):+,.0f} to {max(diffs):+,.0f}).\n")
-    lines += [lockstep_table(results), "", profile_table(results["profiles"])]
+    lines = []
+    if "cpu_us_per_step" in results:
+        lines += [f"Near-null model (16x16 linear), CPU microseconds per optimizer step, {results['rounds']} "
+                  f"alternated rounds of {results['timed_steps']} timed steps, each contender in a fresh process; "
+                  f"load average {results['load_average']['min']:.1f}-{results['load_average']['max']:.1f} on "
+                  f"{results['cores']} cores. Per run: the mean over its timed steps (logging steps included), and "
+                  f"its median step (robust to the steps other processes slowed). Then the median of the rounds "
+                  f"(their range), and the median of the round-by-round differences to the hand-written loop (their "
+                  f"range).\n"]
+        for key, title in (("cpu_us_per_step", "mean step"), ("cpu_us_median_step", "median step")):
+            lines += [cpu_table(results[key], title), ""]
+            samples = results[key]
+            if "loopkit-before" in samples:
+                diffs = [a - b for a, b in zip(samples["loopkit"], samples["loopkit-before"])]
+                lines.append(f"{title}: loopkit minus loopkit-before ({results['before']}), per round: median "
+                             f"{statistics.median(diffs):+,.0f} us/step ({min(diffs):+,.0f} to {max(diffs):+,.0f}).\n")
+    if "interleaved" in results:
+        lines += [interleaved_table(results), ""]
+    if "lockstep" in results:
+        lines += [lockstep_table(results), ""]
+    if results.get("profiles"):
+        lines.append(profile_table(results["profiles"]))
     return "\n".join(lines) + "\n"
+
+
+OVERHEAD_GOAL_US = 50  # issue 37: loopkit at most the hand-written loop + 50 us of CPU per step
+
+
+def interleaved_differences(rounds: list, contender: str, baseline: str) -> list:
+    """Per round, the median over its passes of `contender`'s run minus `baseline`'s run of the same pass."""
+    return [statistics.median(c["cpu_us_per_step"] - b["cpu_us_per_step"]
+                              for c, b in zip(reply[contender], reply[baseline])) for reply in rounds]
+
+
+def interleaved_table(results: dict) -> str:
+    """The interleaved method's table and verdicts (`interleaved`, `interleaved_rounds`)."""
+    part = results["interleaved"]
+    rounds, names = part["rounds"], list(part["rounds"][0])
+    contenders = [c for c in names if not c.startswith("raw beside")]
+    lines = [f"Interleaved in one process ({len(rounds)} rounds, each a fresh process; in it every contender trains "
+             f"once to warm up, then {part['passes']} passes in turn, {results['timed_steps']} timed steps a run): "
+             f"each run's mean CPU us per step; per round the median over the passes of each contender's run minus "
+             f"the hand-written loop's run of the same pass (loopkit-before: its own process, beside its own "
+             f"hand-written loop runs), and of loopkit's run minus each other contender's. Then the median of the "
+             f"rounds (their range). Peers not installed: " + (", ".join(part["peers_missing"]) or "none") + ".\n",
+             "| contender | CPU us/step | minus the hand-written loop, per round | loopkit minus it, per round | "
+             "logged losses = the hand-written loop's |", "|---|---|---|---|---|"]
+    verdicts = []
+    for contender in contenders:
+        baseline = "raw beside loopkit-before" if contender == "loopkit-before" else "raw"
+        values = [statistics.median(run["cpu_us_per_step"] for run in reply[contender]) for reply in rounds]
+        over_raw = interleaved_differences(rounds, contender, baseline)
+        same = all(run["logged_losses"] == raw["logged_losses"] for reply in rounds
+                   for run, raw in zip(reply[contender], reply[baseline]))
+        versus = "" if contender in ("raw", "loopkit", "loopkit-before") else \
+            spread(interleaved_differences(rounds, "loopkit", contender))
+        lines.append(f"| {contender} | {statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f}) | "
+                     + ("" if contender == "raw" else spread(over_raw)) + f" | {versus} | "
+                     + ("yes" if same else "no") + " |")
+        if contender == "loopkit":
+            verdicts.append(f"- loopkit within {OVERHEAD_GOAL_US} us of the hand-written loop in every round: "
+                            + ("yes" if max(over_raw) <= OVERHEAD_GOAL_US else "no") + f" ({spread(over_raw)} us)")
+        elif versus:
+            ahead = max(interleaved_differences(rounds, "loopkit", contender)) < 0
+            verdicts.append(f"- loopkit below {contender} in every round: " + ("yes" if ahead else "no"))
+    return "\n".join(lines + [""] + verdicts)
+
+
+def spread(values: list) -> str:
+    return f"{statistics.median(values):+,.1f} ({min(values):+,.1f} to {max(values):+,.1f})"
 
 
 def lockstep_table(results: dict) -> str:
@@ -527,19 +641,31 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=50, help="untimed optimizer steps first")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results path, without suffix (.json and .md)")
     parser.add_argument("--before", help="a checkout of an earlier loopkit to measure beside this one")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated, of {', '.join(METHODS)} (default: all)")
+    parser.add_argument("--passes", type=int, default=3, help="interleaved: passes per process after the warm-up")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
-    results = measure(args.rounds, args.steps, args.warmup, args.before, say=lambda text: print(text, file=sys.stderr))
-    out = args.out.with_suffix("") if args.out.suffix in (".json", ".md") else args.out
+    methods = tuple(m for m in args.methods.split(",") if m)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    results = measure(args.rounds, args.steps, args.warmup, args.before, lambda text: print(text, file=sys.stderr),
+                      methods, args.passes)
+    write_results(args.out, results, markdown(results))
+    return 0
+
+
+def write_results(out: Path, results: dict, text: str) -> None:
+    """`results` to OUT.json and `text` to OUT.md (`out` with or without either suffix); `text` printed too."""
+    out = out.with_suffix("") if out.suffix in (".json", ".md") else out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
-    text = markdown(results)
     out.with_suffix(".md").write_text(text)
     print(text)
-    return 0
 
 
 if __name__ == "__main__":

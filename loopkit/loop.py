@@ -239,13 +239,13 @@ class Loop(HFMethods, TrainerAPI):
 
     def check_guards(self) -> None:
         """Preemption and non-finite values (loopkit/guards.py): act on them at an optimizer-step boundary."""
-        run, context, watch = self.run, self.context, self.context.preemption
-        step, several = run.state.global_step, context.accelerator.num_processes > 1
+        run, context, watch, acc = self.run, self.context, self.context.preemption, self.context.accelerator
+        step = run.state.global_step
         watch.checked(step, self.guard_check_every)  # what the next signal's message says
         due = step % self.guard_check_every == 0
-        if several and not due:
-            return
-        preempted = preemption_agreed(watch, context.accelerator) if several else watch.requested
+        if not due and (not watch.requested or acc.num_processes > 1):
+            return  # most steps; several processes agree on a signal at the due steps only
+        preempted = preemption_agreed(watch, acc) if acc.num_processes > 1 else watch.requested
         stop_for_nonfinite = self.step.check_nonfinite() if due else False
         if preempted or stop_for_nonfinite:
             if context.checkpointer.last_saved_step != step:

@@ -26,6 +26,7 @@ PHASES = ("setup", "compile", "data", "forward", "backward", "optimizer", "loggi
 # deviations, from the median absolute deviation), once 20 steps give a median. A step's scheduled evaluation and
 # checkpoint time is left out: it is expected, not slowness.
 SLOW_FACTOR, SLOW_SPREADS, SLOW_WARMUP = 3.0, 5.0, 20
+RECENT_STEPS = 100  # the running median's window
 MAD_TO_SIGMA = 1.4826  # the median absolute deviation of a normal distribution is 0.6745 sigma
 SCHEDULED_PHASES = ("evaluation", "checkpoint")
 TIMELINE_POINTS = 512  # the step timeline (throughput chart) keeps at most about this many points per segment
@@ -51,8 +52,9 @@ class PhaseClock:
         self.last_step_end = self.wall_started = self.wall()
         self.cpu_started = self.last_step_cpu = self.cpu()
         self.load_at_start = load_average()
-        self.recent = deque(maxlen=100)  # recent steps' seconds, scheduled evaluation/checkpoint time left out
-        self.recent_cpu_share = deque(maxlen=100)  # process CPU seconds per wall second of those steps
+        self.cores = os.cpu_count() or 1  # read once: ~70 us a call on some machines, and it is asked at every log
+        self.recent = deque(maxlen=RECENT_STEPS)  # recent steps' seconds, scheduled evaluation/checkpoint time left out
+        self.recent_cpu_share = deque(maxlen=RECENT_STEPS)  # process CPU seconds per wall second of those steps
         self.median = self.spread = self.usual_cpu_share = None
         self.threshold = math.inf  # slow_threshold(), kept with the median it comes from
         # [step, seconds since start, scheduled seconds so far], rounded when a segment is read
@@ -116,7 +118,9 @@ class PhaseClock:
             self.slow_steps.append(self.slow_step(step, seconds, work, cpu_seconds))
         self.recent.append(work)
         self.recent_cpu_share.append(cpu_seconds / seconds if seconds > 0 else 1.0)
-        if self.steps % 10 == 0 or self.median is None:
+        # The running median and spread: every 10 steps until the window is full, then every 50 (each costs
+        # ~50 us; at every 10th step that was a tenth of a small model's step on a CPU).
+        if self.median is None or self.steps % (10 if self.steps <= RECENT_STEPS else 50) == 0:
             median = self.median = statistics.median(self.recent)
             self.spread = MAD_TO_SIGMA * statistics.median([abs(s - median) for s in self.recent])
             self.usual_cpu_share = statistics.median(self.recent_cpu_share)
@@ -131,7 +135,7 @@ class PhaseClock:
     def slow_step(self, step, seconds, work, cpu_seconds) -> dict:
         """A slow step's record: its phases, and whether the machine was busy (load average above the cores) or
         the process waited (its CPU share far below the run's usual one): two syscalls, at slow steps only."""
-        load, cores = load_average(), os.cpu_count() or 1
+        load, cores = load_average(), self.cores
         phases = {p: self.totals[p] - self.totals_at_last_step[p] for p in PHASES}
         return {"step": step, "seconds": round(seconds, 6), "without_scheduled": round(work, 6),
                 "median": round(self.median, 6), "spread": round(self.spread, 6),
@@ -151,7 +155,7 @@ class PhaseClock:
         """How busy the machine was over this stretch: load averages and the process's CPU seconds per second."""
         wall = self.wall() - self.wall_started
         cpu = self.cpu() - self.cpu_started
-        load_end, cores = load_average(), os.cpu_count() or 1
+        load_end, cores = load_average(), self.cores
         loads = [x for x in (self.load_at_start, load_end) if x is not None]
         return {"cores": cores, "load_average_start": self.load_at_start, "load_average_end": load_end,
                 "cpu_seconds_per_second": round(cpu / wall, 3) if wall > 0 else None,

@@ -273,3 +273,49 @@ def test_loopkit_is_ahead_of_every_peer_only_where_every_round_against_every_pee
     assert peers_verdict(row([12.0, 12.5], [13.0, 12.0], other_work)) == (
         "no: no verdict against pytorch-ignite: not the same work")
     assert peers_verdict(comparison_row("no peers", "us/step", {"raw": [1.0], "loopkit": [1.1]})) == "no peer ran"
+
+
+def interleaved_results(loopkit_runs, ignite_runs, losses=((1.0,), (1.0,))):
+    """Two rounds of the overhead profile's interleaved method: raw at 400 us a run, two passes each."""
+    def runs(values, logged=(1.0,)):
+        return [{"cpu_us_per_step": v, "cpu_us_median_step": v, "logged_losses": list(logged)} for v in values]
+
+    rounds = [{"raw": runs([400.0, 410.0]), "loopkit": runs(loopkit_runs[i], losses[i]), "ignite": runs(ignite_runs[i])}
+              for i in range(2)]
+    return {"timed_steps": 400, "interleaved": {"passes": 2, "peers_missing": {}, "rounds": rounds}}
+
+
+def test_the_overhead_profiles_interleaved_verdicts_need_every_round():
+    from benchmarks.overhead_profile import interleaved_table
+
+    table = interleaved_table(interleaved_results([[420.0, 440.0], [430.0, 450.0]], [[450.0, 460.0], [460.0, 470.0]]))
+    # per round: the median over its passes of loopkit's run minus raw's (20, 30 -> 25; 30, 40 -> 35)
+    assert "| loopkit | 435 (430-440) | +30.0 (+25.0 to +35.0) |  | yes |" in table
+    assert "| ignite | 460 (455-465) | +55.0 (+50.0 to +60.0) | -25.0 (-25.0 to -25.0) | yes |" in table
+    assert "- loopkit within 50 us of the hand-written loop in every round: yes" in table
+    assert "- loopkit below ignite in every round: yes" in table
+    # one round over the goal, one round where ignite is ahead, and a different logged loss: each is said
+    table = interleaved_table(interleaved_results([[420.0, 440.0], [480.0, 470.0]], [[450.0, 460.0], [420.0, 430.0]],
+                                                  losses=((1.0,), (1.5,))))
+    assert "- loopkit within 50 us of the hand-written loop in every round: no (+47.5 (+25.0 to +70.0) us)" in table
+    assert "- loopkit below ignite in every round: no" in table
+    assert "| loopkit | 452 (430-475) | +47.5 (+25.0 to +70.0) |  | no |" in table
+
+
+def test_the_overhead_profile_runs_every_contender_interleaved_in_one_process(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")]
+                                                                         if p]))
+    out = tmp_path / "profile"
+    finished = run_process([sys.executable, "-m", "benchmarks.overhead_profile", "--methods", "interleaved",
+                            "--rounds", "1", "--passes", "1", "--steps", "60", "--warmup", "5", "--out", str(out)],
+                           "python -m benchmarks.overhead_profile --methods interleaved", cwd=REPO_ROOT, env=env)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    results = json.loads(out.with_suffix(".json").read_text())
+    (reply,) = results["interleaved"]["rounds"]
+    assert list(reply) == ["raw", "loopkit", "hf"] + [p for p in PEERS if p not in missing_peers()]
+    logged = reply["raw"][0]["logged_losses"]
+    assert len(logged) == 1  # a log at step 50: every contender trained the same steps on the same data
+    assert all(runs[0]["logged_losses"] == logged for runs in reply.values())
+    table = out.with_suffix(".md").read_text()
+    assert "- loopkit within 50 us of the hand-written loop in every round: " in table
+    assert "- loopkit below hf in every round: " in table

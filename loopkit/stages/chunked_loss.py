@@ -35,7 +35,9 @@ class LinearCrossEntropy(torch.autograd.Function):
     """sum over tokens of cross_entropy(hidden @ weight.T + bias, targets), ignoring -100; returns (sum, count).
 
     The forward computes the gradients chunk by chunk (softmax minus the one-hot target), so the backward only
-    scales them; ignored targets contribute nothing, without a host sync to drop them."""
+    scales them; ignored targets contribute nothing, without a host sync to drop them. A chunk's logits are the
+    only large tensor, and they are passed over five times (max, subtract, exp, sum, divide), all in place: the
+    ignored rows are zeroed through the small operands of the two matrix products, not in the logits."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_tokens: int):
@@ -50,20 +52,23 @@ class LinearCrossEntropy(torch.autograd.Function):
             chunk = hidden[start:end].to(weight.dtype)
             logits = (chunk @ weight.T if bias is None else torch.addmm(bias, chunk, weight.T)).float()
             target, keep = safe_targets[start:end], valid[start:end]
-            log_norm = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, target[:, None]).squeeze(1)
-            total += ((log_norm - picked) * keep).sum()
+            row_max = logits.amax(dim=-1)
+            exps = logits.sub_(row_max[:, None]).exp_()  # in place: one chunk of logits alive
+            sums = exps.sum(dim=-1)
+            total += ((sums.log() + row_max - picked) * keep).sum()  # log-sum-exp minus the target's logit
             if grad_hidden is None and grad_weight is None and grad_bias is None:
                 continue
-            grad_logits = logits.sub_(log_norm[:, None]).exp_()  # softmax, in place: one chunk of logits alive
+            grad_logits = exps.div_(sums[:, None])  # the softmax
             grad_logits[torch.arange(len(target), device=target.device), target] -= 1.0
-            grad_logits = (grad_logits * keep[:, None]).to(weight.dtype)
+            grad_logits = grad_logits.to(weight.dtype)
+            kept = keep[:, None].to(weight.dtype)
             if grad_hidden is not None:
-                grad_hidden[start:end] = (grad_logits @ weight).to(hidden.dtype)
+                grad_hidden[start:end] = ((grad_logits @ weight) * kept).to(hidden.dtype)
             if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.T, chunk)
+                grad_weight.addmm_(grad_logits.T, chunk * kept)
             if grad_bias is not None:
-                grad_bias += grad_logits.sum(0)
+                grad_bias += kept[:, 0] @ grad_logits
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         return total, valid.sum()
 

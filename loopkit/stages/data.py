@@ -337,6 +337,9 @@ class DataStage(Stage):
         self.reader = reader
         generators = self.seeded_collators()
         device, non_blocking = context.accelerator.device, getattr(loader, "_non_blocking", False)
+        # On a CPU the collated tensors are already where training runs: Accelerate's recursive copy (a new
+        # mapping, a `.to` per tensor) would change nothing but cost microseconds at every micro-batch.
+        move = None if device.type == "cpu" else send_to_device
         last_window_size = plan.steps_in_epoch % ga or ga
         self.epoch, self.micro_batches_done = epoch, skip
         for update in range(skip // ga, plan.num_update_steps_per_epoch):
@@ -345,7 +348,8 @@ class DataStage(Stage):
             with context.clock.span("data"):
                 for _ in range(size):
                     try:
-                        batches.append(send_to_device(next(reader), device, non_blocking=non_blocking))
+                        batch = next(reader)
+                        batches.append(batch if move is None else move(batch, device, non_blocking=non_blocking))
                     except StopIteration:
                         break
             if not batches:

@@ -289,8 +289,11 @@ class StepStage(Stage):
         if self.optimizer_train is not None:
             self.optimizer_train()
         forward_context = self.forward_context
-        with forward_context if forward_context is not None else self.compute_loss_context_manager():
+        if forward_context is NO_CONTEXT:  # the usual case: no context to enter
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        else:
+            with forward_context if forward_context is not None else self.compute_loss_context_manager():
+                loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         every = run.args.torch_empty_cache_steps
         if every is not None and run.state.global_step % every == 0:  # HF: at every micro-batch of such a step
             from accelerate.utils.memory import clear_device_cache

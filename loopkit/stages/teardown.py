@@ -83,8 +83,10 @@ class TeardownStage(Stage):
     def on_train_begin(self, args, state, control, **kwargs):
         """`run_status.json` says "running" until the run's end replaces it: a report rebuilt from a checkpoint
         then tells a run that never reached its end (killed) from one that did."""
-        self.watching_starvation = True
-        if self.context.accelerator.is_main_process:
+        accelerator = self.context.accelerator
+        # Only the main process of a CPU run says it (decided once: Accelerate builds its state at every ask).
+        self.watching_starvation = accelerator.is_main_process and accelerator.device.type == "cpu"
+        if accelerator.is_main_process:
             try:
                 write_run_status(args.output_dir, self.status_record("running", "running"))
             except OSError as exc:
@@ -94,10 +96,9 @@ class TeardownStage(Stage):
         """Say it as soon as a log finds the run starved of CPU (a load average read and the process's CPU time:
         at logs only), once, on the main process: a long run on a busy machine learns to set fewer threads when it
         can still act on it, not only in the report at its end."""
-        context = self.context
-        if not self.watching_starvation or not context.accelerator.is_main_process:
-            return  # said already, or outside train() (an evaluate() measures no training)
-        starved = cpu_starvation(context.clock.machine(), on_cpu=context.accelerator.device.type == "cpu")
+        if not self.watching_starvation or torch.get_num_threads() < 2:
+            return  # said already, outside train() (an evaluate() measures no training), or one thread: no starving
+        starved = cpu_starvation(self.context.clock.machine(), on_cpu=True)
         if starved is not None:
             self.watching_starvation = False
             logger.warning(f"CPU starved at step {state.global_step}: {starvation_text(starved)}")
