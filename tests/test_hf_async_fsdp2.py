@@ -6,6 +6,7 @@ session's fork server with torchrun's worker environment, helpers.ForkServer.lau
   `pytorch_model_fsdp_0/` + `optimizer_0/`, or `model.safetensors` + `optimizer.bin`), with the same tensors;
 * a run resumed from an asynchronous checkpoint ends bit-identical (weights and AdamW moments, tensor by tensor) to
   the uninterrupted run, which ends as the synchronous one;
+* `load_best_model_at_end` from asynchronous checkpoints loads the best one, as from synchronous ones;
 * a rank SIGKILLed on the writer thread in the middle of checkpoint-4 leaves checkpoint-2 complete and no folder
   named checkpoint-4; the run resumed from there (2 processes, asynchronous saves) ends bit-identical to the
   uninterrupted run.
@@ -109,6 +110,25 @@ def test_a_resume_from_an_async_checkpoint_is_bit_identical_to_the_uninterrupted
     assert any(key.startswith("optimizer.state.") for key in final["async"])  # the AdamW moments are compared too
     assert_equal_tensors(final["async"], final["sync"], f"{kind}: asynchronous saves against synchronous ones")
     assert_equal_tensors(final["resumed"], final["async"], f"{kind}: resumed from async/checkpoint-4")
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_load_best_model_at_end_from_async_checkpoints_loads_what_the_synchronous_run_loads(runs, kind):
+    import json
+
+    folders, _, _ = runs
+    records = {name: json.load(open(os.path.join(folders[kind], f"{name}.json"))) for name in ("best_sync",
+                                                                                               "best_async")}
+    best = records["best_async"]["best_model_checkpoint"]
+    assert os.path.basename(best) == os.path.basename(records["best_sync"]["best_model_checkpoint"])
+    assert os.path.basename(best) != f"checkpoint-{records['best_async']['global_step']}"  # not the last: a load
+    assert_equal_tensors(load_file(os.path.join(folders[kind], "best_async.safetensors")),
+                         load_file(os.path.join(folders[kind], "best_sync.safetensors")),
+                         f"{kind}: the model after load_best_model_at_end")
+    if kind == "FULL_STATE_DICT":  # the whole weights of model.safetensors, loaded into each rank's shards
+        final = load_file(os.path.join(folders[kind], "best_async.safetensors"))
+        saved = load_file(os.path.join(best, "model.safetensors"))
+        assert_equal_tensors({key: final[f"model.{key}"] for key in saved}, saved, "the best checkpoint's weights")
 
 
 @pytest.mark.parametrize("kind", TYPES)

@@ -23,7 +23,7 @@ from ..checkpoint.engines import (check_deepspeed_resumable, full_state_dict_sav
                                   load_engine_model, load_optimizer_state, model_loads_after_prepare,
                                   save_engine_state)
 from ..checkpoint.format import Checkpoint, ProcessState
-from ..checkpoint.lineage import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from ..checkpoint.lineage import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, WEIGHTS_NAME
 from ..checkpoint.model_files import holds_model_weights, load_model_weights
 from ..checkpoint.staged_shards import local_states, write_staged_shards
 from ..checkpoint.state_files import (read_loopkit_state_file, read_process_files, read_state_files,
@@ -130,7 +130,21 @@ class HFStorage(CheckpointStorage):
                 active_engine(context.accelerator) == "DeepSpeed":  # the engine's checkpoint, as HF's _load_best_model
             load_deepspeed_checkpoint(run.model_wrapped, checkpoint)
             return
+        whole = os.path.join(checkpoint, WEIGHTS_NAME)
+        if sharded_by_fsdp2(context.accelerator) and os.path.isfile(whole):  # FULL_STATE_DICT's model.safetensors
+            load_whole_weights_into_shards(run.model_wrapped, whole)
+            return
         load_model_weights(unwrap_model(context.accelerator, run.model_wrapped), checkpoint)
+
+
+def load_whole_weights_into_shards(model, path: str) -> None:
+    """Whole weights (`model.safetensors`) into an FSDP2 model, every process: torch's `set_model_state_dict` keeps
+    this rank's part of each tensor (a plain `load_state_dict` cannot copy a whole tensor into a DTensor shard).
+    Non-strict, as `load_model_weights` (tied weights are saved once)."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, load_file(path), options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def Checkpointer(run, context, **options) -> HFStorage:

@@ -4,17 +4,20 @@ dist_child.py, checkpointed by `HFStorage` (Accelerate's FSDP2 layout) every 2 o
 Usage (2 processes, torchrun's worker environment): python hf_async_child.py OUT_DIR MODE STATE_DICT_TYPE
 
 * layout: `sync` (synchronous saves), `async` (asynchronous saves: the uninterrupted reference) and `resumed`
-  (asynchronous saves, resumed from `async/checkpoint-4`);
+  (asynchronous saves, resumed from `async/checkpoint-4`), then `best_sync` and `best_async` (evaluated every 2
+  steps, `load_best_model_at_end`; synchronous and asynchronous saves);
 * kill: asynchronous saves into OUT_DIR/killed; a rank SIGKILLs itself on the writer thread while checkpoint-4 is
   being written, after the model's part (SHARDED_STATE_DICT: rank 1, before its `optimizer_0/` shards;
   FULL_STATE_DICT: rank 0, before `optimizer.bin`);
 * after-kill: asynchronous saves, resumed from the newest complete checkpoint of OUT_DIR/killed (`resume=True`).
 
-Every run writes `<name>.safetensors` (rank 0): the whole weights and AdamW moments at the end (dcp_child.whole_state).
+Every run writes (rank 0) `<name>.safetensors`: the whole weights and AdamW moments at the end
+(dcp_child.whole_state), and `<name>.json`: its `best_model_checkpoint` and `global_step`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -39,17 +42,27 @@ def plugin(state_dict_type: str):
                                           reshard_after_forward=True)
 
 
-def run(out: str, name: str, state_dict_type: str, *, async_save: bool, resume_from=None) -> Loop:
-    args = LoopArgs(output_dir=os.path.join(out, name), max_steps=MAX_STEPS, per_device_train_batch_size=1,
-                    gradient_accumulation_steps=2, learning_rate=3e-3, warmup_steps=2, weight_decay=0.01,
-                    max_grad_norm=0.5, logging_steps=1, optim="adamw_torch", disable_tqdm=True, seed=7,
-                    save_steps=SAVE_STEPS, report_to="none")
+# Evaluated and saved every 2 steps, the best checkpoint loaded at the end (the larger learning rate makes the
+# evaluation loss rise again, so the best is not the last: fsdp_child.BEST).
+BEST = dict(eval_strategy="steps", eval_steps=2, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+            learning_rate=3e-2)
+
+
+def run(out: str, name: str, state_dict_type: str, *, async_save: bool, resume_from=None, **overrides) -> Loop:
+    settings = dict(max_steps=MAX_STEPS, per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                    learning_rate=3e-3, warmup_steps=2, weight_decay=0.01, max_grad_norm=0.5, logging_steps=1,
+                    optim="adamw_torch", disable_tqdm=True, seed=7, save_steps=SAVE_STEPS, report_to="none")
+    args = LoopArgs(output_dir=os.path.join(out, name), **{**settings, **overrides})
     loop = Loop(model=dist_child.tiny_llama(), args=args, train_dataset=dist_child.lm_samples(24, 1),
+                eval_dataset=dist_child.lm_samples(dist_child.EVAL_SAMPLES, 2),
                 setup=SetupStage(fsdp_plugin=plugin(state_dict_type)), storage=HFStorage(async_save=async_save))
     loop.train(resume_from_checkpoint=resume_from)
     final = dcp_child.whole_state(loop)
     if loop.accelerator.process_index == 0:
         save_file(final, os.path.join(out, f"{name}.safetensors"))
+        with open(os.path.join(out, f"{name}.json"), "w") as f:
+            json.dump({"best_model_checkpoint": loop.state.best_model_checkpoint,
+                       "global_step": loop.state.global_step}, f)
     return loop
 
 
@@ -81,6 +94,8 @@ def main() -> None:
         run(out, "async", state_dict_type, async_save=True)
         run(out, "resumed", state_dict_type, async_save=True,
             resume_from=os.path.join(out, "async", f"checkpoint-{KILLED_AT}"))
+        run(out, "best_sync", state_dict_type, async_save=False, **BEST)
+        run(out, "best_async", state_dict_type, async_save=True, **BEST)
     elif mode == "kill":
         install_kill(out, state_dict_type)
         run(out, "killed", state_dict_type, async_save=True)
