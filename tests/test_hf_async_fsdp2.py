@@ -11,12 +11,16 @@ session's fork server with torchrun's worker environment, helpers.ForkServer.lau
   named checkpoint-4; the run resumed from there (2 processes, asynchronous saves) ends bit-identical to the
   uninterrupted run.
 
+* a model on a mesh of more than one dimension (HSDP, tensor parallelism) is refused with the field and the fix named
+  (one process, a gloo group of one).
+
 Launches: the two layouts together (4 ranks), then the two kills, then the two resumes after the kill.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -150,3 +154,15 @@ def test_sigkill_during_the_background_write_keeps_earlier_checkpoints_and_resum
                          load_file(os.path.join(folders[kind], "async.safetensors")),
                          f"{kind}: killed during an asynchronous save, then resumed")
 
+
+
+def test_a_mesh_of_more_than_one_dimension_is_refused_with_the_fix_named(tmp_path, forked):
+    import json
+
+    env = dict(child_env(cpu_mode=False), PYTHONUNBUFFERED="1")
+    result = forked.run([sys.executable, CHILD, str(tmp_path), "mesh", "-"], "the mesh check", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    refusal = json.load(open(os.path.join(tmp_path, "mesh.json")))["refusal"]
+    assert refusal is not None and refusal.startswith("LoopConfigError: async_save=True"), refusal
+    for words in ("hybrid.weight", "2-dimensional mesh", "DCPStorage(async_save=True)", "HFStorage(async_save=False)"):
+        assert words in refusal, refusal

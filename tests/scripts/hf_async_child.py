@@ -9,6 +9,7 @@ Usage (2 processes, torchrun's worker environment): python hf_async_child.py OUT
 * kill: asynchronous saves into OUT_DIR/killed; a rank SIGKILLs itself on the writer thread while checkpoint-4 is
   being written, after the model's part (SHARDED_STATE_DICT: rank 1, before its `optimizer_0/` shards;
   FULL_STATE_DICT: rank 0, before `optimizer.bin`);
+* mesh (one process, no launcher): the check that refuses a mesh of more than one dimension (`check_meshes`);
 * after-kill: asynchronous saves, resumed from the newest complete checkpoint of OUT_DIR/killed (`resume=True`).
 
 Every run writes (rank 0) `<name>.safetensors`: the whole weights and AdamW moments at the end
@@ -87,6 +88,36 @@ def install_kill(out: str, state_dict_type: str) -> None:
         checkpoint.save_state_file = die_in(checkpoint.save_state_file, 0, "optimizer.bin")
 
 
+def check_meshes(out: str) -> None:
+    """One process (a gloo group of one): a DTensor on a 1-dimensional mesh passes the check of an asynchronous
+    FSDP2 save, one on a 2-dimensional mesh (HSDP's layout) is refused; writes `mesh.json` with the refusal."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from loopkit.checkpoint.staged_shards import check_one_dimensional
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    flat = distribute_tensor(torch.ones(4, 2), init_device_mesh("cpu", (1,)), [Shard(0)])
+    check_one_dimensional({"flat.weight": flat})
+    hybrid = distribute_tensor(torch.ones(4, 2), init_device_mesh("cpu", (1, 1)), [Replicate(), Shard(0)])
+    try:
+        check_one_dimensional({"flat.weight": flat, "hybrid.weight": hybrid})
+        refusal = None
+    except ValueError as exc:
+        refusal = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out, "mesh.json"), "w") as f:
+        json.dump({"refusal": refusal}, f)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     out, mode, state_dict_type = sys.argv[1:4]
     if mode == "layout":
@@ -99,6 +130,8 @@ def main() -> None:
     elif mode == "kill":
         install_kill(out, state_dict_type)
         run(out, "killed", state_dict_type, async_save=True)
+    elif mode == "mesh":
+        check_meshes(out)
     elif mode == "after-kill":
         run(out, "killed", state_dict_type, async_save=True, resume_from=True)
     else:
