@@ -14,7 +14,8 @@ session's fork server with torchrun's worker environment, helpers.ForkServer.lau
 * a model on a mesh of more than one dimension (HSDP, tensor parallelism) is refused with the field and the fix named
   (one process, a gloo group of one).
 
-Launches: the two layouts together (4 ranks), then the two kills, then the two resumes after the kill.
+Launches: the two layouts together (4 ranks), then the two kills, then the two resumes after the kill; then the two
+layouts again on one process each (FSDP2 on one process: the same files, resume and best-model load).
 """
 
 from __future__ import annotations
@@ -35,30 +36,32 @@ CHILD = os.path.join(os.path.dirname(__file__), "scripts", "hf_async_child.py")
 TYPES = ["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
 
 
-def launch_both(forked, folders: dict, mode: str) -> dict:
-    """One 2-process launch of `mode` per state-dict type, both at once; returns {type: (returncode, output)}."""
-    started = {kind: forked.launch([CHILD, folders[kind], mode, kind], 2, f"the 2-process {mode} {kind} launch",
+def launch_both(forked, folders: dict, mode: str, processes: int = 2) -> dict:
+    """One launch of `mode` per state-dict type, both at once; returns {type: (returncode, output)}."""
+    what = f"the {processes}-process {mode} launch"
+    started = {kind: forked.launch([CHILD, folders[kind, processes], mode, kind], processes, f"{what} ({kind})",
                                    env=child_env(cpu_mode=True)) for kind in TYPES}
-    done = {}
-    for kind, process in started.items():
-        output = wait_for(process, f"the 2-process {mode} {kind} launch")
-        done[kind] = (process.returncode, output)
-    return done
+    outputs = {kind: wait_for(process, f"{what} ({kind})") for kind, process in started.items()}
+    return {kind: (started[kind].returncode, output) for kind, output in outputs.items()}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, forked):
     """The launches (module docstring); what the kill left is recorded before the resume changes it."""
-    folders = {kind: str(tmp_path_factory.mktemp(kind.split("_")[0].lower())) for kind in TYPES}
+    folders = {(kind, n): str(tmp_path_factory.mktemp(f"{kind.split('_')[0].lower()}{n}")) for kind in TYPES
+               for n in (1, 2)}
     for kind, (code, output) in launch_both(forked, folders, "layout").items():
         assert code == 0, f"the {kind} layout launch failed (rc {code}):\n{output[-6000:]}"
     killed = launch_both(forked, folders, "kill")
     left = {kind: {"returncode": killed[kind][0], "output": killed[kind][1],
-                   "checkpoints": [os.path.basename(d) for d in checkpoint_dirs(os.path.join(folders[kind], "killed"))],
+                   "checkpoints": [os.path.basename(d) for d in checkpoint_dirs(os.path.join(folders[kind, 2],
+                                                                                              "killed"))],
                    "problems": {os.path.basename(d): HFStorage().checkpoint_problem(d)
-                                for d in checkpoint_dirs(os.path.join(folders[kind], "killed"))}}
+                                for d in checkpoint_dirs(os.path.join(folders[kind, 2], "killed"))}}
             for kind in TYPES}
     resumed = launch_both(forked, folders, "after-kill")
+    for kind, (code, output) in launch_both(forked, folders, "layout", processes=1).items():
+        assert code == 0, f"the 1-process {kind} layout launch failed (rc {code}):\n{output[-6000:]}"
     return folders, left, resumed
 
 
@@ -80,18 +83,19 @@ def assert_same_optimizer_state(actual: dict, expected: dict, what: str) -> None
         assert_equal_tensors(actual["state"][name], moments, f"{what}: {name}")
 
 
+@pytest.mark.parametrize("processes", [2, 1])
 @pytest.mark.parametrize("kind", TYPES)
-def test_async_checkpoints_hold_the_files_and_tensors_of_the_synchronous_ones(runs, kind):
+def test_async_checkpoints_hold_the_files_and_tensors_of_the_synchronous_ones(runs, kind, processes):
     folders, _, _ = runs
-    sync, asynchronous = (os.path.join(folders[kind], name) for name in ("sync", "async"))
+    sync, asynchronous = (os.path.join(folders[kind, processes], name) for name in ("sync", "async"))
     names = [os.path.basename(d) for d in checkpoint_dirs(asynchronous)]
     assert names == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
     assert names == [os.path.basename(d) for d in checkpoint_dirs(sync)]
     for name in names:
         files = relative_files(os.path.join(asynchronous, name))
         assert files == relative_files(os.path.join(sync, name)), f"{kind} {name}: not the synchronous save's files"
-        expected = ({"pytorch_model_fsdp_0/__0_0.distcp", "pytorch_model_fsdp_0/__1_0.distcp",
-                     "optimizer_0/__0_0.distcp", "optimizer_0/__1_0.distcp"} if kind == "SHARDED_STATE_DICT"
+        expected = ({f"{part}/__{rank}_0.distcp" for part in ("pytorch_model_fsdp_0", "optimizer_0")
+                     for rank in range(processes)} if kind == "SHARDED_STATE_DICT"
                     else {"model.safetensors", "config.json", "optimizer.bin"})
         assert expected <= set(files), (kind, name, files)
         for path in files:  # the shards and the weights byte for byte, the whole optimizer state tensor by tensor
@@ -106,21 +110,23 @@ def test_async_checkpoints_hold_the_files_and_tensors_of_the_synchronous_ones(ru
         assert HFStorage().checkpoint_problem(os.path.join(asynchronous, name)) is None
 
 
+@pytest.mark.parametrize("processes", [2, 1])
 @pytest.mark.parametrize("kind", TYPES)
-def test_a_resume_from_an_async_checkpoint_is_bit_identical_to_the_uninterrupted_run(runs, kind):
+def test_a_resume_from_an_async_checkpoint_is_bit_identical_to_the_uninterrupted_run(runs, kind, processes):
     folders, _, _ = runs
-    final = {name: load_file(os.path.join(folders[kind], f"{name}.safetensors")) for name in ("sync", "async",
+    final = {name: load_file(os.path.join(folders[kind, processes], f"{name}.safetensors")) for name in ("sync", "async",
                                                                                               "resumed")}
     assert any(key.startswith("optimizer.state.") for key in final["async"])  # the AdamW moments are compared too
     assert_equal_tensors(final["async"], final["sync"], f"{kind}: asynchronous saves against synchronous ones")
     assert_equal_tensors(final["resumed"], final["async"], f"{kind}: resumed from async/checkpoint-4")
 
 
+@pytest.mark.parametrize("processes", [2, 1])
 @pytest.mark.parametrize("kind", TYPES)
-def test_load_best_model_at_end_from_async_checkpoints_loads_what_the_synchronous_run_loads(runs, kind):
+def test_load_best_model_at_end_from_async_checkpoints_loads_what_the_synchronous_run_loads(runs, kind, processes):
     import json
 
-    folders, _, _ = runs
+    folders = {kind: runs[0][kind, processes]}
     records = {name: json.load(open(os.path.join(folders[kind], f"{name}.json"))) for name in ("best_sync",
                                                                                                "best_async")}
     best = records["best_async"]["best_model_checkpoint"]
@@ -137,7 +143,7 @@ def test_load_best_model_at_end_from_async_checkpoints_loads_what_the_synchronou
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_sigkill_during_the_background_write_keeps_earlier_checkpoints_and_resumes_exactly(runs, kind):
-    folders, left, resumed = runs
+    folders, left, resumed = {kind: runs[0][kind, 2]}, runs[1], runs[2]
     killed, dying = left[kind], 1 if kind == "SHARDED_STATE_DICT" else 0  # the rank the script kills
     assert killed["returncode"] != 0, killed["output"][-3000:]
     assert f"rank {dying} " in killed["output"] and "failed first, Signal 9 (SIGKILL)" in killed["output"], \

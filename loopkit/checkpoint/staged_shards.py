@@ -45,7 +45,8 @@ def local_states(model, optimizer, with_optimizer: bool) -> tuple[dict, dict | N
 
 
 def check_one_dimensional(state: dict) -> None:
-    """The gather of FULL_STATE_DICT (and the shards' layout) takes FSDP2's one-dimensional mesh."""
+    """FULL_STATE_DICT's gather rebuilds each DTensor on a one-dimensional mesh over the writer's group (FSDP2's plain
+    sharding); a model on a mesh of more dimensions is refused (under either state-dict type: only this is tested)."""
     from torch.distributed.tensor import DTensor
 
     for name, value in state.items():
@@ -105,6 +106,9 @@ def gather_nested(value, mesh, keep: bool):
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
+        if value.device_mesh.mesh.tolist() != mesh.mesh.tolist():  # a shard's place is its rank's place in the mesh
+            raise RuntimeError(f"a DTensor laid out over ranks {value.device_mesh.mesh.tolist()} cannot be gathered "
+                               f"on the writer's group (ranks {mesh.mesh.tolist()})")
         moved = DTensor.from_local(value.to_local(), mesh, value.placements, run_check=False, shape=value.shape,
                                    stride=value.stride())
         whole = moved.full_tensor()
