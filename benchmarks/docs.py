@@ -31,7 +31,7 @@ LADDER_RESULTS = "benchmarks/results/quick/results.json"
 PAGES = ("README.md", "docs/performance.md", "docs/packing.md", "docs/evaluation.md")
 # The results.md files written again from their results.json (quick-under-load/: an older format, left as run)
 RESULTS_PAGES = ("benchmarks/results/results.md", "benchmarks/results/quick/results.md",
-                 "benchmarks/results/overhead/results.md")
+                 "benchmarks/results/overhead/results.md", "benchmarks/results/ladder/results.md")
 NUMBERED = re.compile(r"^## (\d+)\. [^\n]*\n\n", re.MULTILINE)
 SECTION = re.compile(r"^(?P<indent> *)<!-- generated: (?P<name>[\w-]+) from (?P<file>\S+) -->\n(?P<body>.*?)"
                      r"^(?P=indent)<!-- end generated: (?P=name) -->", re.DOTALL | re.MULTILINE)
@@ -109,8 +109,8 @@ def command(results: dict, benchmark: str) -> str:
 
 def ladder(results: dict) -> str:
     env = results["environment"]
-    parts = [f"From `{LADDER_RESULTS}` (size `{env['size']}`, run started {env['started_at']}, load average "
-             f"{fmt(env['load_average']['start'])} at the start and {fmt(env['load_average']['end'])} at the end)."]
+    parts = [f"Size `{env['size']}`, run started {env['started_at']}, load average "
+             f"{fmt(env['load_average']['start'])} at the start and {fmt(env['load_average']['end'])} at the end."]
     for benchmark, section in ladder_sections(results):
         plan = section["plan"]
         parts += ["", f"**{DATASETS[plan['dataset']]['label']}** (`{command(results, benchmark)}`, "
@@ -221,13 +221,16 @@ def storage(results: dict) -> str:
     round-by-round ratio of blocked times to HF Trainer's sync save, the following steps' relative slowdown."""
     lines = ["| storage | processes | training blocked by one save, s | vs HF Trainer's sync save | the 8 following "
              "steps, slower by |", "|---|---|---|---|---|"]
+    one_process = median([r["hf-trainer"]["blocked"] for r in results["one_process"]["rounds"]])
     for setting, processes in (("one_process", 1), ("fsdp2", 2)):
         rounds = results[setting]["rounds"]
         reference = [r["hf-trainer"]["blocked"] for r in rounds] if "hf-trainer" in rounds[0] else None
         for name in rounds[0]:
             blocked = [r[name]["blocked"] for r in rounds]
             slower = [100 * r[name]["following_relative"] for r in rounds]
-            ratio = fmt_comparison(paired_ratio(blocked, reference), "amount", "") if reference else "-"
+            # FSDP2 has no HF Trainer row (no FSDP on CPU processes): its one-process median, not paired by round
+            ratio = fmt_comparison(paired_ratio(blocked, reference), "amount", "") if reference else \
+                f"{median(blocked) / one_process:.3f}x of its 1-process median"
             lines.append(f"| {bench_storage.LABELS[name]} | {processes} | {with_range(median(blocked), blocked)} | "
                          f"{ratio} | {fmt_comparison(difference_summary(slower), 'difference', '%')} |")
     return "\n".join(lines)
