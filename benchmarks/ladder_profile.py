@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-from .overhead_profile import write_results
+from .overhead_profile import run_worker, write_results
 
 RESULTS = Path(__file__).parent / "results" / "ladder_profile"
 RUNGS = ("hf-best", "raw", "loopkit-chunked")
@@ -44,14 +43,14 @@ GROUPS = (
 OUTSIDE = "in no op (Python: the loop, data, callbacks)"
 
 
-def full_plan(dataset: str) -> dict:
-    """The ladder's full-size plan for `dataset` (benchmarks.bench_ladder.plan)."""
+def ladder_plan(dataset: str, size: str = "full") -> dict:
+    """The ladder's plan for `dataset` at `size` (benchmarks.bench_ladder.plan: full, quick or tiny)."""
     from .bench_ladder import plan
 
     def pick(full=None, quick=None, tiny=None):
-        return full
+        return {"full": full, "quick": quick, "tiny": tiny}[size]
 
-    return plan(SimpleNamespace(size="full", pick=pick), dataset)
+    return plan(SimpleNamespace(size=size, pick=pick), dataset)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -100,29 +99,18 @@ def profiled_rung(name: str, plan: dict, output_dir: str) -> dict:
 # ---------------------------------------------------------------------------------------------------------------------
 # Parent side
 # ---------------------------------------------------------------------------------------------------------------------
-def in_fresh_process(request: dict, inductor_cache: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", TORCHINDUCTOR_CACHE_DIR=inductor_cache,
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent)] +
-                                          [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    done = subprocess.run([sys.executable, "-m", "benchmarks.ladder_profile", "--worker", json.dumps(request)],
-                          capture_output=True, text=True, env=env, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"worker {request['rung']} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def measure(datasets: list, rungs: list, say=print) -> dict:
     results = {"datasets": {}, "load_average": [os.getloadavg()[0]], "cores": os.cpu_count(),
                "command": " ".join(["python -m benchmarks.ladder_profile"] + sys.argv[1:])}
     for dataset in datasets:
-        plan = full_plan(dataset)
+        plan = ladder_plan(dataset)
         profiles = {}
         with tempfile.TemporaryDirectory() as scratch:
             for name in rungs:
                 say(f"ladder profile ({dataset}): {name}")
-                profiles[name] = in_fresh_process({"rung": name, "plan": plan, "output_dir": scratch},
-                                                  os.path.join(scratch, "inductor-cache"))
+                profiles[name] = run_worker("benchmarks.ladder_profile",
+                                            {"rung": name, "plan": plan, "output_dir": scratch},
+                                            TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor-cache"))
                 results["load_average"].append(os.getloadavg()[0])
         results["datasets"][dataset] = {"plan": plan, "profiles": profiles, "bound": bound(profiles)}
     return results

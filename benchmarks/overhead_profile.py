@@ -410,15 +410,20 @@ def worker(request: dict) -> dict:
 def in_fresh_process(request: dict, loopkit_from: str | None = None) -> dict:
     """Run one worker request in a new process; `loopkit_from`: a folder holding a `loopkit` package to import
     instead of this checkout's (an earlier version, measured beside this one)."""
-    first = [loopkit_from] if loopkit_from else []
+    return run_worker("benchmarks.overhead_profile", request, path_first=[loopkit_from] if loopkit_from else [])
+
+
+def run_worker(module: str, request: dict, path_first=(), **env_vars) -> dict:
+    """`python -m MODULE --worker REQUEST` in a new process (one thread, offline, this checkout's `benchmarks`
+    importable after `path_first`, `env_vars` added): the JSON its last line prints."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONDONTWRITEBYTECODE="1",
-               PYTHONPATH=os.pathsep.join(first + [str(Path(__file__).parent.parent)] +
+               TOKENIZERS_PARALLELISM="false", PYTHONDONTWRITEBYTECODE="1", **env_vars,
+               PYTHONPATH=os.pathsep.join(list(path_first) + [str(Path(__file__).parent.parent)] +
                                           [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    done = subprocess.run([sys.executable, "-m", "benchmarks.overhead_profile", "--worker", json.dumps(request)],
+    done = subprocess.run([sys.executable, "-m", module, "--worker", json.dumps(request)],
                           capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"worker {request} failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"{module} worker {request} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -563,17 +568,17 @@ def interleaved_table(results: dict) -> str:
         over_raw = interleaved_differences(rounds, contender, baseline)
         same = all(run["logged_losses"] == raw["logged_losses"] for reply in rounds
                    for run, raw in zip(reply[contender], reply[baseline]))
-        versus = "" if contender in ("raw", "loopkit", "loopkit-before") else \
-            spread(interleaved_differences(rounds, "loopkit", contender))
+        ahead_by = None if contender in ("raw", "loopkit", "loopkit-before") else \
+            interleaved_differences(rounds, "loopkit", contender)
+        versus = spread(ahead_by) if ahead_by else ""
         lines.append(f"| {contender} | {statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f}) | "
                      + ("" if contender == "raw" else spread(over_raw)) + f" | {versus} | "
                      + ("yes" if same else "no") + " |")
         if contender == "loopkit":
             verdicts.append(f"- loopkit within {OVERHEAD_GOAL_US} us of the hand-written loop in every round: "
                             + ("yes" if max(over_raw) <= OVERHEAD_GOAL_US else "no") + f" ({spread(over_raw)} us)")
-        elif versus:
-            ahead = max(interleaved_differences(rounds, "loopkit", contender)) < 0
-            verdicts.append(f"- loopkit below {contender} in every round: " + ("yes" if ahead else "no"))
+        elif ahead_by:
+            verdicts.append(f"- loopkit below {contender} in every round: " + ("yes" if max(ahead_by) < 0 else "no"))
     return "\n".join(lines + [""] + verdicts)
 
 

@@ -319,3 +319,26 @@ def test_the_overhead_profile_runs_every_contender_interleaved_in_one_process(tm
     table = out.with_suffix(".md").read_text()
     assert "- loopkit within 50 us of the hand-written loop in every round: " in table
     assert "- loopkit below hf in every round: " in table
+
+
+def test_the_ladder_profile_splits_a_tiny_rungs_step_into_op_groups(tmp_path):
+    """`python -m benchmarks.ladder_profile`'s worker at the ladder's tiny size (dynamo's eager backend): the timed
+    epoch's op groups add up to the step, the matrix multiplies are found, and the bound is HF best's step over the
+    least matrix-multiply time."""
+    from benchmarks.ladder_profile import GROUPS, OUTSIDE, bound, ladder_plan, markdown, profiled_rung
+
+    plan = ladder_plan("reviews", "tiny")
+    profiles = {name: profiled_rung(name, plan, str(tmp_path / name)) for name in ("hf-best", "loopkit-chunked")}
+    for name, profile in profiles.items():
+        groups = profile["groups_ms"]
+        assert set(groups) == {g for g, _ in GROUPS} | {"other ops", OUTSIDE}, name
+        assert profile["steps"] > 0 and groups["matrix multiplies"] > 0, name
+        # the profiler covers the timed epoch only: its ops' own time fits in that epoch's steps (the warm-up
+        # epoch's compilation and steps, profiled too, would not)
+        assert sum(v for g, v in groups.items() if g != OUTSIDE) <= profile["step_ms"] * 1.05, name
+    least = min(p["groups_ms"]["matrix multiplies"] for p in profiles.values())
+    limit = bound(profiles)
+    assert limit["at_most"] == pytest.approx(profiles["hf-best"]["step_ms"] / least)
+    results = {"command": "python -m benchmarks.ladder_profile", "cores": 2, "load_average": [1.0],
+               "datasets": {"reviews": {"plan": plan, "profiles": profiles, "bound": limit}}}
+    assert "| **step** |" in markdown(results) and "The bound: HF best's step" in markdown(results)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from loopkit import ChunkedLossStep, Loop, LoopArgs
-from loopkit.stages.chunked_loss import causal_lm_targets, chunked_causal_lm_loss, head_skipped
+from loopkit.stages.chunked_loss import (LinearCrossEntropy, causal_lm_targets, chunked_causal_lm_loss,
+                                         head_skipped)
 
 from helpers import tiny_llama
 
@@ -126,3 +128,26 @@ def test_chunked_loss_on_packed_rows_equals_the_packed_run(tmp_path):
         loop.train()
         logged[name] = [h["loss"] for h in loop.state.log_history if "loss" in h]
     assert logged["chunked"] == pytest.approx(logged["default"], rel=1e-5) and len(logged["chunked"]) == 2
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 64])
+def test_linear_cross_entropy_with_a_bias_and_ignored_targets_equals_autograd(chunk_tokens):
+    """The custom function's sum, count and gradients against torch's own cross-entropy of the same logits (sum over
+    the kept targets), with a bias, -100 targets and chunks that do not divide the tokens (the last one shorter)."""
+    torch.manual_seed(0)
+    hidden, weight, bias = (torch.randn(37, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True),
+                            torch.randn(50, requires_grad=True))
+    targets = torch.randint(0, 50, (37,))
+    targets[::5] = -100
+    total, count = LinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_tokens)
+    (total * 0.5).backward()  # an upstream gradient other than 1: the backward scales the stored gradients
+    ours = [t.grad.clone() for t in (hidden, weight, bias)]
+    for t in (hidden, weight, bias):
+        t.grad = None
+    expected = nn.functional.cross_entropy(hidden @ weight.T + bias, targets, ignore_index=-100, reduction="sum")
+    (expected * 0.5).backward()
+    assert count.item() == int((targets != -100).sum())
+    torch.testing.assert_close(total, expected.detach(), rtol=1e-6, atol=1e-5)
+    for name, got, tensor in zip(("hidden", "weight", "bias"), ours, (hidden, weight, bias)):
+        torch.testing.assert_close(got, tensor.grad, rtol=0, atol=1e-5, msg=name)
+    assert ours[0][::5].abs().max() == 0  # an ignored position gets no gradient
