@@ -11,8 +11,9 @@ whose method order is `SFTLoop, SFTTrainer, _BaseTrainer, TRLLoop, Loop, ..., Tr
 first, and its `super().__init__(...)` is `Loop.__init__`; TRL's overrides are bound onto loopkit's stages as any
 `Loop` subclass's are (loopkit/trainer/overridable.py), so TRL's loss runs inside loopkit's step stage, and `train()`
 is loopkit's run. `Trainer` stays last in the order only so that `isinstance(loop, Trainer)` holds for TRL's code and
-callbacks; a `Trainer` method that loopkit does not define and that TRL calls is named in `TRAINER_HELPERS` below,
-each checked by the tests, never reached by accident.
+callbacks. A `Trainer` method that TRL calls and loopkit does not define would fall through to `Trainer`'s own
+implementation, which reads state a `Loop` does not keep: each such method is defined on the TRL loop that needs it,
+and the parity tests (tests/test_trl_*.py) run TRL's trainer live beside it.
 """
 
 from __future__ import annotations
