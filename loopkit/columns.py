@@ -115,19 +115,24 @@ def collator_keeps_labels_as_is(collator) -> bool:
     return collator is None or collator is default_data_collator or type(collator) is DataCollatorWithPadding
 
 
-def signature_columns(model, label_names: list[str]) -> set[str]:
+def signature_columns(model, label_names: list[str], declared: list[str] | None = None) -> set[str]:
+    """The columns `remove_unused_columns` keeps: `declared` where the run declares them (HF's
+    `_signature_columns`, as TRL's trainers set them), else the model forward's arguments and the labels."""
+    if declared is not None:
+        return set(declared) | set(label_names)
     base = base_model(model)
     columns = set(inspect.signature(base.forward).parameters)
     return columns | {"label", "label_ids"} | set(label_names)
 
 
-def with_model_columns(dataset, collator, description: str, model, label_names: list[str]):
+def with_model_columns(dataset, collator, description: str, model, label_names: list[str],
+                       declared: list[str] | None = None):
     """`remove_unused_columns`: drop what the forward does not take (columns of a `datasets.Dataset`, else
     the keys of each feature dict, before the collator). First, refuse to drop a column by mistake
     (`check_columns`)."""
-    keep = signature_columns(model, label_names)
+    keep = signature_columns(model, label_names, declared)
     columns = dataset_columns(dataset)
-    if columns is not None:
+    if columns is not None and declared is None:
         check_columns(columns, collator, description, model, label_names)
     column_names = getattr(dataset, "column_names", None)
     if isinstance(column_names, list) and hasattr(dataset, "remove_columns"):
@@ -138,7 +143,7 @@ def with_model_columns(dataset, collator, description: str, model, label_names: 
                                "rename the columns to the model's inputs or set remove_unused_columns=False")
         return (dataset.remove_columns(unused) if unused else dataset), collator
     check_first = None
-    if columns is None:  # known from the first rows the loader reads: check their keys, once
+    if columns is None and declared is None:  # known from the first rows the loader reads: check their keys, once
         def check_first(features):
             if features and isinstance(features[0], Mapping):
                 check_columns(list(features[0].keys()), collator, description, model, label_names)

@@ -25,6 +25,9 @@ unchanged (a user's own `loop.optimizer = ...` goes through those views; it is t
 | optimizers_given               | `optimizers=(optimizer, scheduler)` as passed to `Loop`     | loop.py           |
 | optimizer_cls_and_kwargs       | as passed to `Loop`                                         | loop.py           |
 | label_names                    | `args.label_names`, or the model's label arguments          | loop.py           |
+| signature_columns              | the columns `remove_unused_columns` keeps, where a `Loop`   | trl/base.py       |
+|                                | subclass declares them (HF's `_signature_columns`, which    |                   |
+|                                | TRL's trainers set); None: the model forward's arguments    |                   |
 | state                          | HF's `TrainerState` (`loopkit.state`)                       | loop.py           |
 | control                        | HF's `TrainerControl`; `context.events.fire` stores what    | events.py         |
 |                                | the callbacks return                                        |                   |
@@ -113,6 +116,7 @@ class RunState:
     optimizers_given: tuple = (None, None)
     optimizer_cls_and_kwargs: Any = None
     label_names: list = field(default_factory=list)
+    signature_columns: list | None = None
     state: Any = None
     control: Any = field(default_factory=LoopControl)
     train_dataloader: Any = None

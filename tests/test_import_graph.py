@@ -44,7 +44,7 @@ LAYERS = {
         "loopkit.trainer.notebook", "loopkit.trainer.wiring_text",
     ],
     "entry points": [  # what users call: the loops, the command line, and the package's lazy names
-        "loopkit.loop", "loopkit.seq2seq_loop", "loopkit.__main__", "loopkit",
+        "loopkit.loop", "loopkit.seq2seq_loop", "loopkit.__main__", "loopkit", "loopkit.trl.*",
     ],
 }
 

@@ -154,7 +154,8 @@ class DataStage(Stage):
         run = self.run
         if not run.args.remove_unused_columns:
             return dataset, collator
-        return with_model_columns(dataset, collator, description, run.model, run.label_names)
+        return with_model_columns(dataset, collator, description, run.model, run.label_names,
+                                  run.signature_columns)
 
     # -- dataloaders (HF's get_*_dataloader; `Loop` exposes them under the same names) --
     def build_dataloader(self, dataset, batch_size: int, description: str, training: bool,

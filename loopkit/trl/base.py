@@ -25,3 +25,11 @@ from ..loop import Loop
 
 class TRLLoop(Loop, Trainer):
     """`Loop` in `Trainer`'s place for TRL's trainer classes (module docstring). Not used on its own."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # TRL's trainers name the columns their collators read (`prompt_ids`, `seq_lengths`, `completion_mask`, ...)
+        # in this hook of Trainer's; `remove_unused_columns` keeps exactly those, as in Trainer.
+        self._signature_columns = None
+        self._set_signature_columns_if_needed()
+        self.run.signature_columns = list(self._signature_columns)
