@@ -56,19 +56,21 @@ class Rollouts:
 class RolloutDataStage(DataStage):
     """GRPO's data: prompts in TRL's repeat order, and the rollouts made from them (module docstring).
 
-    `rollout(generation_batch) -> dict`: generation, rewards and advantages for one generation batch (a list of
-    dataset rows), returning the batch of tensors the step stage trains on. Default: the loop's (TRL's
-    `_generate_and_score_completions`), handed over by `GRPOLoop`. Override `rollout` in a subclass, or pass
-    `rollout=`, for other rollouts."""
+    `rollout(generation_batch) -> dict` makes one rollout: generation, rewards and advantages for a generation batch
+    (a list of dataset rows), returning the tensors the step stage trains on (`prompt_ids`, `prompt_mask`,
+    `completion_ids`, `completion_mask`, `advantages`, `num_items_in_batch`, and `old_per_token_logps` /
+    `ref_per_token_logps` where TRL computes them). By default it is TRL's `_generate_and_score_completions`
+    (`trl_rollout`, handed over by `GRPOLoop`); a subclass overrides `rollout` for other rollouts (calling
+    `super().rollout(...)` to start from TRL's) and is passed as `GRPOLoop(..., data=YourStage())`."""
 
-    def __init__(self, rollout=None, **kwargs):
+    trl_rollout = None  # TRL's rollout, bound to the loop (GRPOLoop sets it)
+
+    def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        if rollout is not None:
-            self.rollout = rollout
-        self.buffer = None  # the micro-batches of the latest generation (TRL's `_buffered_inputs`)
+        self.buffer = None  # the micro-batches of the latest rollout (TRL's `_buffered_inputs`)
 
     def rollout(self, generation_batch: list) -> dict:
-        raise NotImplementedError("RolloutDataStage needs rollout=... (GRPOLoop hands over TRL's)")
+        return self.trl_rollout(generation_batch)
 
     # -- TRL's batch arithmetic --
     @property
@@ -134,28 +136,21 @@ class RolloutDataStage(DataStage):
 
 
 class GRPOStep(StepStage):
-    """GRPO's policy update: TRL's loss on the rollouts' micro-batches.
+    """GRPO's policy update: TRL's loss on the rollouts' micro-batches, then loopkit's accumulation, clipping and
+    optimizer step.
 
-    `policy_loss(model, inputs) -> loss`: the loss of one micro-batch, normalised over the window as TRL does
-    (default: the loop's, TRL's `_compute_loss`, handed over by `GRPOLoop`). Override `compute_loss` in a subclass for
-    another loss: `inputs` holds `prompt_ids`, `prompt_mask`, `completion_ids`, `completion_mask`, `advantages`,
-    `num_items_in_batch` (completion tokens of the generation batch, all processes), and `old_per_token_logps` /
-    `ref_per_token_logps` where TRL computes them."""
+    `compute_loss(model, inputs)` is TRL's `_compute_loss` (`trl_loss`, handed over by `GRPOLoop`: the loss of
+    `GRPOConfig.loss_type` with its `beta`, `epsilon`, `epsilon_high`, ..., normalised over the window as TRL does,
+    its metrics logged as TRL logs them). A subclass overrides `compute_loss` for another loss on the same
+    `inputs` (`RolloutDataStage` lists them) and is passed as `GRPOLoop(..., step=YourStep())`."""
 
     loss_is_scaled_for_ga = True  # TRL's losses divide by the window themselves
-
-    def __init__(self, policy_loss=None, **kwargs):
-        super().__init__(**kwargs)
-        if policy_loss is not None:
-            self.policy_loss = policy_loss
-
-    def policy_loss(self, model, inputs):
-        raise NotImplementedError("GRPOStep needs policy_loss=... (GRPOLoop hands over TRL's)")
+    trl_loss = None  # TRL's loss, bound to the loop (GRPOLoop sets it)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
             raise ValueError("The GRPO loss has no outputs to return (as GRPOTrainer)")
-        return self.policy_loss(model, inputs)
+        return self.trl_loss(model, inputs)
 
     def count_loss_items(self, batches):
         return None  # the rollout counts them (`num_items_in_batch` in each micro-batch)
@@ -195,12 +190,12 @@ class GRPOLoop(GRPOTrainer, GivenStages, TRLLoop):
                                 f"data=YourStage().")
 
     def __init__(self, *args, data: RolloutDataStage | None = None, step: GRPOStep | None = None, **kwargs):
+        for name, stage, kind in (("data", data, RolloutDataStage), ("step", step, GRPOStep)):
+            if stage is not None and not isinstance(stage, kind):
+                raise config_error(name, type(stage).__name__, f"GRPO's {name} stage is a {kind.__name__}: it "
+                                   f"{'makes the rollouts' if name == 'data' else 'trains on them'}",
+                                   f"pass a {kind.__name__} subclass")
         self.stages_given = {"data": data, "step": step}
         super().__init__(*args, **kwargs)
-        if not isinstance(self.data, RolloutDataStage):
-            raise config_error("data", type(self.data).__name__, "GRPO's data stage makes the rollouts",
-                               "pass a RolloutDataStage (or a subclass)")
-        if "rollout" not in vars(self.data) and type(self.data).rollout is RolloutDataStage.rollout:
-            self.data.rollout = self._generate_and_score_completions
-        if "policy_loss" not in vars(self.step) and type(self.step).policy_loss is GRPOStep.policy_loss:
-            self.step.policy_loss = self._compute_loss
+        self.data.trl_rollout = self._generate_and_score_completions
+        self.step.trl_loss = self._compute_loss
