@@ -33,17 +33,17 @@ def prompts(n: int = 8) -> Dataset:
 
 
 def rewards(record: list):
-    """Two rule rewards (length, and whether the completion holds an "s"), each recording what it was given."""
+    """Two rule rewards (length, and whether the completion holds a "y"), each recording what it was given."""
     def length(prompts, completions, **kwargs):
         record.append(("length", list(prompts), list(completions)))
         return [len(c) / 20 for c in completions]
 
-    def has_s(prompts, completions, **kwargs):
-        values = [float("s" in c) for c in completions]
-        record.append(("has_s", values))
+    def has_y(prompts, completions, **kwargs):
+        values = [float("y" in c) for c in completions]
+        record.append(("has_y", values))
         return values
 
-    return [length, has_s]
+    return [length, has_y]
 
 
 def base_model(folder: str) -> str:
@@ -123,8 +123,8 @@ def test_same_rollouts_logs_and_weights(model_path):
     """beta > 0 (the reference model and `kl`), one generation per optimizer step."""
     (logs, record, weights), (trl_logs, trl_record, trl_weights) = both(model_path)
     assert record == trl_record  # the same prompts, completions and rewards, call by call
-    assert any(values for name, *rest in record if name == "has_s" for values in rest if any(values))
-    assert {"kl", "entropy", "reward", "reward_std", "rewards/length/mean", "rewards/has_s/mean", "num_tokens",
+    assert any(values for name, *rest in record if name == "has_y" for values in rest if any(values))
+    assert {"kl", "entropy", "reward", "reward_std", "rewards/length/mean", "rewards/has_y/mean", "num_tokens",
             "completions/mean_length", "clip_ratio/region_mean"} <= set(trl_logs[0])
     assert_same_logs(logs, trl_logs)
     assert_same_weights(weights, trl_weights)
@@ -208,3 +208,20 @@ def test_overriding_a_hook_the_run_does_not_call_is_refused():
         class Mine(GRPOLoop):
             def _prepare_inputs(self, generation_batch):
                 return generation_batch
+
+
+def test_example_script_runs_at_a_tiny_size():
+    """examples/trl/grpo_reviews.py: one step, a reference model (beta > 0) and the clipped-advantage stage."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "trl",
+                        "grpo_reviews.py")
+    spec = importlib.util.spec_from_file_location("grpo_reviews", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with tempfile.TemporaryDirectory() as out:
+        loop = example.main(["--output-dir", out, "--max-steps", "1", "--prompts", "4", "--num-generations", "2",
+                             "--beta", "0.04", "--clip-advantages", "0.5"])
+    assert type(loop.data).__name__ == "ClippedAdvantages"
+    first = loop.state.log_history[0]
+    assert {"kl", "reward", "rewards/length_reward/mean", "rewards/reuse_reward/mean"} <= set(first)
