@@ -225,3 +225,20 @@ def test_example_script_runs_at_a_tiny_size():
     assert type(loop.data).__name__ == "ClippedAdvantages"
     first = loop.state.log_history[0]
     assert {"kl", "reward", "rewards/length_reward/mean", "rewards/reuse_reward/mean"} <= set(first)
+
+
+def test_the_docs_example_runs(tmp_path, monkeypatch):
+    """docs/trl.md's GRPO block: a reward function and a RolloutDataStage subclass, two steps."""
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "trl.md"), encoding="utf-8") as f:
+        section = f.read().split("## GRPO: `GRPOLoop`")[1].split("\n## ")[0]
+    blocks = re.findall(r"^```python\n(.*?)^```$", section, re.DOTALL | re.MULTILINE)
+    assert len(blocks) == 1
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(blocks[0], "docs/trl.md", "exec"), namespace)
+    loop = namespace["loop"]
+    assert type(loop.data).__name__ == "ClippedAdvantages" and loop.state.global_step == 2
+    assert "rewards/has_y/mean" in loop.state.log_history[0]
