@@ -242,3 +242,30 @@ def test_the_docs_example_runs(tmp_path, monkeypatch):
     loop = namespace["loop"]
     assert type(loop.data).__name__ == "ClippedAdvantages" and loop.state.global_step == 2
     assert "rewards/has_y/mean" in loop.state.log_history[0]
+
+
+def test_two_processes_match_trl(forked, model_path, tmp_path):
+    """GRPOTrainer and GRPOLoop each on 2 forked ranks (DDP, gloo), accumulation 2, beta > 0: rank 0's rollouts,
+    every logged key and the final weights equal."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from helpers import wait_for
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "grpo_child.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", ACCELERATE_USE_CPU="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                           os.path.dirname(os.path.abspath(__file__))]))
+    results = {}
+    for which in ("trl", "loopkit"):
+        launch = forked.launch([script, tmp_path, which, model_path], 2, f"GRPO on 2 ranks ({which})", env=env)
+        output = wait_for(launch, f"GRPO on 2 ranks ({which})")
+        assert launch.returncode == 0, output[-6000:]
+        with open(tmp_path / f"{which}.json") as f:
+            results[which] = json.load(f), load_file(tmp_path / f"{which}.safetensors")
+    (ours, our_weights), (theirs, their_weights) = results["loopkit"], results["trl"]
+    assert ours["record"] == theirs["record"]
+    assert_same_logs(ours["log_history"], theirs["log_history"])
+    assert_same_weights(our_weights, their_weights)
