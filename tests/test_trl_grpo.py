@@ -23,7 +23,7 @@ from loopkit.trl import GRPOLoop  # noqa: E402
 from loopkit.stages.data import DataStage  # noqa: E402
 from loopkit.trl.grpo import GRPOStep, RolloutDataStage  # noqa: E402
 
-TIMING_KEYS = ("train_runtime", "step_time")
+TIMING_KEYS = ("train_runtime", "eval_runtime", "step_time")
 RTOL = 1e-5
 
 
@@ -67,11 +67,11 @@ def config(output_dir: str, **overrides) -> GRPOConfig:
     return GRPOConfig(output_dir=output_dir, **fields)
 
 
-def train(trainer_class, model_path: str, output_dir: str, resume=None, **overrides):
+def train(trainer_class, model_path: str, output_dir: str, resume=None, eval_dataset=None, **overrides):
     """One run: its log history, the reward calls' record and the final weights."""
     record = []
     trainer = trainer_class(model=model_path, reward_funcs=rewards(record), args=config(output_dir, **overrides),
-                            train_dataset=prompts(), processing_class=tokenizer())
+                            train_dataset=prompts(), eval_dataset=eval_dataset, processing_class=tokenizer())
     trainer.train(resume_from_checkpoint=resume)
     weights = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
     return trainer.state.log_history, record, weights
@@ -139,6 +139,18 @@ def test_same_with_accumulation_and_generation_batches(model_path, overrides):
     assert record == trl_record
     assert_same_logs(logs, trl_logs)
     assert_same_weights(weights, trl_weights)
+
+
+def test_evaluation_during_training_matches_trl(model_path):
+    """An evaluation at step 2 (TRL's eval sampler, rollouts and loss in eval mode): the eval rollouts and every
+    `eval_*` key equal TRL's."""
+    overrides = dict(max_steps=2, beta=0.0, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+    with tempfile.TemporaryDirectory() as out_trl, tempfile.TemporaryDirectory() as out_loop:
+        theirs = train(GRPOTrainer, model_path, out_trl, eval_dataset=prompts(4), **overrides)
+        ours = train(GRPOLoop, model_path, out_loop, eval_dataset=prompts(4), **overrides)
+    assert ours[1] == theirs[1]
+    assert any("eval_reward" in entry for entry in theirs[0])
+    assert_same_logs(ours[0], theirs[0])
 
 
 def test_resume_between_generations(model_path):
