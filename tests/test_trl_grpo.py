@@ -215,6 +215,13 @@ def test_stages_are_swappable(model_path):
                  processing_class=tokenizer(), data=DataStage())
 
 
+def test_an_iterable_train_dataset_is_refused(model_path, tmp_path):
+    stream = prompts(4).to_iterable_dataset()
+    with pytest.raises(ValueError, match="train_dataset.*RepeatSampler"):
+        GRPOLoop(model=model_path, reward_funcs=rewards([]), args=config(str(tmp_path), beta=0.0),
+                 train_dataset=stream, processing_class=tokenizer())
+
+
 def test_overriding_a_hook_the_run_does_not_call_is_refused():
     with pytest.raises(TypeError, match="_prepare_inputs.*RolloutDataStage"):
         class Mine(GRPOLoop):

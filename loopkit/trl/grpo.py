@@ -195,6 +195,12 @@ class GRPOLoop(GRPOTrainer, GivenStages, TRLLoop):
                 raise config_error(name, type(stage).__name__, f"GRPO's {name} stage is a {kind.__name__}: it "
                                    f"{'makes the rollouts' if name == 'data' else 'trains on them'}",
                                    f"pass a {kind.__name__} subclass")
+        train_dataset = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
+        if isinstance(train_dataset, torch.utils.data.IterableDataset) or type(train_dataset).__name__ == \
+                "IterableDataset":  # TRL reorders a stream with repeat_iterable_dataset: not done here yet
+            raise config_error("train_dataset", type(train_dataset).__name__, "GRPOLoop repeats prompts with TRL's "
+                               "RepeatSampler, which needs a dataset with a length",
+                               "pass a datasets.Dataset (e.g. Dataset.from_list(list(stream.take(n))))")
         self.stages_given = {"data": data, "step": step}
         super().__init__(*args, **kwargs)
         self.data.trl_rollout = self._generate_and_score_completions
