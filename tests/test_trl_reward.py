@@ -101,3 +101,92 @@ def test_reward_loop_logs_and_weights_equal_reward_trainers(case):
         worst = max(worst, assert_same_logs([loop_metrics], [trl_metrics], f"{case} evaluate()"))
     assert_same_weights(loop.model, trl.model, RTOL)
     print(f"\n{case}: largest relative difference over every logged key: {worst:.3g}")
+
+
+def after_step(trainer, step: int) -> list[dict]:
+    return [entry for entry in trainer.state.log_history if entry["step"] > step]
+
+
+def run_and_resume(trainer_class, output_dir, pairs, resume_at: int, **config):
+    """A whole run saving every `resume_at` steps, then a second run resumed from its first checkpoint."""
+    whole = child.train(trainer_class, output_dir, pairs, save_strategy="steps", save_steps=resume_at, **config)
+    checkpoint = os.path.join(output_dir, f"checkpoint-{resume_at}")
+    resumed = child.train(trainer_class, output_dir, pairs, resume_from=checkpoint, save_strategy="no", **config)
+    return whole, resumed
+
+
+def test_resumed_reward_loop_continues_exactly_where_reward_trainers_running_metrics_restart():
+    """Saved at step 2 of 6, logged at steps 3 and 6: the log at step 3 averages TRL's metrics over steps 1-3, two of
+    them from before the checkpoint. loopkit checkpoints TRL's running metrics (and its running loss), so a resumed
+    RewardLoop logs exactly what the uninterrupted run logs; RewardTrainer keeps neither, so its resumed `num_tokens`
+    restarts from 0 and its step-3 averages cover step 3 only (both numbers asserted below)."""
+    pairs = child.preference_pairs(16, "explicit")
+    config = dict(max_steps=6, logging_steps=3)
+    runs, model_cards = {}, {}
+    for name, trainer_class in (("trl", RewardTrainer), ("loopkit", RewardLoop)):
+        with tempfile.TemporaryDirectory() as output_dir:
+            runs[name] = run_and_resume(trainer_class, output_dir, pairs, resume_at=2, **config)
+            with open(os.path.join(output_dir, "README.md")) as f:  # written at each save (_save_checkpoint's)
+                model_cards[name] = f.read().replace(os.path.basename(output_dir), "OUTPUT")
+    assert "reward-trainer" in model_cards["trl"] and model_cards["loopkit"] == model_cards["trl"]
+    (trl_whole, trl_resumed), (loop_whole, loop_resumed) = runs["trl"], runs["loopkit"]
+    assert_same_logs(loop_whole.state.log_history, trl_whole.state.log_history, "uninterrupted")
+    # train_loss covers the steps of this train() call (HF Trainer's rule, so TRL's): compared with TRL's resumed run
+    resumed_logs, whole_logs = after_step(loop_resumed, 2), after_step(loop_whole, 2)
+    assert_same_logs([{"train_loss": resumed_logs[-1].pop("train_loss")}],
+                     [{"train_loss": after_step(trl_resumed, 2)[-1]["train_loss"]}], "resumed train_loss")
+    whole_logs[-1] = {k: v for k, v in whole_logs[-1].items() if k != "train_loss"}
+    worst = assert_same_logs(resumed_logs, whole_logs, "resumed vs uninterrupted")
+    assert_same_weights(loop_resumed.model, loop_whole.model, RTOL)
+    assert_same_weights(trl_resumed.model, trl_whole.model, RTOL)  # TRL's weights resume exactly too; its logs do not
+    print(f"\nresumed RewardLoop vs uninterrupted: largest relative difference {worst:.3g}")
+
+    whole_step3, resumed_step3 = after_step(trl_whole, 2)[0], after_step(trl_resumed, 2)[0]
+    loop_step3 = after_step(loop_resumed, 2)[0]
+    assert loop_step3["num_tokens"] == whole_step3["num_tokens"]
+    assert resumed_step3["num_tokens"] < whole_step3["num_tokens"] / 2, (resumed_step3, whole_step3)
+    assert resumed_step3["mean_reward"] != whole_step3["mean_reward"]  # TRL's average over step 3 alone
+    print(f"num_tokens at step 3: uninterrupted {whole_step3['num_tokens']}, RewardLoop resumed "
+          f"{loop_step3['num_tokens']}, RewardTrainer resumed {resumed_step3['num_tokens']}")
+    for key in ("accuracy", "margin", "mean_reward"):
+        print(f"{key} at step 3: uninterrupted {whole_step3[key]:.6g}, RewardLoop resumed {loop_step3[key]:.6g}, "
+              f"RewardTrainer resumed {resumed_step3[key]:.6g}")
+
+
+class HingeRewardLoop(RewardLoop):
+    """A user's own reward loss, as docs/trl.md shows it: a hinge on the reward difference."""
+
+    def reward_loss(self, rewards_chosen, rewards_rejected, margin):
+        return torch.relu(1.0 - (rewards_chosen - rewards_rejected)).mean()
+
+
+def test_a_reward_loss_of_ones_own_is_what_is_logged_evaluated_and_trained_on():
+    """One SGD step on 4 pairs (one batch) with the hinge loss above, against the hand computation: each sequence's
+    reward from an untouched copy of the model, unpadded, one at a time; the loss; its gradient; the SGD update."""
+    pairs = child.preference_pairs(4)
+    learning_rate = 0.5
+    with tempfile.TemporaryDirectory() as output_dir:
+        loop = child.train(HingeRewardLoop, output_dir, pairs, eval_dataset=pairs, max_steps=1, optim="sgd",
+                           learning_rate=learning_rate, lr_scheduler_type="constant", max_grad_norm=0.0)
+        evaluated = loop.evaluate()["eval_loss"]
+    by_hand = child.reward_model(child.reward_tokenizer())
+    by_hand.config.pad_token_id = loop.model.config.pad_token_id
+
+    def hinge_loss():
+        def reward(ids):
+            return by_hand(input_ids=torch.tensor([ids])).logits[0, 0]
+        chosen = torch.stack([reward(ids) for ids in loop.train_dataset["chosen_ids"]])
+        rejected = torch.stack([reward(ids) for ids in loop.train_dataset["rejected_ids"]])
+        return torch.clamp(1.0 - (chosen - rejected), min=0.0).sum() / len(chosen)
+
+    loss = hinge_loss()
+    loss.backward()
+    logged = loop.state.log_history[0]["loss"]
+    assert abs(logged - loss.item()) <= RTOL * abs(loss.item()), (logged, loss.item())
+    with torch.no_grad():
+        for parameter in by_hand.parameters():
+            parameter -= learning_rate * parameter.grad
+        after_step = hinge_loss().item()
+    assert_same_weights(loop.model, by_hand, RTOL)
+    assert abs(evaluated - after_step) <= RTOL * abs(after_step), (evaluated, after_step)  # eval: the same loss
+    assert abs(logged - child.LOG_2) > 0.01  # not RewardTrainer's loss, log 2 for near-equal rewards

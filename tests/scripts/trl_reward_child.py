@@ -24,6 +24,7 @@ from helpers import minilm_tokenizer, rotten_tomatoes  # noqa: E402
 # A small chat template (the MiniLM tokenizer has none) for the conversational format.
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }} [SEP] {% endfor %}"
 PROMPT = "Write a short review of the film."
+LOG_2 = 0.6931471805599453  # RewardTrainer's loss when the chosen and rejected rewards are equal
 
 
 def reward_tokenizer():
