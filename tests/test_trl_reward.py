@@ -17,13 +17,14 @@ import tempfile
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 pytest.importorskip("trl")
 from trl import RewardTrainer  # noqa: E402
 
 from loopkit.trl import RewardLoop  # noqa: E402
 
-from helpers import IGNORE_PIN_MEMORY_WARNING, assert_same_weights  # noqa: E402
+from helpers import IGNORE_PIN_MEMORY_WARNING, assert_same_weights, wait_for  # noqa: E402
 
 pytestmark = IGNORE_PIN_MEMORY_WARNING
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -190,3 +191,59 @@ def test_a_reward_loss_of_ones_own_is_what_is_logged_evaluated_and_trained_on():
     assert_same_weights(loop.model, by_hand, RTOL)
     assert abs(evaluated - after_step) <= RTOL * abs(after_step), (evaluated, after_step)  # eval: the same loss
     assert abs(logged - child.LOG_2) > 0.01  # not RewardTrainer's loss, log 2 for near-equal rewards
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory, forked):
+    """One launch of 2 forked ranks (torchrun's worker environment, CPU mode, gloo): RewardTrainer and RewardLoop
+    on each scenario of the child script, one after the other in the same processes."""
+    out = tmp_path_factory.mktemp("trl_reward_two_processes")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    launch = forked.launch([CHILD_PATH, out], 2, "the 2-process reward launch", env=env)
+    output = wait_for(launch, "the 2-process reward launch")
+    assert launch.returncode == 0, f"the 2-process launch failed (rc {launch.returncode}):\n{output[-6000:]}"
+
+    def result(scenario, name, rank=0):
+        with open(os.path.join(out, f"{scenario}_{name}_rank{rank}.json")) as f:
+            return json.load(f), load_file(os.path.join(out, f"{scenario}_{name}_rank{rank}.safetensors"))
+    return result
+
+
+def assert_same_tensors(actual: dict, expected: dict, what: str):
+    assert actual.keys() == expected.keys()
+    for key, tensor in expected.items():
+        scale = tensor.double().abs().max().clamp_min(1e-12)
+        difference = ((actual[key].double() - tensor.double()).abs().max() / scale).item()
+        assert difference <= RTOL, f"{what}: weight {key} differs by {difference:.3g} relative"
+
+
+def test_two_processes_reward_loop_equals_reward_trainer_on_two_processes(two_process_runs):
+    """2 ranks x 2 pairs x 2 micro-batches, a margin column, an uneven evaluation set (7 pairs): every logged key,
+    evaluate() and the weights of every rank equal RewardTrainer's on the same 2 ranks."""
+    (trl, trl_weights), (loop, loop_weights) = two_process_runs("even", "trl"), two_process_runs("even", "loopkit")
+    worst = assert_same_logs(loop["log_history"], trl["log_history"], "2 processes")
+    worst = max(worst, assert_same_logs([loop["evaluate"]], [trl["evaluate"]], "2 processes, evaluate()"))
+    assert_same_tensors(loop_weights, trl_weights, "2 processes")
+    assert_same_tensors(two_process_runs("even", "loopkit", rank=1)[1], loop_weights, "rank 1 vs rank 0")
+    print(f"\n2 processes: largest relative difference over every logged key: {worst:.3g}")
+
+
+def test_two_processes_short_last_batch_trains_alike_but_trls_gathered_metrics_differ(two_process_runs):
+    """13 pairs on 2 ranks x 2: the epoch's last micro-batch holds 1 real pair (rank 0) and 3 that Accelerate repeats
+    from the epoch's start. Loss, grad_norm, rewards and weights are RewardTrainer's. TRL's `num_tokens`, `accuracy`
+    and `margin` go through `gather_for_metrics`, which under Trainer keeps only the first `remainder` (= 1) of the
+    per-rank values at that micro-batch (rank 0's); loopkit's training loader does not mark Accelerate's
+    end-of-dataloader state, so RewardLoop counts both ranks there (a known gap: docs/trl.md)."""
+    (trl, trl_weights), (loop, loop_weights) = two_process_runs("uneven", "trl"), two_process_runs("uneven", "loopkit")
+    same = ("loss", "grad_norm", "learning_rate", "min_reward", "mean_reward", "max_reward", "epoch", "step")
+    for ours, theirs in zip(loop["log_history"], trl["log_history"]):
+        assert_same_logs([{k: ours[k] for k in same if k in theirs}], [{k: theirs[k] for k in same if k in theirs}],
+                         "2 processes, uneven")
+    assert_same_tensors(loop_weights, trl_weights, "2 processes, uneven")
+    at_step_2 = [(e["num_tokens"], e["margin"]) for run in (loop, trl) for e in run["log_history"]
+                 if e["step"] == 2 and "loss" in e]
+    print(f"\nnum_tokens and margin at step 2 (the short micro-batch): RewardLoop {at_step_2[0]}, TRL {at_step_2[1]}")
+    assert at_step_2[0][0] > at_step_2[1][0]

@@ -2,8 +2,9 @@
 model, the Rotten Tomatoes preference pairs and one run of a trainer class (TRL's `RewardTrainer` or loopkit's
 `RewardLoop`), built the same way for both.
 
-Usage (under a launcher): python trl_reward_child.py OUT_DIR: TRL's RewardTrainer, then RewardLoop, in the same
-processes, each writing `<name>_rank<r>.json` (log history) and `<name>_rank<r>.safetensors` (final weights).
+Usage (under a launcher): python trl_reward_child.py OUT_DIR: for each of `LAUNCH_SCENARIOS`, TRL's RewardTrainer,
+then RewardLoop, in the same processes, each writing `<scenario>_<trainer>_rank<r>.json` (log history, evaluate())
+and `<scenario>_<trainer>_rank<r>.safetensors` (final weights).
 """
 
 from __future__ import annotations
@@ -87,24 +88,30 @@ def train(trainer_class, output_dir, train_dataset, eval_dataset=None, resume_fr
     return trainer
 
 
+# name -> pairs: 16 fill every micro-batch of 2 ranks x 2 pairs; 13 leave the epoch's last one short (padded by
+# Accelerate with pairs from the start of the epoch)
+LAUNCH_SCENARIOS = {"even": 16, "uneven": 13}
+
+
 def main(out_dir: str) -> None:
     from trl import RewardTrainer
 
     from loopkit.trl import RewardLoop
 
     rank = int(os.environ.get("RANK", 0))
-    # 2 ranks x 2 pairs per step, an odd number of pairs (the last step's batch is uneven), accumulation 2
-    pairs, eval_pairs = preference_pairs(13, "explicit", margin=True), preference_pairs(7, "explicit", skip=13)
-    for name, trainer_class in (("trl", RewardTrainer), ("loopkit", RewardLoop)):
-        with tempfile.TemporaryDirectory() as output_dir:
-            trainer = train(trainer_class, output_dir, pairs, eval_pairs, per_device_train_batch_size=2,
-                            gradient_accumulation_steps=2, max_steps=3, eval_strategy="steps", eval_steps=2)
-            metrics = trainer.evaluate()
-        with open(os.path.join(out_dir, f"{name}_rank{rank}.json"), "w") as f:
-            json.dump({"log_history": trainer.state.log_history, "evaluate": metrics}, f)
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        weights = {key: value.detach().contiguous() for key, value in model.state_dict().items()}
-        save_file(weights, os.path.join(out_dir, f"{name}_rank{rank}.safetensors"))
+    eval_pairs = preference_pairs(7, "explicit", skip=16)  # 7: an uneven evaluation set on 2 ranks
+    for scenario, n in LAUNCH_SCENARIOS.items():
+        pairs = preference_pairs(n, "explicit", margin=True)
+        for name, trainer_class in (("trl", RewardTrainer), ("loopkit", RewardLoop)):
+            with tempfile.TemporaryDirectory() as output_dir:
+                trainer = train(trainer_class, output_dir, pairs, eval_pairs, per_device_train_batch_size=2,
+                                gradient_accumulation_steps=2, max_steps=3, eval_strategy="steps", eval_steps=2)
+                metrics = trainer.evaluate()
+            with open(os.path.join(out_dir, f"{scenario}_{name}_rank{rank}.json"), "w") as f:
+                json.dump({"log_history": trainer.state.log_history, "evaluate": metrics}, f)
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            weights = {key: value.detach().contiguous() for key, value in model.state_dict().items()}
+            save_file(weights, os.path.join(out_dir, f"{scenario}_{name}_rank{rank}.safetensors"))
 
 
 if __name__ == "__main__":
