@@ -60,19 +60,26 @@ def assert_same_logs(actual: list[dict], expected: list[dict], what: str) -> flo
     return worst
 
 
-def run_both(train_dataset, eval_dataset=None, evaluate=False, **config):
-    """TRL's RewardTrainer, then RewardLoop (built and trained one after the other: both seed the global RNG)."""
+def run_both(train_dataset, eval_dataset=None, evaluate=None, peft=False, **config):
+    """TRL's RewardTrainer, then RewardLoop (built and trained one after the other: both seed the global RNG);
+    `evaluate`: a dataset (unprocessed, as a user passes it) for `evaluate()` after training."""
     results = {}
     for name, trainer_class in (("trl", RewardTrainer), ("loopkit", RewardLoop)):
+        peft_config = None
+        if peft:  # a fresh config per trainer: TRL's preparation may edit it
+            from peft import LoraConfig
+            peft_config = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
         with tempfile.TemporaryDirectory() as output_dir:
-            trainer = child.train(trainer_class, output_dir, train_dataset, eval_dataset, **config)
-            results[name] = trainer, trainer.evaluate() if evaluate else None
+            trainer = child.train(trainer_class, output_dir, train_dataset, eval_dataset, peft_config=peft_config,
+                                  **config)
+            results[name] = trainer, trainer.evaluate(evaluate) if evaluate is not None else None
     return results
 
 
 CASES = {
     # implicit prompt, an evaluation every 2 steps, evaluate() after training; 18 pairs at 4: an uneven last batch
-    "implicit-eval": dict(data=dict(n=18), eval_data=dict(n=6, skip=18), evaluate=True,
+    # and evaluate() of a raw dataset after training (RewardTrainer.evaluate prepares it)
+    "implicit-eval": dict(data=dict(n=18), eval_data=dict(n=6, skip=18), evaluate=dict(n=5, skip=24),
                           config=dict(max_steps=5, eval_strategy="steps", eval_steps=2)),
     # explicit prompt with a margin column, 2 micro-batches per step (7 micro-batches: the last step has one)
     "explicit-margin-accumulation": dict(data=dict(n=14, form="explicit", margin=True),
@@ -81,6 +88,8 @@ CASES = {
     # conversational (prompt and messages through the chat template), rewards centred
     "conversational-centred": dict(data=dict(n=12, form="conversational"),
                                    config=dict(center_rewards_coefficient=0.01, max_steps=3)),
+    # TRL's `peft_config`: a LoRA adapter on the attention, the score head trained in full (PEFT's SEQ_CLS)
+    "lora": dict(data=dict(n=8), peft=True, config=dict(max_steps=2, learning_rate=1e-2)),
 }
 
 
@@ -88,10 +97,13 @@ CASES = {
 def test_reward_loop_logs_and_weights_equal_reward_trainers(case):
     spec = CASES[case]
     eval_dataset = child.preference_pairs(**spec["eval_data"]) if "eval_data" in spec else None
-    results = run_both(child.preference_pairs(**spec["data"]), eval_dataset, spec.get("evaluate", False),
+    evaluate = child.preference_pairs(**spec["evaluate"]) if "evaluate" in spec else None
+    results = run_both(child.preference_pairs(**spec["data"]), eval_dataset, evaluate, spec.get("peft", False),
                        **spec["config"])
     (trl, trl_metrics), (loop, loop_metrics) = results["trl"], results["loopkit"]
     assert type(loop).__name__ == "RewardLoop" and isinstance(loop, RewardTrainer)
+    if spec.get("peft"):
+        assert any("lora_A" in name for name, _ in loop.model.named_parameters()), type(loop.model)
     worst = assert_same_logs(loop.state.log_history, trl.state.log_history, case)
     losses = [entry["loss"] for entry in trl.state.log_history if "loss" in entry]
     assert len(losses) == spec["config"]["max_steps"]

@@ -79,11 +79,12 @@ def reward_config(output_dir, **overrides):
     return RewardConfig(**fields)
 
 
-def train(trainer_class, output_dir, train_dataset, eval_dataset=None, resume_from=None, **config):
+def train(trainer_class, output_dir, train_dataset, eval_dataset=None, resume_from=None, peft_config=None, **config):
     """Build `trainer_class` on a fresh model and tokenizer and train it; returns the trainer."""
     tokenizer = reward_tokenizer()
     trainer = trainer_class(model=reward_model(tokenizer), args=reward_config(output_dir, **config),
-                            train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=tokenizer)
+                            train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=tokenizer,
+                            peft_config=peft_config)
     trainer.train(resume_from_checkpoint=resume_from)
     return trainer
 
