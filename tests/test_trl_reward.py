@@ -34,7 +34,7 @@ _spec = importlib.util.spec_from_file_location("trl_reward_child", CHILD_PATH)
 child = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(child)
 
-TIMING_KEYS = ("train_runtime", "eval_runtime")
+TIMING_KEYS = ("train_runtime", "eval_runtime", "eval_model_preparation_time")
 RTOL = 1e-5
 
 
@@ -259,3 +259,37 @@ def test_two_processes_short_last_batch_trains_alike_but_trls_gathered_metrics_d
                  if e["step"] == 2 and "loss" in e]
     print(f"\nnum_tokens and margin at step 2 (the short micro-batch): RewardLoop {at_step_2[0]}, TRL {at_step_2[1]}")
     assert at_step_2[0][0] > at_step_2[1][0]
+
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "trl",
+                       "reward_reviews.py")
+LOOPKIT_IMPORT = "    from loopkit.trl import RewardLoop\n"
+
+
+def load_example(use_trl: bool):
+    """examples/trl/reward_reviews.py as a module; `use_trl`: its one loopkit line swapped for TRL's trainer."""
+    with open(EXAMPLE) as f:
+        source = f.read()
+    assert source.count(LOOPKIT_IMPORT) == 1
+    if use_trl:
+        source = source.replace(LOOPKIT_IMPORT, "    from trl import RewardTrainer as RewardLoop\n")
+    module = type(sys)("reward_reviews")
+    exec(compile(source, EXAMPLE, "exec"), module.__dict__)
+    return module
+
+
+def test_the_reward_example_runs_small_and_evaluates_as_on_trls_trainer(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_example(use_trl=False).main(["--help"])
+    assert exit_info.value.code == 0 and "--max-steps" in capsys.readouterr().out
+    results = {}
+    for name in ("trl", "loopkit"):
+        with tempfile.TemporaryDirectory() as output_dir:
+            results[name] = load_example(use_trl=name == "trl").main(
+                ["--pairs", "8", "--eval-pairs", "4", "--max-steps", "2", "--batch-size", "4", "--hidden-size", "16",
+                 "--output-dir", output_dir])
+    (trl, *trl_metrics), (loop, *loop_metrics) = results["trl"], results["loopkit"]
+    assert type(loop).__name__ == "RewardLoop" and type(trl).__name__ == "RewardTrainer"
+    assert_same_logs(loop_metrics, trl_metrics, "the example's evaluations before and after training")
+    assert_same_logs(loop.state.log_history, trl.state.log_history, "the example's training logs")
+    assert "held-out accuracy (chosen scored above rejected)" in capsys.readouterr().out
