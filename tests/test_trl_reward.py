@@ -34,7 +34,7 @@ _spec = importlib.util.spec_from_file_location("trl_reward_child", CHILD_PATH)
 child = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(child)
 
-TIMING_KEYS = ("train_runtime", "eval_runtime", "eval_model_preparation_time")
+TIMING_KEYS = ("train_runtime", "eval_runtime", "test_runtime", "eval_model_preparation_time")
 RTOL = 1e-5
 
 
@@ -66,8 +66,8 @@ def assert_same_logs(actual: list[dict], expected: list[dict], what: str) -> flo
 
 def run_both(train_dataset, eval_dataset=None, evaluate=None, peft=False, **config):
     """TRL's RewardTrainer, then RewardLoop (built and trained one after the other: both seed the global RNG);
-    `evaluate`: a dataset (unprocessed, as a user passes it) for `evaluate()` after training."""
-    results = {}
+    `evaluate`: a dataset (unprocessed, as a user passes it) for `evaluate()` after training, then `predict()`."""
+    results, predictions = {}, {}
     for name, trainer_class in (("trl", RewardTrainer), ("loopkit", RewardLoop)):
         peft_config = None
         if peft:  # a fresh config per trainer: TRL's preparation may edit it
@@ -77,7 +77,9 @@ def run_both(train_dataset, eval_dataset=None, evaluate=None, peft=False, **conf
             trainer = child.train(trainer_class, output_dir, train_dataset, eval_dataset, peft_config=peft_config,
                                   **config)
             results[name] = trainer, trainer.evaluate(evaluate) if evaluate is not None else None
-    return results
+            if evaluate is not None:  # predict(): the rewards (chosen rows, then rejected rows) of each batch
+                predictions[name] = trainer.predict(trainer.eval_dataset)
+    return results, predictions
 
 
 CASES = {
@@ -102,8 +104,8 @@ def test_reward_loop_logs_and_weights_equal_reward_trainers(case):
     spec = CASES[case]
     eval_dataset = child.preference_pairs(**spec["eval_data"]) if "eval_data" in spec else None
     evaluate = child.preference_pairs(**spec["evaluate"]) if "evaluate" in spec else None
-    results = run_both(child.preference_pairs(**spec["data"]), eval_dataset, evaluate, spec.get("peft", False),
-                       **spec["config"])
+    results, predictions = run_both(child.preference_pairs(**spec["data"]), eval_dataset, evaluate,
+                                    spec.get("peft", False), **spec["config"])
     (trl, trl_metrics), (loop, loop_metrics) = results["trl"], results["loopkit"]
     assert type(loop).__name__ == "RewardLoop" and isinstance(loop, RewardTrainer)
     if spec.get("peft"):
@@ -116,6 +118,14 @@ def test_reward_loop_logs_and_weights_equal_reward_trainers(case):
     if trl_metrics is not None:
         assert "eval_loss" in trl_metrics and "eval_accuracy" in trl_metrics
         worst = max(worst, assert_same_logs([loop_metrics], [trl_metrics], f"{case} evaluate()"))
+        ours, theirs = predictions["loopkit"], predictions["trl"]
+        assert ours.label_ids == theirs.label_ids == ()  # Trainer's for a batch without label columns
+        # Trainer's: 6 pairs at 4 a batch give 8 + 4 reward rows, but gather_for_metrics cuts the last batch to its
+        # `remainder` (2) rows, as if each pair were one row: the last batch's rejected rewards are dropped. Mirrored.
+        assert ours.predictions.shape == theirs.predictions.shape == (10, 1)
+        torch.testing.assert_close(torch.as_tensor(ours.predictions), torch.as_tensor(theirs.predictions),
+                                   rtol=RTOL, atol=1e-7)
+        worst = max(worst, assert_same_logs([ours.metrics], [theirs.metrics], f"{case} predict()"))
     assert_same_weights(loop.model, trl.model, RTOL)
     print(f"\n{case}: largest relative difference over every logged key: {worst:.3g}")
 

@@ -59,8 +59,9 @@ class RewardLoop(RewardTrainer, TRLLoop):
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """Trainer's `prediction_step` for a batch without labels whose loss the model can return (HF's
-        `loss_without_labels`, which RewardTrainer relies on): the loss through `compute_loss`, the logits beside."""
+        """Trainer's `prediction_step` for a batch whose loss the model returns without labels (HF's
+        `loss_without_labels`, which RewardTrainer switches on): the loss through `compute_loss`, the logits beside
+        and, as in Trainer, the label columns named in `label_names` (RewardTrainer names none: an empty tuple)."""
         if ignore_keys is None:
             ignore_keys = list(getattr(self.model.config, "keys_to_ignore_at_inference", ["cache"]))
         with torch.no_grad(), self.compute_loss_context_manager():
@@ -70,7 +71,8 @@ class RewardLoop(RewardTrainer, TRLLoop):
         if prediction_loss_only:
             return loss, None, None
         logits = nested_detach(tuple(v for k, v in outputs.items() if k not in ignore_keys + ["loss"]))
-        return loss, logits[0] if len(logits) == 1 else logits, None
+        labels = nested_detach(tuple(inputs.get(name) for name in self.label_names))
+        return loss, logits[0] if len(logits) == 1 else logits, labels[0] if len(labels) == 1 else labels
 
     # -- TRL's running metrics across a resume, and its model card at each save ------------------------------------
     def stage_states(self) -> dict:
