@@ -3,8 +3,9 @@
 real Rotten Tomatoes reviews (chosen = a fresh review, rejected = a rotten one), seed 0, fp32: every key of every
 `log_history` entry (the loss, `grad_norm`, `learning_rate`, TRL's `num_tokens`, `min/mean/max_reward`, `accuracy`,
 `margin`, the `eval_*` keys, `train_loss`, `total_flos`; not the timings) within 1e-5 relative, the final weights
-within 1e-5, `evaluate()`'s output; the three data formats, a `margin` column, `center_rewards_coefficient`,
-gradient accumulation; an exact resume; 2 processes; a user's own reward loss (`reward_loss`) by hand.
+within 1e-5, `evaluate()`'s and `predict()`'s output; the three data formats, a `margin` column,
+`center_rewards_coefficient`, gradient accumulation, a LoRA `peft_config`; an exact resume; 2 processes; the example
+script; a user's own reward loss (`reward_loss`) against a hand computation, and docs/trl.md's block.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def assert_same_logs(actual: list[dict], expected: list[dict], what: str) -> flo
         assert ours.keys() == theirs.keys(), f"{what}: keys {sorted(ours)} vs TRL's {sorted(theirs)}"
         for key, value in theirs.items():
             difference = relative_difference(ours[key], value)
-            assert difference <= RTOL, f"{what}, step {theirs.get('step')}, {key}: loopkit {ours[key]!r} vs TRL {value!r}"
+            assert difference <= RTOL, (f"{what}, step {theirs.get('step')}, {key}: loopkit {ours[key]!r} vs TRL "
+                                        f"{value!r}")
             if difference > worst:
                 worst, where = difference, (theirs.get("step"), key)
     if where is not None:
