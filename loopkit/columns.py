@@ -9,6 +9,7 @@ reads), `check_padding` (a padding collator's tokenizer without pad token), and,
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import random
 import warnings
@@ -90,19 +91,21 @@ def columns_the_collator_reads(collator, row, keep: set[str]) -> set[str]:
     `example["chosen_ids"]`. Each one found is given back and the row collated again (a column may be asked for
     only once another is there), until none is new. The collation is a probe: the global RNGs and a collator's
     own generator are as they were afterwards, its warnings are not shown (the real first batch shows them), and
-    an error is ignored (the real first batch raises it). A collator that copies its rows first (`dict(row)`) and
-    asks the copy is not seen; one that keeps state of its own (a count of rows) sees this one call more."""
+    an error is ignored (the real first batch raises it), and the collation is a copy's (`probe_copy`), so the
+    collator's own state (a count, a list of what it saw) is as it was. A collator that copies its rows first
+    (`dict(row)`) and asks the copy is not seen."""
     row = row.data if is_batch_encoding(row) else row
     if not isinstance(row, Mapping):
         return set()
     droppable, read = set(row) - keep, set()
-    while droppable - read:  # nothing to drop (the usual dataset): no probe
+    probed = probe_copy(collator) if droppable else None  # nothing to drop (the usual dataset): no probe
+    while droppable - read:
         asked = set()
         probe = AskedRow({key: value for key, value in row.items() if key in keep or key in read}, asked)
-        with randomness_kept(collator), warnings.catch_warnings():
+        with randomness_kept(probed), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                collator([probe])
+                probed([probe])
             except Exception:  # noqa: BLE001 - the real first batch raises it, where it belongs
                 pass
         found = (asked & droppable) - read
@@ -110,6 +113,32 @@ def columns_the_collator_reads(collator, row, keep: set[str]) -> set[str]:
             break
         read |= found
     return read
+
+
+def probe_copy(collator):
+    """A deep copy of `collator` that shares the models and tokenizers it holds (large, and not changed by
+    collating: an `nn.Module`, anything with `model_input_names`); the collator itself where it cannot be
+    copied (its generators and the global RNGs are restored around the probe either way: `randomness_kept`)."""
+    memo, seen, pending = {}, set(), [collator]
+    for _ in range(4):  # the collator, what it holds, and two levels below (a wrapper's collator's tokenizer)
+        found = []
+        for value in pending:
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            if isinstance(value, torch.nn.Module) or hasattr(value, "model_input_names"):
+                memo[id(value)] = value
+            elif isinstance(value, (list, tuple)):
+                found += list(value)
+            elif isinstance(value, dict):
+                found += list(value.values())
+            elif hasattr(value, "__dict__") and not isinstance(value, type):
+                found += list(vars(value).values())
+        pending = found
+    try:
+        return copy.deepcopy(collator, memo)
+    except Exception:  # noqa: BLE001 - a lock, a file handle: probe the collator itself
+        return collator
 
 
 @contextlib.contextmanager

@@ -15,11 +15,10 @@ subclass works exactly as on a `Trainer` subclass (loopkit/trainer/overridable.p
 
 from __future__ import annotations
 
-import inspect
 import time
 import warnings
 
-from .args import LoopArgs, check_args, check_declared_fields, check_inputs
+from .args import ArgsClassDeclaration, LoopArgs, check_args, check_inputs
 from .checkpoint import CHECKPOINT_PREFIX, warn_if_checkpoint_args_differ
 from .columns import find_labels
 from .distributed import release_earlier_run
@@ -48,7 +47,7 @@ STAGES = {"setup": SetupStage, "data": DataStage, "step": StepStage, "evaluation
           "teardown": TeardownStage}
 
 
-class Loop(HFMethods, TrainerAPI):
+class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
     """A training run with `transformers.Trainer`'s arguments, methods, attributes and callback events.
 
     Replace `Trainer(` with `Loop(`. Pass `setup=`, `data=`, `step=`, `evaluation=` or `teardown=` to swap a stage.
@@ -63,15 +62,6 @@ class Loop(HFMethods, TrainerAPI):
     # The class of each stage not passed in; a subclass may change one (`Seq2SeqLoop`: the evaluation stage), and
     # a subclass's overrides of HF's methods are checked against these (loopkit/trainer/overridable.py).
     stage_classes = STAGES
-    # The config class whose fields this loop reads beyond `TrainingArguments`' (None: none). A field of the args
-    # that neither loopkit nor this class declares is refused by name at construction (loopkit/args/checks.py):
-    # `SFTLoop.args_class = SFTConfig`; a subclass that reads its own options, `args_class = MyArgs`.
-    args_class = None
-
-    def __new__(cls, *args, **kwargs):
-        # Before any `__init__`: a subclass's (a TRL trainer's tokenises the datasets) runs before Loop.__init__.
-        check_declared_fields(cls, named_argument(cls.__init__, args, kwargs, "args"))
-        return super().__new__(cls)
 
     @leaves_process_as_found  # a refused Loop changes nothing; the next Loop takes back this one's (process.py)
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
@@ -81,9 +71,8 @@ class Loop(HFMethods, TrainerAPI):
                  data: DataStage | None = None, step: StepStage | None = None,
                  evaluation: EvalStage | None = None, teardown: TeardownStage | None = None, storage=None):
         args_given, args = args is not None, args if args is not None else LoopArgs()
-        check_declared_fields(type(self), args)  # again: a subclass's __init__(*args, **kwargs), or args it built
         take_accumulation_steps(args)  # accelerator_config's num_steps, as Trainer takes it
-        check_args(args)
+        check_args(args, type(self))  # with the fields the class reads (`args_class`: loopkit/args/checks.py)
         check_inputs(args, model=model, model_init=model_init, train_dataset=train_dataset, eval_dataset=eval_dataset,
                      compute_metrics=compute_metrics, optimizers=optimizers,
                      optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
@@ -308,16 +297,3 @@ class Loop(HFMethods, TrainerAPI):
         logs.update(self.schedule.token_logs(start_time))  # include_num_input_tokens_seen
         state.log_history.append({**logs, "step": state.global_step})
         self.context.events.fire("on_log", logs=logs)
-
-
-def named_argument(function, args: tuple, kwargs: dict, name: str):
-    """The value a call `function(self, *args, **kwargs)` gives its parameter `name` (None when the call does not
-    bind, or `name` is no named parameter: a `*args` catch-all)."""
-    try:
-        signature = inspect.signature(function)
-        parameter = signature.parameters.get(name)
-        if parameter is None or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            return kwargs.get(name)
-        return signature.bind(None, *args, **kwargs).arguments.get(name)
-    except (TypeError, ValueError):
-        return None

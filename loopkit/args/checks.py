@@ -98,6 +98,33 @@ def check_unsupported_fields(args) -> None:
 TRL_LOOPS = {"SFTConfig": "SFTLoop", "DPOConfig": "DPOLoop", "RewardConfig": "RewardLoop", "GRPOConfig": "GRPOLoop"}
 
 
+class ArgsClassDeclaration:
+    """`Loop`'s `args_class`: the config class whose fields the loop reads beyond `TrainingArguments`' (None:
+    none; `SFTLoop.args_class = SFTConfig`; a subclass that reads options of its own, `args_class = MyArgs`). A
+    field nothing reads is refused when the loop is created, before any `__init__` runs: a subclass's (a TRL
+    trainer's loads the model and tokenises the datasets) runs before `Loop.__init__`, which checks again
+    (`check_args`: the args of a subclass's `__init__(*args, **kwargs)`, or args it built)."""
+
+    args_class = None
+
+    def __new__(cls, *args, **kwargs):
+        check_declared_fields(cls, named_argument(cls.__init__, args, kwargs, "args"))
+        return super().__new__(cls)
+
+
+def named_argument(function, args: tuple, kwargs: dict, name: str):
+    """The value a call `function(self, *args, **kwargs)` gives its parameter `name` (None when the call does not
+    bind, or `name` is no named parameter: a `*args` catch-all)."""
+    try:
+        signature = inspect.signature(function)
+        parameter = signature.parameters.get(name)
+        if parameter is None or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            return kwargs.get(name)
+        return signature.bind(None, *args, **kwargs).arguments.get(name)
+    except (TypeError, ValueError):
+        return None
+
+
 def check_declared_fields(loop_class, args) -> None:
     """Refuse, by name, each field of `args` that no part of the run reads. loopkit reads the fields of
     `TrainingArguments` (or `LoopArgs`) and `Seq2SeqTrainingArguments` (each runs, is inert, or is refused when it
@@ -181,12 +208,14 @@ def owner_fields_fix(owner: type, args_class: type, loop_class: type) -> str:
                 f"to {loop_class.__name__} for a plain run")
     name = loop_class.__name__
     if loop_class.__module__.split(".")[0] == "loopkit":  # loopkit's own loop: a subclass of it declares them
-        declare = f"`class MyLoop({name}): args_class = {args_class.__name__}`, then MyLoop(...) in place of {name}(...)"
+        declare = (f"`class MyLoop({name}): args_class = {args_class.__name__}`, then MyLoop(...) in place of "
+                   f"{name}(...)")
     else:
         declare = f"`args_class = {args_class.__name__}` in class {name}"
     return (f"if your code reads them (your script, or your Loop subclass's methods), declare the class they belong "
-            f"to on the loop that runs them: {declare}; otherwise keep them out of the training arguments (a dataclass of their own, parsed beside "
-            "TrainingArguments: HfArgumentParser((TrainingArguments, ScriptArguments)))")
+            f"to on the loop that runs them: {declare}; otherwise keep them out of the training arguments (a "
+            "dataclass of their own, parsed beside TrainingArguments: HfArgumentParser((TrainingArguments, "
+            "ScriptArguments)))")
 
 
 @contextlib.contextmanager
@@ -212,13 +241,16 @@ def trainer_field_names(args) -> set[str]:
     return {f.name for f in dataclasses.fields(args)}
 
 
-def check_args(args) -> None:
-    """Raise `LoopConfigError` for any value loopkit would otherwise ignore or mis-run, naming the field and fix.
+def check_args(args, loop_class=None) -> None:
+    """Raise `LoopConfigError` for any value loopkit would otherwise ignore or mis-run, naming the field and fix;
+    first, with the `Loop` class, any field that neither loopkit nor the class reads (`check_declared_fields`).
 
     For a `TrainingArguments` (or any args dataclass other than `LoopArgs`), a field outside the supported and inert
     sets that does not keep its default is refused. That check comes last: it builds a `TrainingArguments` from the
     supported values, whose own validation would otherwise preempt the clearer messages below.
     """
+    if loop_class is not None:
+        check_declared_fields(loop_class, args)
     positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
     for name in positive:
         value = getattr(args, name)
@@ -259,6 +291,7 @@ def check_args(args) -> None:
                             "choosing the best checkpoint needs a metric to compare",
                             "set metric_for_best_model, e.g. 'loss' or 'accuracy'")
     check_tf32(args)
+    check_bf16(args)
     check_best_model_schedule(args)
     check_optim(args)
     if dataclasses.is_dataclass(args):
@@ -304,6 +337,25 @@ def enum_refusal(name: str, value: Any) -> str | None:
     except ValueError as error:
         return str(error)
     return None
+
+
+def check_bf16(args) -> None:
+    """`bf16` / `bf16_full_eval` need a device with bfloat16 (a GPU that has it, a TPU), or `use_cpu=True`, as
+    `TrainingArguments` checks when it is built (issue 45: `LoopArgs(bf16=True)` on a CPU accepted it)."""
+    if not (args.bf16 or args.bf16_full_eval) or args.use_cpu:
+        return
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_cuda_available, is_torch_xla_available
+
+    if is_torch_bf16_gpu_available() or is_torch_xla_available():
+        return
+    message = "Your setup doesn't support bf16/gpu. You need to assign use_cpu if you want to train the model on CPU."
+    field_name = "bf16" if args.bf16 else "bf16_full_eval"
+    if is_torch_cuda_available():
+        message += " You need Ampere+ GPU with cuda>=11.0."
+    raise trainer_error(message, field_name, True, "bfloat16 needs a device that has it (an Ampere or newer GPU, a "
+                        "TPU), or the CPU chosen explicitly, and this machine has no such device",
+                        f"set use_cpu=True to run {field_name} on the CPU (bfloat16 autocast), or leave "
+                        f"{field_name}=False")
 
 
 def check_tf32(args) -> None:
