@@ -9,6 +9,7 @@ on `datasets.Dataset`s, lists of dicts and an iterable dataset; the packed SFT r
 from __future__ import annotations
 
 import random
+import threading
 
 import datasets
 import numpy as np
@@ -176,14 +177,17 @@ def test_a_users_collator_reading_completion_mask_gets_it_where_trainer_drops_it
 # The probe itself: randomness as it was, and only what the collator asks for
 # ---------------------------------------------------------------------------------------------------------------
 class DrawingCollator:
-    """Draws from every global RNG and its own seeded generator, and reads `seq_lengths` if present."""
+    """Draws from every global RNG and its own seeded generator, counts its calls, and reads `seq_lengths` if
+    present. With a lock it cannot be copied, and is probed itself."""
 
     seed = 3
 
-    def __init__(self):
-        self.generator = None
+    def __init__(self, uncopyable: bool):
+        self.generator, self.calls = None, []
+        self.lock = threading.Lock() if uncopyable else None
 
     def __call__(self, features):
+        self.calls.append(len(features))
         if self.generator is None:
             self.generator = torch.Generator().manual_seed(self.seed)
         noise = (torch.rand(1), torch.rand(1, generator=self.generator), random.random(), np.random.rand())
@@ -191,22 +195,36 @@ class DrawingCollator:
                 "lengths": [f["seq_lengths"] for f in features] if "seq_lengths" in features[0] else None}
 
 
-def test_the_probe_leaves_every_rng_and_the_collators_generator_as_they_were():
-    collator, row = DrawingCollator(), {"input_ids": [1, 2], "seq_lengths": [1, 1], "idx": 0}
+@pytest.mark.parametrize("uncopyable", [False, True])
+def test_the_probe_leaves_every_rng_and_the_collators_own_state_as_they_were(uncopyable):
+    collator, row = DrawingCollator(uncopyable), {"input_ids": [1, 2], "seq_lengths": [1, 1], "idx": 0}
 
     def states():
         own = None if collator.generator is None else collator.generator.get_state()
         return torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy(), own
 
-    for _ in range(2):  # before the collator's first batch (no generator yet), then after it
+    for calls in range(2):  # before the collator's first batch (no generator yet), then after it
         before = states()
         assert columns_the_collator_reads(collator, row, {"input_ids"}) == {"seq_lengths"}
         after = states()
         assert torch.equal(before[0], after[0]) and before[1] == after[1] and np.array_equal(before[2], after[2])
         assert (before[3] is None and after[3] is None) or torch.equal(before[3], after[3])
+        assert len(collator.calls) == (calls if not uncopyable else 3 * calls + 2)  # probed: a copy, or itself
         collator([row])
-    # A MLM collator with a seed (HF's), whose generator is created at its first batch: still none after the probe.
-    tok = minilm_tokenizer()
-    mlm = DataCollatorForLanguageModeling(tok, mlm=True, seed=1)
+
+
+def test_a_collator_that_records_what_it_sees_sees_the_batches_only(tmp_path):
+    collator = DrawingCollator(uncopyable=False)
+    rows = [{"input_ids": [1, 2], "seq_lengths": [1, 1], "idx": i} for i in range(4)]
+    loop = Loop(tiny_llama(), args=plain_args(tmp_path, per_device_train_batch_size=2, max_steps=1),
+                train_dataset=datasets.Dataset.from_list(rows), data_collator=collator)
+    batch = first_batch(loop)
+    # Batches of two rows only (Accelerate's loader reads one batch ahead); the probe's one-row call went to a copy.
+    assert collator.calls in ([2], [2, 2]) and batch["lengths"] == [[1, 1], [1, 1]]
+
+
+def test_an_mlm_collators_seeded_generator_is_not_created_by_the_probe():
+    """HF's collator creates its generator at its first batch: still none after the probe."""
+    mlm = DataCollatorForLanguageModeling(minilm_tokenizer(), mlm=True, seed=1)
     assert columns_the_collator_reads(mlm, {"input_ids": [101, 2, 3, 102], "idx": 1}, {"input_ids"}) == set()
     assert mlm.generator is None
