@@ -149,6 +149,18 @@ def test_a_trl_trainer_class_that_declares_its_config_refuses_a_users_field_befo
         DeclaredSFT("no-such-org/no-such-model", args=MySFTArgs(str(tmp_path), curriculum=True, **CPU))
 
 
+def test_a_trl_trainer_class_on_loopkit_that_does_not_declare_its_config_is_told_to(tmp_path):
+    from loopkit.trl.base import TRLLoop
+
+    class UndeclaredSFT(trl.SFTTrainer, TRLLoop):
+        pass
+
+    with pytest.raises(LoopConfigError, match=re.escape("UndeclaredSFT runs TRL's SFTTrainer, which reads them: "
+                                                        "declare its config, `args_class = SFTConfig` in class "
+                                                        "UndeclaredSFT")):
+        UndeclaredSFT("no-such-org/no-such-model", args=trl.SFTConfig(str(tmp_path), **CPU))
+
+
 def test_loop_args_subclass_and_a_non_dataclass_args_class(tmp_path):
     @dataclasses.dataclass
     class MyLoopArgs(LoopArgs):

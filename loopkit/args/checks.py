@@ -201,6 +201,9 @@ def owner_fields_fix(owner: type, args_class: type, loop_class: type) -> str:
     if is_trl_config(owner):
         loop_name = TRL_LOOPS.get(owner.__name__)
         trainer = f"{owner.__name__.removesuffix('Config')}Trainer"
+        if trainer in {cls.__name__ for cls in loop_class.__mro__}:  # TRL's trainer on loopkit, undeclared
+            return (f"{loop_class.__name__} runs TRL's {trainer}, which reads them: declare its config, "
+                    f"`args_class = {owner.__name__}` in class {loop_class.__name__}")
         if loop_name is None:
             return f"loopkit has no loop for TRL's {trainer}: train with trl.{trainer} itself"
         return (f"they are {owner.__name__}'s: use loopkit.trl.{loop_name} ({trainer}( becomes {loop_name}(: "
