@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 import warnings
 
-from .args import LoopArgs, check_args, check_inputs
+from .args import ArgsClassDeclaration, LoopArgs, check_args, check_inputs
 from .checkpoint import CHECKPOINT_PREFIX, warn_if_checkpoint_args_differ
 from .columns import find_labels
 from .distributed import release_earlier_run
@@ -47,7 +47,7 @@ STAGES = {"setup": SetupStage, "data": DataStage, "step": StepStage, "evaluation
           "teardown": TeardownStage}
 
 
-class Loop(HFMethods, TrainerAPI):
+class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
     """A training run with `transformers.Trainer`'s arguments, methods, attributes and callback events.
 
     Replace `Trainer(` with `Loop(`. Pass `setup=`, `data=`, `step=`, `evaluation=` or `teardown=` to swap a stage.
@@ -72,7 +72,7 @@ class Loop(HFMethods, TrainerAPI):
                  evaluation: EvalStage | None = None, teardown: TeardownStage | None = None, storage=None):
         args_given, args = args is not None, args if args is not None else LoopArgs()
         take_accumulation_steps(args)  # accelerator_config's num_steps, as Trainer takes it
-        check_args(args)
+        check_args(args, type(self))  # with the fields the class reads (`args_class`: loopkit/args/checks.py)
         check_inputs(args, model=model, model_init=model_init, train_dataset=train_dataset, eval_dataset=eval_dataset,
                      compute_metrics=compute_metrics, optimizers=optimizers,
                      optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import re
 from pathlib import Path
@@ -37,6 +38,7 @@ OTHER_PARAMETERS = {
     "tp_plan": "from_pretrained's keyword (tensor parallelism)",
     "skip_logits": "a model's forward keyword that Trainer passes under Liger (docs/arguments.md)",
     "scale_wrt_gas": "Accelerator.backward's keyword for DeepSpeed (taken through **kwargs)",
+    "loss_scale": "the field of docs/arguments.md's own TrainingArguments subclass (MyArgs)",
 }
 
 
@@ -90,6 +92,10 @@ def other_api_parameters() -> set[str]:
                loopkit.data_order.ReadAhead, dcp.load, torch.optim.SGD, torch.compile, torch.load, torch.utils.data.DataLoader, torch.nn.CrossEntropyLoss,
                accelerate.Accelerator, FullyShardedDataParallelPlugin, DeepSpeedPlugin, DataLoaderConfiguration,
                ParallelismConfig]
+    if importlib.util.find_spec("trl") is not None:  # TRL's configs (loopkit[trl]: docs/trl.md, loopkit/args/)
+        import trl
+
+        owners += [trl.SFTConfig, trl.DPOConfig, trl.RewardConfig, trl.GRPOConfig]
     return set().union(*(parameters_of(owner) for owner in owners))
 
 

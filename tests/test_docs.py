@@ -24,8 +24,8 @@ README_MAX_BYTES = 12 * 1024  # a landing page: the reference material lives in 
 
 # How many ```python blocks each page has, all run by the tests below: a new block needs a test here.
 # (docs/stages.md's blocks 4 and 5, the step observers, run in tests/test_observers.py)
-PYTHON_BLOCKS_RUN_HERE = {"README.md": 1, "docs/stages.md": 5, "docs/evaluation.md": 4,
-                          "docs/trl.md": 2}  # trl.md: run by tests/test_trl_reward.py and tests/test_trl_grpo.py
+PYTHON_BLOCKS_RUN_HERE = {"README.md": 1, "docs/stages.md": 5, "docs/evaluation.md": 4, "docs/arguments.md": 1,
+                          "docs/trl.md": 3}  # trl.md: run by tests/test_trl_{reward,grpo}.py and test_config_refusal.py
 NOT_PYTHON = {"bash", "text"}
 NOT_RUN_MARK = re.compile(r"<!-- not run: (\S.*?) -->")
 FENCE = re.compile(r"^```(\S*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
@@ -447,3 +447,21 @@ def test_the_chunked_loss_sentence_and_a_section_the_results_file_lacks(monkeypa
     rendered = render(page)
     assert "old text" not in rendered
     assert "Not measured yet: `benchmarks/results/quick/results.json` has no `chunked_loss` section." in rendered
+
+
+def test_arguments_page_refuses_a_subclass_field_until_the_loop_declares_it(capsys):
+    """docs/arguments.md: `MyArgs`' field is refused by a plain Loop, with the fix, and read by `MyLoop`."""
+    (block,) = python_blocks("docs/arguments.md")
+    namespace = {}
+    exec(block, namespace)
+    printed = capsys.readouterr().out
+    assert "loss_scale=0.5: MyArgs's fields are read by your own code, and Loop does not read them" in printed
+    assert "`class MyLoop(Loop): args_class = MyArgs`" in printed
+
+
+def test_trl_page_refuses_an_sft_config_on_a_plain_loop():
+    """docs/trl.md's "Configs and columns loopkit refuses" block (it asserts the refusal itself)."""
+    pytest.importorskip("trl")
+    (block,) = [code for code in python_blocks("docs/trl.md") if "use loopkit.trl.SFTLoop" in code]
+    exec(block, {})
+

@@ -224,7 +224,8 @@ def test_a_refused_loop_leaves_the_previous_loops_settings_in_place(tmp_path):
     user_verbosity = hf_logging.get_verbosity()
     first = Loop(model=tiny_regression(), train_dataset=regression_data(16),
                  args=LoopArgs(output_dir=str(tmp_path / "a"), max_steps=2, save_strategy="no", report_to="none",
-                               disable_tqdm=True, log_level="info", full_determinism=True, bf16=True))
+                               disable_tqdm=True, log_level="info", full_determinism=True, bf16=True,
+                               use_cpu=not torch.cuda.is_available()))
     settings = process_view()
     assert run("LoopArgs", "fsdp")["refused"]
     assert process_view() == settings and settings["verbosity"] == hf_logging.INFO and settings["deterministic"]

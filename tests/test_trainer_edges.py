@@ -50,11 +50,17 @@ class ScriptArguments(TrainingArguments):
         self.threshold_squared = self.threshold ** 2
 
 
+class ScriptLoop(Loop):
+    """The script declares the arguments class whose own fields it reads (`args_class`, docs/arguments.md)."""
+
+    args_class = ScriptArguments
+
+
 def test_training_arguments_subclass_with_its_own_fields_trains_as_trainer(tmp_path):
-    """Fields Trainer never reads are the script's: Loop trains with them set (main refused the first one:
-    "model_name_or_path='mine': loopkit does not support this TrainingArguments field")."""
+    """Fields Trainer never reads are the script's: a Loop that declares the class (`args_class`) trains with them
+    set as Trainer does; a plain Loop refuses them by name, with that fix, rather than ignore them (issue 42)."""
     trained = {}
-    for name, runner in runners():
+    for name, runner in (("hf", dict(runners())["hf"]), ("loopkit", ScriptLoop)):
         args = ScriptArguments(output_dir=str(tmp_path / name), report_to="none", disable_tqdm=True,
                                model_name_or_path="mine", threshold=0.5, layers_to_freeze=["linear"], max_steps=4,
                                per_device_train_batch_size=4, logging_steps=1, save_strategy="no",
@@ -64,11 +70,16 @@ def test_training_arguments_subclass_with_its_own_fields_trains_as_trainer(tmp_p
         trained[name] = trainer
     assert logged_losses(trained["loopkit"]) == pytest.approx(logged_losses(trained["hf"]), rel=1e-6)
     assert len(logged_losses(trained["hf"])) == 4
+    with pytest.raises(LoopConfigError, match=r"model_name_or_path='mine', threshold=0\.5, layers_to_freeze=\['linear'\]"
+                       r".*class MyLoop\(Loop\): args_class = ScriptArguments"):
+        Loop(model=tiny_regression(), args=ScriptArguments(output_dir=str(tmp_path / "plain"), report_to="none",
+                                                           model_name_or_path="mine", threshold=0.5,
+                                                           layers_to_freeze=["linear"]))
     # A value loopkit refuses stays refused on a subclass too.
     args = ScriptArguments(output_dir=str(tmp_path / "refused"), report_to="none", threshold=0.5)
     args.debug = ["tpu_metrics_debug"]
     with pytest.raises(LoopConfigError, match="debug='tpu_metrics_debug'"):
-        Loop(model=tiny_regression(), args=args)
+        ScriptLoop(model=tiny_regression(), args=args)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from accelerate.state import AcceleratorState
 from helpers import regression_data, tiny_regression
 from torch.utils.data import IterableDataset
 from transformers import Trainer, TrainingArguments
-from transformers.utils import is_torch_tf32_available
+from transformers.utils import is_torch_bf16_gpu_available, is_torch_tf32_available, is_torch_xla_available
 
 import loopkit.args
 import loopkit.process
@@ -113,9 +113,12 @@ ROWS = [
 ]
 # What the machine lacks: refused only there (and these refusals are reached only there).
 MACHINE_ROWS = {loopkit.args.check_tf32: ("tf32 without an Ampere GPU", {"tf32": True}, {}, {}),
+                loopkit.args.check_bf16: ("bf16 without a bf16 device or use_cpu", {"bf16": True, "use_cpu": False},
+                                          {}, {}),
                 loopkit.stages.setup.check_precision_runs: ("fp16 where Accelerate runs no float16", {"fp16": True},
                                                             {}, {})}
 LACKS = {loopkit.args.check_tf32: not is_torch_tf32_available(),
+         loopkit.args.check_bf16: not (is_torch_bf16_gpu_available() or is_torch_xla_available()),
          loopkit.stages.setup.check_precision_runs: not torch.cuda.is_available()}
 ROWS += [row for check, row in MACHINE_ROWS.items() if LACKS[check]]
 

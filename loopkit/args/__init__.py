@@ -19,8 +19,8 @@ from ..errors import (LoopConfigError, MetricNotFoundError, RuntimeConfigError, 
                       config_error, nearest, plain, trainer_error)
 from ..optimizers import check_optim  # noqa: F401
 from .checks import (ACCELERATE_ENGINE_FIELDS, ENUM_OF_FIELD, FIXES, INERT_FIELDS, SUPPORTED_CHOICES,  # noqa: F401
-                     SUPPORTED_FIELDS, check_args, check_inputs, check_intervals, check_tf32, check_training_options,
-                     check_unsupported_fields, enum_refusal, refusal, trainer_field_names, transformers_quiet,
-                     unsupported_field_error)
+                     SUPPORTED_FIELDS, TRL_LOOPS, ArgsClassDeclaration, check_args, check_bf16, check_declared_fields,
+                     check_inputs, check_intervals, check_tf32, check_training_options, check_unsupported_fields,
+                     enum_refusal, refusal, trainer_field_names, transformers_quiet, unsupported_field_error)
 from .loop_args import (DICT_FIELDS, LOOP_ARGS_FIELDS, SEQ2SEQ_FIELDS, LoopArgs,  # noqa: F401
                         check_best_model_schedule, reject_unknown_keywords, report_to_list, unknown_argument_error)

@@ -100,6 +100,134 @@ def check_unsupported_fields(args) -> None:
             raise unsupported_field_error(f.name, value, default)
 
 
+# TRL's configs and loopkit's loops that read them (loopkit/trl/): a field of one of these configs, on a `Loop` that
+# does not declare it, names the loop to use.
+TRL_LOOPS = {"SFTConfig": "SFTLoop", "DPOConfig": "DPOLoop", "RewardConfig": "RewardLoop", "GRPOConfig": "GRPOLoop"}
+
+
+class ArgsClassDeclaration:
+    """`Loop`'s `args_class`: the config class whose fields the loop reads beyond `TrainingArguments`' (None:
+    none; `SFTLoop.args_class = SFTConfig`; a subclass that reads options of its own, `args_class = MyArgs`). A
+    field nothing reads is refused when the loop is created, before any `__init__` runs: a subclass's (a TRL
+    trainer's loads the model and tokenises the datasets) runs before `Loop.__init__`, which checks again
+    (`check_args`: the args of a subclass's `__init__(*args, **kwargs)`, or args it built)."""
+
+    args_class = None
+
+    def __new__(cls, *args, **kwargs):
+        check_declared_fields(cls, named_argument(cls.__init__, args, kwargs, "args"))
+        return super().__new__(cls)
+
+
+def named_argument(function, args: tuple, kwargs: dict, name: str):
+    """The value a call `function(self, *args, **kwargs)` gives its parameter `name` (None when the call does not
+    bind, or `name` is no named parameter: a `*args` catch-all)."""
+    try:
+        signature = inspect.signature(function)
+        parameter = signature.parameters.get(name)
+        if parameter is None or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            return kwargs.get(name)
+        return signature.bind(None, *args, **kwargs).arguments.get(name)
+    except (TypeError, ValueError):
+        return None
+
+
+def check_declared_fields(loop_class, args) -> None:
+    """Refuse, by name, each field of `args` that no part of the run reads. loopkit reads the fields of
+    `TrainingArguments` (or `LoopArgs`) and `Seq2SeqTrainingArguments` (each runs, is inert, or is refused when it
+    is changed: `check_unsupported_fields`); any other field (a TRL config's `packing`, a script's own option) is
+    read only by a `Loop` class that declares its config class, `args_class` (`SFTLoop.args_class = SFTConfig`; a
+    user's `class MyLoop(Loop): args_class = MyArgs`). Private (`_name`) fields and those `__init__` does not take
+    (derived ones) are not options, and are not checked."""
+    if args is None or isinstance(args, type) or not dataclasses.is_dataclass(args):
+        return
+    declared = loop_class.args_class
+    if declared is not None and not (isinstance(declared, type) and dataclasses.is_dataclass(declared)):
+        raise config_error(f"{loop_class.__name__}.args_class", declared, "it is the config class whose fields "
+                           "the loop reads, and this is no dataclass", "set args_class to that class (a "
+                           "TrainingArguments subclass), or leave it None")
+    read = loopkit_field_names(args) | SEQ2SEQ_FIELDS
+    if declared is not None:
+        read |= {f.name for f in dataclasses.fields(declared)}
+    unread = [f.name for f in dataclasses.fields(args) if f.init and not f.name.startswith("_") and f.name not in read]
+    if unread:
+        raise unread_fields_error(loop_class, args, unread)
+
+
+def loopkit_field_names(args) -> set[str]:
+    """The fields loopkit itself reads: `LoopArgs`' for a `LoopArgs`, else `TrainingArguments`' (of the installed
+    transformers: one it adds is then run, inert or refused when changed, `check_unsupported_fields`)."""
+    if isinstance(args, LoopArgs):
+        return set(LOOP_ARGS_FIELDS)
+    from transformers import TrainingArguments  # transformers.training_args: not a `transformers.trainer*` module
+
+    return {f.name for f in dataclasses.fields(TrainingArguments)} | LOOP_ARGS_FIELDS
+
+
+def unread_fields_error(loop_class, args, unread: list[str]) -> LoopConfigError:
+    """One sentence per class that declares unread fields (a TRL config's, a user's), each with its fix."""
+    by_owner: dict[type, list[str]] = {}
+    for name in unread:
+        by_owner.setdefault(field_owner(type(args), name), []).append(name)
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+                for f in dataclasses.fields(args)}
+    parts = []
+    for owner, names in by_owner.items():
+        changed = [n for n in names if plain(getattr(args, n)) != plain(defaults[n])]
+        shown = ", ".join(f"{n}={plain(getattr(args, n))!r}" for n in (changed or names[:3]))
+        rest = len(names) - len(changed or names[:3])
+        listing = shown + (f" (and {rest} more field{'s' if rest > 1 else ''} of it"
+                           f"{', at their defaults' if changed else ''})" if rest else "")
+        parts.append(f"{listing}: {owner_fields_problem(owner, loop_class)}. Fix: "
+                     f"{owner_fields_fix(owner, type(args), loop_class)}.")
+    return LoopConfigError(" Also: ".join(parts))
+
+
+def field_owner(args_class: type, name: str) -> type:
+    """The class whose fields `name` counts among: the most derived of TRL's configs (`TRL_LOOPS`) that has it,
+    else the class that first declared it."""
+    with_field = [c for c in args_class.__mro__ if name in getattr(c, "__dataclass_fields__", {})]
+    for cls in with_field:
+        if is_trl_config(cls) and cls.__name__ in TRL_LOOPS:
+            return cls
+    return with_field[-1]
+
+
+def is_trl_config(cls: type) -> bool:
+    return cls.__module__.split(".")[0] == "trl"
+
+
+def owner_fields_problem(owner: type, loop_class: type) -> str:
+    reader = f"TRL's {owner.__name__.removesuffix('Config')}Trainer" if is_trl_config(owner) else "your own code"
+    return (f"{owner.__name__}'s fields are read by {reader}, and {loop_class.__name__} does not read them (its "
+            f"args_class is {getattr(loop_class.args_class, '__name__', None)}); it will not ignore them silently")
+
+
+def owner_fields_fix(owner: type, args_class: type, loop_class: type) -> str:
+    if is_trl_config(owner):
+        loop_name = TRL_LOOPS.get(owner.__name__)
+        trainer = f"{owner.__name__.removesuffix('Config')}Trainer"
+        if trainer in {cls.__name__ for cls in loop_class.__mro__}:  # TRL's trainer on loopkit, undeclared
+            return (f"{loop_class.__name__} runs TRL's {trainer}, which reads them: declare its config, "
+                    f"`args_class = {owner.__name__}` in class {loop_class.__name__}")
+        if loop_name is None:
+            return f"loopkit has no loop for TRL's {trainer}: train with trl.{trainer} itself"
+        return (f"they are {owner.__name__}'s: use loopkit.trl.{loop_name} ({trainer}( becomes {loop_name}(: "
+                f"TRL's preparation, collator and loss on loopkit's loop), or pass transformers.TrainingArguments "
+                f"to {loop_class.__name__} for a plain run")
+    name = loop_class.__name__
+    if loop_class.__module__.split(".")[0] == "loopkit":  # loopkit's own loop: a subclass of it declares them
+        declare = (f"`class MyLoop({name}): args_class = {args_class.__name__}`, then MyLoop(...) in place of "
+                   f"{name}(...)")
+    else:
+        declare = f"`args_class = {args_class.__name__}` in class {name}"
+    return (f"if your code reads them (your script, or your Loop subclass's methods), declare the class they belong "
+            f"to on the loop that runs them: {declare}; otherwise keep them out of the training arguments (a "
+            "dataclass of their own, parsed beside TrainingArguments: HfArgumentParser((TrainingArguments, "
+            "ScriptArguments)))")
+
+
 @contextlib.contextmanager
 def transformers_quiet():
     """transformers' logger at ERROR while a reference `TrainingArguments` is built."""
@@ -123,13 +251,16 @@ def trainer_field_names(args) -> set[str]:
     return {f.name for f in dataclasses.fields(args)}
 
 
-def check_args(args) -> None:
-    """Raise `LoopConfigError` for any value loopkit would otherwise ignore or mis-run, naming the field and fix.
+def check_args(args, loop_class=None) -> None:
+    """Raise `LoopConfigError` for any value loopkit would otherwise ignore or mis-run, naming the field and fix;
+    first, with the `Loop` class, any field that neither loopkit nor the class reads (`check_declared_fields`).
 
     For a `TrainingArguments` (or any args dataclass other than `LoopArgs`), a field outside the supported and inert
     sets that does not keep its default is refused. That check comes last: it builds a `TrainingArguments` from the
     supported values, whose own validation would otherwise preempt the clearer messages below.
     """
+    if loop_class is not None:
+        check_declared_fields(loop_class, args)
     positive = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
     for name in positive:
         value = getattr(args, name)
@@ -170,6 +301,7 @@ def check_args(args) -> None:
                             "choosing the best checkpoint needs a metric to compare",
                             "set metric_for_best_model, e.g. 'loss' or 'accuracy'")
     check_tf32(args)
+    check_bf16(args)
     check_best_model_schedule(args)
     check_optim(args)
     if dataclasses.is_dataclass(args):
@@ -215,6 +347,25 @@ def enum_refusal(name: str, value: Any) -> str | None:
     except ValueError as error:
         return str(error)
     return None
+
+
+def check_bf16(args) -> None:
+    """`bf16` / `bf16_full_eval` need a device with bfloat16 (a GPU that has it, a TPU), or `use_cpu=True`, as
+    `TrainingArguments` checks when it is built (issue 45: `LoopArgs(bf16=True)` on a CPU accepted it)."""
+    if not (args.bf16 or args.bf16_full_eval) or args.use_cpu:
+        return
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_cuda_available, is_torch_xla_available
+
+    if is_torch_bf16_gpu_available() or is_torch_xla_available():
+        return
+    message = "Your setup doesn't support bf16/gpu. You need to assign use_cpu if you want to train the model on CPU."
+    field_name = "bf16" if args.bf16 else "bf16_full_eval"
+    if is_torch_cuda_available():
+        message += " You need Ampere+ GPU with cuda>=11.0."
+    raise trainer_error(message, field_name, True, "bfloat16 needs a device that has it (an Ampere or newer GPU, a "
+                        "TPU), or the CPU chosen explicitly, and this machine has no such device",
+                        f"set use_cpu=True to run {field_name} on the CPU (bfloat16 autocast), or leave "
+                        f"{field_name}=False")
 
 
 def check_tf32(args) -> None:

@@ -310,7 +310,11 @@ def unknown_argument_error(name: str, value: Any) -> UnknownArgumentError:
     """LoopArgs has every `TrainingArguments` field, so an unknown name is a misspelling, a field of another
     transformers version, or a `Seq2SeqTrainingArguments` field."""
     guesses = nearest(name, LOOP_ARGS_FIELDS, n=2)
-    if guesses:
+    if name in installed_trainer_field_names():  # a field of a newer transformers than LoopArgs declares
+        fix = (f"{name} is a field of the installed transformers' TrainingArguments that LoopArgs does not declare "
+               f"(loopkit does not run it yet, and will not ignore it): leave it out, or pass "
+               f"transformers.TrainingArguments to Loop, which refuses {name} by name when it is changed")
+    elif guesses:
         fix = f"did you mean {' or '.join(guesses)}? Write LoopArgs({guesses[0]}={value!r})"
     elif name in SEQ2SEQ_FIELDS:
         fix = (f"{name} is a Seq2SeqTrainingArguments field: pass transformers.Seq2SeqTrainingArguments("
@@ -319,6 +323,14 @@ def unknown_argument_error(name: str, value: Any) -> UnknownArgumentError:
         fix = (f"use one of LoopArgs' fields, which are TrainingArguments' of the installed transformers "
                f"(dataclasses.fields(LoopArgs)); {name} is not one of them")
     return UnknownArgumentError(f"{name}={value!r}: LoopArgs has no field {name!r}. Fix: {fix}.")
+
+
+def installed_trainer_field_names() -> set[str]:
+    """The fields of the installed transformers' `TrainingArguments` (imported here, on an error's path only:
+    building a `LoopArgs` imports no transformers)."""
+    from transformers import TrainingArguments
+
+    return {f.name for f in dataclasses.fields(TrainingArguments)}
 
 
 DICT_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs",

@@ -98,8 +98,8 @@ def check_precision_runs(accelerator) -> None:
         return
     raise config_error("fp16", True, f"Accelerate runs float16 mixed precision (autocast and a gradient scaler) only "
                        f"on an accelerator (a CUDA, XPU, NPU, MPS, HPU... device); on {accelerator.device.type} it "
-                       f"would train in float32, silently, as Trainer does there", "set bf16=True (bfloat16 autocast, "
-                       "which Accelerate runs on CPU) or leave fp16=False")
+                       f"would train in float32, silently, as Trainer does there", "set bf16=True and use_cpu=True "
+                       "(bfloat16 autocast, which Accelerate runs on CPU) or leave fp16=False")
 
 
 def resolve_accelerator_config(value):

@@ -21,7 +21,7 @@ between two generations regenerates, and trains on the new rollout's first micro
 from __future__ import annotations
 
 import torch
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import RepeatSampler, shuffle_sequence_dict, split_pixel_values_by_grid, split_tensor_dict, \
     unsplit_pixel_values_by_grid
 
@@ -169,6 +169,7 @@ class GRPOLoop(GRPOTrainer, GivenStages, TRLLoop):
     the update as the step stage (module docstring). `data=` / `step=` swap either (a `RolloutDataStage` /
     `GRPOStep` subclass)."""
 
+    args_class = GRPOConfig  # the config whose fields this loop honours (loopkit/args/checks.py)
     stage_classes = {**TRLLoop.stage_classes, "data": RolloutDataStage, "step": GRPOStep}
     # The loader, the sampler and the loss are the stages' (above), not GRPOTrainer's overrides of Trainer's.
     get_train_dataloader = HFMethods.get_train_dataloader

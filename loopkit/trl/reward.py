@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers.trainer_pt_utils import nested_detach
-from trl import RewardTrainer
+from trl import RewardConfig, RewardTrainer
 
 from .base import TRLLoop
 
@@ -37,6 +37,7 @@ class RewardLoop(RewardTrainer, TRLLoop):
     # RewardTrainer sets this (a plain attribute on Trainer) so that evaluation computes the loss of label-less
     # preference batches; loopkit's `can_return_loss` is a read-only property, so the class makes it assignable.
     can_return_loss = True
+    args_class = RewardConfig  # the config whose fields this loop honours (loopkit/args/checks.py)
 
     def reward_loss(self, rewards_chosen: torch.Tensor, rewards_rejected: torch.Tensor,
                     margin: torch.Tensor | None) -> torch.Tensor:
