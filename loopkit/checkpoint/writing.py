@@ -85,6 +85,12 @@ class AtomicSaves:
         acc = self.context.accelerator
         return acc.is_local_main_process if self.run.args.save_on_each_node else acc.is_main_process
 
+    @property
+    def node_local_disks(self) -> bool:
+        """`save_on_each_node` with several processes: each node writes a whole checkpoint of its own (each
+        process's RNG and stage tensors included), which it resumes from alone."""
+        return bool(self.run.args.save_on_each_node) and self.context.accelerator.num_processes > 1
+
     def save(self, stage_states: dict) -> str:
         """Save a full checkpoint of the current step atomically, with `stage_states` (JSON values by stage name)
         as the loopkit state; return its final path."""
@@ -139,7 +145,7 @@ class AtomicSaves:
         full_state = not run.args.save_only_model
         stage_states, stage_tensors, own_stage_states = split_stage_states(stage_states)
         model_state, optimizer_state = self.states_to_save()
-        return Checkpoint(
+        checkpoint = Checkpoint(
             step=run.state.global_step, model_state=model_state, optimizer_state=optimizer_state,
             scheduler=copy(run.lr_scheduler.state_dict()) if full_state and self.writes_files else None,
             scaler=copy(acc.scaler.state_dict()) if full_state and acc.scaler is not None else None,
@@ -148,6 +154,12 @@ class AtomicSaves:
             loopkit_state=json.dumps({**stage_states, RECORD_KEY: self.record()}, indent=2, sort_keys=True),
             stage_tensors=stage_tensors, own_stage_states=json.dumps(own_stage_states, sort_keys=True),
             writes_files=self.writes_files, process_index=acc.process_index, num_processes=acc.num_processes)
+        if self.node_local_disks:
+            from accelerate.utils import gather_object
+
+            every = gather_object(checkpoint.process_files())  # small: RNG states, a batch read ahead
+            checkpoint.process_parts = every if self.writes_files else []
+        return checkpoint
 
     def start_background_write(self, checkpoint: Checkpoint, push: str | None,
                                committed: CommittedSave) -> threading.Thread:
