@@ -71,3 +71,12 @@ def test_a_checkpoint_killed_mid_save_gets_no_on_save(tmp_path, forked, storage)
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = [json.loads(line) for line in record_path.read_text().splitlines()]
     check_records(resumed, [4, 8, 12])
+
+
+def test_the_events_page_example_runs():
+    """docs/events.md's "When on_save fires" example (asynchronous DCP saves; it asserts what each on_save found)."""
+    import re
+
+    page = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "events.md")).read()
+    (block,) = re.findall(r"^```python\n(.*?)^```$", page, re.DOTALL | re.MULTILINE)
+    exec(compile(block, "docs/events.md", "exec"), {})
