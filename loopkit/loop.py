@@ -249,12 +249,12 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
         stop_for_nonfinite = self.step.check_nonfinite() if due else False
         if preempted or stop_for_nonfinite:
             if context.checkpointer.last_saved_step != step:
-                self.schedule.save_checkpoint()
-                context.events.fire("on_save")
+                self.schedule.save_checkpoint()  # on_save once committed (schedule.py)
             run.control.should_training_stop = True
 
     def finish(self, plan, start_time):
         run, context = self.run, self.context
+        self.schedule.announce_saves(wait=True)  # the last checkpoint committed and its on_save, before the summary
         steps_run = run.state.global_step - self.initial_global_step
         train_loss = self.schedule.running_loss.train_loss(context.accelerator, steps_run)
         self.schedule.store_work()

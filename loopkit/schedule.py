@@ -229,6 +229,7 @@ class Schedule:
         """HF's `_maybe_log_save_evaluate`: act on `control.should_log / should_evaluate / should_save`."""
         run, context = self.run, self.context
         control = run.control
+        self.announce_saves()  # an asynchronous save committed since the last step: its on_save first
         if control.should_evaluate:
             self.store_input_tokens()  # the evaluation's log shows the count
         if control.should_log and run.state.global_step > self.running_loss.last_logged_step:
@@ -250,12 +251,28 @@ class Schedule:
                 control.should_save = is_new_best
         if run.control.should_save:
             self.save_checkpoint()
-            context.events.fire("on_save")
 
     def save_checkpoint(self) -> None:
+        """A checkpoint of this step; its `on_save` once it is committed: at once for a synchronous save, later for
+        an asynchronous one (`announce_saves`). The save in flight is waited for first, and announced."""
+        self.announce_saves(wait=True)
         self.store_work()
         with self.context.clock.span("checkpoint"):
             self.save()
+        self.run.control.should_save = False  # asked for and made (HF's on_save resets it; a late one resets none)
+        self.announce_saves()
+
+    def announce_saves(self, wait: bool = False) -> None:
+        """`on_save` for each checkpoint committed since the last announcement (`wait`: first wait for the save in
+        flight), on the training thread. A synchronous save is announced right after it, with the run's state, as
+        HF does. A late one (asynchronous) gets the state its checkpoint holds (`global_step` its step, the
+        `log_history` up to it), and resets no flag: the step it is announced at keeps its own `should_save`."""
+        run, events = self.run, self.context.events
+        for saved in self.context.checkpointer.take_committed(wait):
+            if saved.state is None:
+                events.fire("on_save")
+            else:
+                run.control = events.call_event("on_save", run.args, saved.state, run.control)
 
     def run_pending_evaluation(self, resume, ignore_keys_for_eval=None) -> None:
         """After a resume: the evaluation a preemption interrupted, and the save scheduled after it. It starts from

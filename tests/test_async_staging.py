@@ -33,12 +33,19 @@ class NormedRegression(nn.Module):
 
 
 class AtSave(TrainerCallback):
-    """The model's and the optimizer's states as they are when each save returns (before the next step)."""
+    """The model's and the optimizer's states at each step that saves, as the save begins (after the step, before
+    the next one); `announced`: the steps `on_save` was fired for (an asynchronous save's fires once it is
+    committed, after later steps ran: docs/events.md)."""
 
     def __init__(self):
-        self.saved, self.position = {}, None
+        self.saved, self.position, self.announced = {}, None, []
 
-    def on_save(self, args, state, control, model=None, optimizer=None, **kwargs):
+    def on_save(self, args, state, control, **kwargs):
+        self.announced.append(state.global_step)
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if not control.should_save:
+            return
         inner = getattr(optimizer, "optimizer", optimizer)
         params = [p for group in inner.param_groups for p in group["params"]]
         self.position = next(i for i, p in enumerate(params) if p is model.linear.weight)  # its number in optimizer.pt
@@ -82,7 +89,7 @@ def test_a_staged_save_holds_its_own_steps_state(tmp_path, slow_staging, make_st
     loop = Loop(model=NormedRegression(), args=args, train_dataset=regression_data(48), storage=storage,
                 callbacks=[watch])
     loop.train()
-    assert sorted(watch.saved) == [2, 4, 6]
+    assert sorted(watch.saved) == [2, 4, 6] and watch.announced == [2, 4, 6]
     for step, (model, moments) in watch.saved.items():
         weights, optimizer = saved_states(storage, str(tmp_path / f"checkpoint-{step}"), watch.position)
         for name, value in model.items():

@@ -50,6 +50,15 @@ class Checkpoint:
     process_index: int = 0
     num_processes: int = 1
     process_group: object = None
+    # The per-process files this process writes, as (process_index, rng, stage_tensors, own_stage_states): None for
+    # its own only; with node-local disks (`save_on_each_node` across nodes) each node's writing process writes
+    # every process's, gathered at the save, and the others none (`process_files`).
+    process_parts: list | None = None
+
+    def process_files(self) -> list:
+        if self.process_parts is not None:
+            return self.process_parts
+        return [(self.process_index, self.rng, self.stage_tensors, self.own_stage_states)]
 
 
 @dataclass

@@ -23,11 +23,18 @@ class Resuming:
             return None
         output_dir = self.run.args.output_dir
         if resume_from_checkpoint is True:
+            usable = []
             for path in reversed([r.path for r in checkpoints_by_recency(output_dir, self)]):
                 problem = self.checkpoint_problem(path)
                 if problem is None:
-                    return path
-                warnings.warn(f"Not resuming from {path}: {problem}. Falling back to the previous checkpoint.")
+                    usable.append(path)
+                    if not self.node_local_disks:
+                        break
+                else:
+                    warnings.warn(f"Not resuming from {path}: {problem}. Falling back to the previous checkpoint.")
+            usable = self.held_by_every_node(usable)
+            if usable:
+                return usable[0]
             raise trainer_error(f"No valid checkpoint found in output directory ({output_dir})",
                                 "resume_from_checkpoint", True, f"output_dir={output_dir!r} holds no usable "
                                 f"checkpoint-<step> folder", "train without resuming first, or pass the path of a "
@@ -43,6 +50,17 @@ class Resuming:
         if problem is not None:
             raise ValueError(f"Cannot resume from {resume_from_checkpoint}: {problem}.")
         return resume_from_checkpoint
+
+    def held_by_every_node(self, paths: list[str]) -> list[str]:
+        """With node-local disks: those of `paths` (newest first) whose folder name every process also found usable
+        on its own disk. A kill between two nodes' renames leaves the newest checkpoint on some nodes only: every
+        node resumes the newest they all hold."""
+        if not self.node_local_disks:
+            return paths
+        from accelerate.utils import gather_object
+
+        everyone = gather_object([[os.path.basename(path) for path in paths]])
+        return [path for path in paths if all(os.path.basename(path) in names for names in everyone)]
 
     def read_trainer_state(self, checkpoint: str):
         """The checkpoint's trainer state as a `LoopState` (a clear error naming a damaged file)."""

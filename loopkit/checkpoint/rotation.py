@@ -25,14 +25,14 @@ class Rotation:
         os.replace(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
 
-    def checkpoint_scores(self, dirs: list[str]) -> dict[str, float]:
-        """`metric_for_best_model` of each checkpoint folder in `dirs` whose step was evaluated (from `log_history`,
-        which resumes with the run); non-finite values are left out."""
+    def checkpoint_scores(self, dirs: list[str], state) -> dict[str, float]:
+        """`metric_for_best_model` of each checkpoint folder in `dirs` whose step was evaluated (from `state`'s
+        `log_history`, which resumes with the run); non-finite values are left out."""
         args = self.run.args
         if args.metric_for_best_model is None:
             return {}
         key = best_metric_key(args)
-        by_step = {entry["step"]: entry[key] for entry in self.run.state.log_history if key in entry}
+        by_step = {entry["step"]: entry[key] for entry in state.log_history if key in entry}
         scores = {}
         for path in dirs:
             step = int(CHECKPOINT_RE.match(os.path.basename(path)).group(1))
@@ -40,22 +40,24 @@ class Rotation:
                 scores[path] = by_step[step]
         return scores
 
-    def best_checkpoints(self, dirs: list[str]) -> set[str]:
+    def best_checkpoints(self, dirs: list[str], state) -> set[str]:
         """The folders among `dirs` that rotation must keep as best: `state.best_model_checkpoint` (HF), plus, with
         `best_total_limit=k`, the k best scored checkpoints (ties: the earlier step, as a strict improvement
         decides the best)."""
-        recorded = self.run.state.best_model_checkpoint
+        recorded = state.best_model_checkpoint
         # Compared as real paths: `output_dir` may be relative, and a resumed run's best may lie in another folder.
         best = {d for d in dirs if recorded is not None and os.path.realpath(d) == os.path.realpath(recorded)}
         if self.best_total_limit is not None:
-            scores = self.checkpoint_scores(dirs)
+            scores = self.checkpoint_scores(dirs, state)
             sign = -1 if self.run.args.greater_is_better else 1
             ranked = sorted(scores, key=lambda path: (sign * scores[path], dirs.index(path)))
             best.update(ranked[:self.best_total_limit])
         return best
 
-    def rotate(self) -> None:
+    def rotate(self, state=None) -> None:
         """HF's `save_total_limit` rule: keep the newest and the best, delete the oldest others beyond the limit.
+        `state`: the trainer state the best are read from (an asynchronous save's own, on its writer thread: the
+        run's may have moved on), by default the run's.
         With `EvalStage(best_total_limit=k)` the limits are separate: the `save_total_limit` newest checkpoints and
         the k best (by `metric_for_best_model`) are kept.
 
@@ -69,7 +71,7 @@ class Rotation:
         dirs = self.own_checkpoints()
         if not dirs:
             return
-        best = self.best_checkpoints(dirs)
+        best = self.best_checkpoints(dirs, state if state is not None else self.run.state)
         if self.best_total_limit is not None:
             keep = set(dirs[-limit:]) | best
         else:

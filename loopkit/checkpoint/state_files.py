@@ -17,7 +17,8 @@ from .stage_tensors import read_stage_tensors, write_stage_tensors
 def write_state_files(checkpoint: Checkpoint, folder: str, args=None) -> None:
     """This process's state files of `checkpoint` into `folder` (every process calls it): the scheduler, the scaler
     and Trainer's `training_args.bin` of `args` (the writing process), this process's RNG and stage tensors, then
-    the trainer state and the loopkit state (the writing process; the loopkit state last)."""
+    the trainer state and the loopkit state (the writing process; the loopkit state last). With node-local disks
+    the writing process of each node writes every process's RNG and stage tensors (`Checkpoint.process_files`)."""
     cp = checkpoint
     if cp.scheduler is not None:
         files.save_state_file(cp.scheduler, os.path.join(folder, files.SCHEDULER_NAME))
@@ -25,9 +26,10 @@ def write_state_files(checkpoint: Checkpoint, folder: str, args=None) -> None:
         files.save_state_file(cp.scaler, os.path.join(folder, files.SCALER_NAME))
     if cp.writes_files and args is not None:
         files.save_training_args(args, folder)  # Trainer's pickle, for its readers (never ours)
-    if cp.rng is not None:
-        files.save_state_file(cp.rng, os.path.join(folder, files.rng_file_name(cp.num_processes, cp.process_index)))
-    write_stage_tensors(cp.stage_tensors, cp.own_stage_states, folder, cp.num_processes, cp.process_index)
+    for process_index, rng, stage_tensors, own_stage_states in cp.process_files():
+        if rng is not None:
+            files.save_state_file(rng, os.path.join(folder, files.rng_file_name(cp.num_processes, process_index)))
+        write_stage_tensors(stage_tensors, own_stage_states, folder, cp.num_processes, process_index)
     if cp.writes_files:
         files.write_text(os.path.join(folder, TRAINER_STATE_NAME), cp.trainer_state)
         files.write_text(os.path.join(folder, LOOPKIT_STATE_NAME), cp.loopkit_state)

@@ -4,11 +4,13 @@ is the format's (`CheckpointFormat.write_checkpoint`, format.py)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
 import threading
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +25,18 @@ SAVE_ERROR_POLICIES = ("raise", "continue", "stop")
 
 
 Snapshot = Checkpoint  # loopkit's earlier name (the fields were renamed: see `Checkpoint`)
+
+
+@dataclass
+class CommittedSave:
+    """A checkpoint that is complete (written, fsynced, renamed into place, rotation done) and not yet announced
+    (`on_save`). `state`: the trainer state it holds, for an asynchronous save (its `on_save` fires after later
+    steps ran); None for a synchronous one (the run's live state is still that state)."""
+
+    path: str
+    step: int
+    state: object = None
+    best_model_checkpoint: str | None = None
 
 
 class NoUploads:
@@ -51,6 +65,7 @@ class AtomicSaves:
 
     writer = None  # the background thread of an asynchronous save
     writer_error = None
+    committed: tuple = ()  # CommittedSave: complete checkpoints not yet announced (set by the writing thread)
     last_saved_step = None
     rng_for_next_save = None  # set when a checkpoint must hold an earlier RNG state (see Schedule)
     checkpoint_group = None  # the gloo process group of asynchronous saves with several processes
@@ -70,6 +85,12 @@ class AtomicSaves:
         acc = self.context.accelerator
         return acc.is_local_main_process if self.run.args.save_on_each_node else acc.is_main_process
 
+    @property
+    def node_local_disks(self) -> bool:
+        """`save_on_each_node` with several processes: each node writes a whole checkpoint of its own (each
+        process's RNG and stage tensors included), which it resumes from alone."""
+        return bool(self.run.args.save_on_each_node) and self.context.accelerator.num_processes > 1
+
     def save(self, stage_states: dict) -> str:
         """Save a full checkpoint of the current step atomically, with `stage_states` (JSON values by stage name)
         as the loopkit state; return its final path."""
@@ -77,19 +98,42 @@ class AtomicSaves:
         state = run.state
         self.wait()  # one save in flight at a time; raises a background failure first
         final = os.path.join(run.args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
+        live_best = state.best_model_checkpoint
         if state.best_global_step is not None:
             best = os.path.join(run.args.output_dir, f"{CHECKPOINT_PREFIX}-{state.best_global_step}")
             if best == final or (os.path.isdir(best) and self.is_own(best)):  # never another run's folder
-                state.best_model_checkpoint = best
+                state.best_model_checkpoint = best  # as HF: the checkpoint's own state names it (itself, maybe)
         run.state.record_callback_states(context.events.callback_objects + [run.control])
         checkpoint = self.collect(stage_states)
+        # The run's state names a new best checkpoint once it is committed (`take_committed`), never before: a
+        # save that fails or is killed must not leave `best_model_checkpoint` naming a folder that never existed.
+        committed = CommittedSave(final, state.global_step, copy.deepcopy(state) if self.async_save else None,
+                                  state.best_model_checkpoint)
+        state.best_model_checkpoint = live_best
         push = self.hub.begin_push()  # on the training thread: on_push_begin, and the commit message (or None)
         self.last_saved_step, self.rng_for_next_save = state.global_step, None
         if self.async_save:
-            self.writer = self.start_background_write(checkpoint, push)
+            self.writer = self.start_background_write(checkpoint, push, committed)
         else:
-            self.write_handling_errors(checkpoint, push)
+            self.write_handling_errors(checkpoint, push, committed)
         return final
+
+    def take_committed(self, wait: bool) -> list[CommittedSave]:
+        """On the training thread: the saves committed since the last call, oldest first, for their `on_save`; the
+        run's state takes their `best_model_checkpoint`. `wait`: first wait for the save in flight (reporting its
+        failure). Without `wait` an asynchronous save counts once its writer has finished, and with several
+        processes only when waited for: every process then announces it at the same step (a callback's
+        collectives at `on_save`, e.g. Ray Train's report, stay in step)."""
+        if self.writer is None and not self.committed:
+            return []  # most steps
+        if self.writer is not None:
+            if not wait and (self.context.accelerator.num_processes > 1 or self.writer.is_alive()):
+                return []
+            self.wait()
+        committed, self.committed = list(self.committed), ()
+        for save in committed:
+            self.run.state.best_model_checkpoint = save.best_model_checkpoint
+        return committed
 
     def collect(self, stage_states: dict) -> Checkpoint:
         """At the step boundary, on the training thread: everything the save writes (the format's
@@ -101,7 +145,7 @@ class AtomicSaves:
         full_state = not run.args.save_only_model
         stage_states, stage_tensors, own_stage_states = split_stage_states(stage_states)
         model_state, optimizer_state = self.states_to_save()
-        return Checkpoint(
+        checkpoint = Checkpoint(
             step=run.state.global_step, model_state=model_state, optimizer_state=optimizer_state,
             scheduler=copy(run.lr_scheduler.state_dict()) if full_state and self.writes_files else None,
             scaler=copy(acc.scaler.state_dict()) if full_state and acc.scaler is not None else None,
@@ -110,8 +154,15 @@ class AtomicSaves:
             loopkit_state=json.dumps({**stage_states, RECORD_KEY: self.record()}, indent=2, sort_keys=True),
             stage_tensors=stage_tensors, own_stage_states=json.dumps(own_stage_states, sort_keys=True),
             writes_files=self.writes_files, process_index=acc.process_index, num_processes=acc.num_processes)
+        if self.node_local_disks:
+            from accelerate.utils import gather_object
 
-    def start_background_write(self, checkpoint: Checkpoint, push: str | None) -> threading.Thread:
+            every = gather_object(checkpoint.process_files())  # small: RNG states, a batch read ahead
+            checkpoint.process_parts = every if self.writes_files else []
+        return checkpoint
+
+    def start_background_write(self, checkpoint: Checkpoint, push: str | None,
+                               committed: CommittedSave) -> threading.Thread:
         """`async_save`: the folder is opened on the training thread (every process); the model's and optimizer's
         states are copied to host memory on a staging thread while the next step's forward and backward run (the
         optimizer's next step waits for it: `WeightsHold`), and the format writes the copies on the writer thread.
@@ -124,7 +175,7 @@ class AtomicSaves:
         model = unwrap_model(self.context.accelerator, run.model_wrapped, keep_torch_compile=False)
         staging = Staging(checkpoint, copy_now={name for name, _ in model.named_buffers()})
         self.weights_hold = WeightsHold(getattr(run.optimizer, "optimizer", run.optimizer), staging)
-        writer = threading.Thread(target=self.write_in_background, args=(staging, tmp, final, push),
+        writer = threading.Thread(target=self.write_in_background, args=(staging, tmp, final, push, committed),
                                   daemon=False)
         writer.start()
         return writer
@@ -137,24 +188,33 @@ class AtomicSaves:
             self.checkpoint_group = dist.new_group(backend="gloo")
         return self.checkpoint_group
 
-    def write_in_background(self, staging: Staging, tmp: str, final: str, push: str | None) -> None:
-        checkpoint = staging.checkpoint
+    def write_in_background(self, staging: Staging, tmp: str, final: str, push: str | None,
+                            committed: CommittedSave) -> None:
+        checkpoint, group = staging.checkpoint, staging.checkpoint.process_group
         try:
-            failure = None
-            try:
-                self.write_checkpoint(staging.result(), tmp)
-            except Exception as exc:
-                failure = exc
-            if not self.all_wrote(failure is None, checkpoint.process_group) and failure is None:
-                failure = RuntimeError("another process failed to write its part of the checkpoint")
-            if failure is not None:
-                raise failure
-            self.close_folder(tmp, final)
-        except Exception as exc:  # handed to the training thread at the next save or at the end
+            self.agreed(lambda: self.write_checkpoint(staging.result(), tmp), group,
+                        "another process failed to write its part of the checkpoint")
+            # Agreed again once renamed: no process announces the checkpoint before the writing ones renamed it.
+            self.agreed(lambda: self.close_folder(tmp, final), group, "the rename of the checkpoint failed")
+        except Exception as exc:  # handed to the training thread at the next save, step or the end
             self.discard_folder(tmp)
             self.writer_error = (checkpoint, exc)
             return
-        self.after_save(final, push)
+        self.after_save(final, push, committed.state)
+        self.committed = (*self.committed, committed)  # read once this thread has ended (take_committed)
+
+    def agreed(self, action, group, elsewhere: str) -> None:
+        """`action()` on every process of `group`, then one agreement that all succeeded: raises this process's
+        failure, or `RuntimeError(elsewhere)` when another process failed."""
+        failure = None
+        try:
+            action()
+        except Exception as exc:
+            failure = exc
+        if not self.all_wrote(failure is None, group) and failure is None:
+            failure = RuntimeError(elsewhere)
+        if failure is not None:
+            raise failure
 
     @staticmethod
     def all_wrote(wrote: bool, group) -> bool:
@@ -167,9 +227,10 @@ class AtomicSaves:
         dist.all_reduce(flag, group=group)
         return int(flag) == 0
 
-    def write_handling_errors(self, checkpoint: Checkpoint, push: str | None = None) -> None:
+    def write_handling_errors(self, checkpoint: Checkpoint, push: str | None = None,
+                              committed: CommittedSave | None = None) -> None:
         try:
-            self.write(checkpoint, push)
+            self.write(checkpoint, push, committed)
         except Exception as exc:
             self.report_failure(checkpoint, exc)
 
@@ -201,7 +262,7 @@ class AtomicSaves:
         if self.on_save_error == "stop":
             self.run.control.should_training_stop = True
 
-    def write(self, checkpoint: Checkpoint, push: str | None = None) -> None:
+    def write(self, checkpoint: Checkpoint, push: str | None = None, committed: CommittedSave | None = None) -> None:
         """The atomic protocol: the format writes into `.tmp-checkpoint-N`, then fsync, rename to `checkpoint-N`,
         rotate; then `push` (a commit message from the uploader's `begin_push`) queues the uploads of the complete
         folder."""
@@ -213,6 +274,9 @@ class AtomicSaves:
         except BaseException:
             self.discard_folder(tmp)
             raise
+        if committed is not None:  # committed: the run's state names its best (rotation keeps it), to announce
+            self.run.state.best_model_checkpoint = committed.best_model_checkpoint
+            self.committed = (*self.committed, committed)
         self.after_save(final, push)
         self.context.accelerator.wait_for_everyone()
 
@@ -244,9 +308,9 @@ class AtomicSaves:
         if self.writes_files:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def after_save(self, final: str, push: str | None) -> None:
-        """Rotation, then the push of the complete folder (after rotation: no upload lists a folder being
-        deleted)."""
+    def after_save(self, final: str, push: str | None, state=None) -> None:
+        """Rotation (by `state`, the checkpoint's trainer state; None: the run's), then the push of the complete
+        folder (after rotation: no upload lists a folder being deleted)."""
         if self.writes_files:
-            self.rotate()
+            self.rotate(state)
             self.hub.push_checkpoint(final, push)

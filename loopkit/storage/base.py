@@ -88,4 +88,23 @@ class CheckpointStorage(RunLineage, AtomicSaves, Rotation, Resuming, CheckpointF
             raise config_error("storage", self, "this storage object already serves another Loop",
                                f"pass a new {type(self).__name__}(...) to each Loop")
         self.run, self.context = run, context
+        check_node_local_disks(run.args, context.accelerator)
         return self
+
+
+def check_node_local_disks(args, accelerator) -> None:
+    """`save_on_each_node` across nodes gives each node a checkpoint of its own, which it resumes from alone: the
+    model and the optimizer must then be whole on each node's writing process (DDP, one device). FSDP's and
+    DeepSpeed's saves leave shards or gathered states on some processes only: refused, with the fix."""
+    import os
+
+    from ..distributed import active_engine
+
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    engine = active_engine(accelerator)
+    if not args.save_on_each_node or accelerator.num_processes <= local_processes or engine is None:
+        return
+    raise config_error("save_on_each_node", True, f"under {engine} on several nodes each process writes its own "
+                       f"shards (or only the first process holds the gathered state), so no node's own disk would "
+                       f"hold a checkpoint it can resume from",
+                       "save to a file system every node sees (save_on_each_node=False), or train with DDP")
