@@ -127,3 +127,45 @@ def test_sigmoid_explicit_reference_same_logs_and_weights():
         assert isinstance(loop, DPOLoop) and type(trainer) is DPOTrainer
         assert any("eval_rewards/accuracies" in entry for entry in trainer.state.log_history)
         assert_parity(trainer, loop)
+
+
+@pytest.mark.parametrize("loss", [
+    dict(loss_type="ipo"),
+    dict(loss_type="hinge"),
+    dict(loss_type=["sigmoid", "robust", "sft"], loss_weights=[1.0, 0.5, 0.2], label_smoothing=0.1),
+], ids=["ipo", "hinge", "sigmoid+robust+sft"])
+def test_loss_types_same_logs_and_weights(loss):
+    with tempfile.TemporaryDirectory() as folder:
+        trainer, loop = train_both(folder, review_pairs(12), max_steps=3, **loss)
+        assert_parity(trainer, loop)
+
+
+@pytest.mark.parametrize("reference, form, extra", [
+    ("from_path", "implicit", {}),
+    ("peft", "conversational", {"peft_config": "lora"}),
+    ("precompute", "explicit", {"precompute_ref_log_probs": True, "gradient_accumulation_steps": 2}),
+], ids=["loaded-from-path", "peft-adapter-off", "precomputed+accumulation"])
+def test_reference_kinds_same_logs_and_weights(reference, form, extra):
+    """No `ref_model`: TRL loads a second copy from the policy's path, switches the PEFT adapter off, or runs the
+    policy over the dataset before training (`precompute_ref_log_probs`, through loopkit's accelerator; its
+    `ref_*_logps` columns survive `remove_unused_columns`)."""
+    from peft import LoraConfig
+
+    extra = dict(extra)
+    if extra.get("peft_config") == "lora":
+        extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    with tempfile.TemporaryDirectory() as folder:
+        trainer, first = None, None
+        for cls in (DPOTrainer, DPOLoop):
+            run = train(cls, os.path.join(folder, cls.__name__), review_pairs(12, form), reference, max_steps=3,
+                        **extra)
+            if reference == "precompute":  # TRL caches the column by fingerprint: the next run computes its own
+                assert "ref_chosen_logps" in run.train_dataset.column_names
+                for cache in run.train_dataset.cache_files:
+                    os.remove(cache["filename"])
+            trainer, loop = (run, None) if cls is DPOTrainer else (trainer, run)
+        if reference == "peft":
+            assert loop.model.peft_config and loop.ref_model is None
+        if reference == "from_path":
+            assert loop.ref_model is not None and loop.ref_model is not loop.model
+        assert_parity(trainer, loop)
