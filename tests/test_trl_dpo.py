@@ -169,3 +169,41 @@ def test_reference_kinds_same_logs_and_weights(reference, form, extra):
         if reference == "from_path":
             assert loop.ref_model is not None and loop.ref_model is not loop.model
         assert_parity(trainer, loop)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Exact resume
+# ---------------------------------------------------------------------------------------------------------------
+def logs_after(trainer, step: int) -> list[dict]:
+    return [e for e in compared_logs(trainer) if e["step"] > step and "train_loss" not in e]
+
+
+def test_resume_mid_run_equals_uninterrupted_where_trl_restarts_num_tokens():
+    """4 steps saving at step 2, logging at step 3 (so steps 1-2's metrics are pending at the save); a second run
+    resumes from checkpoint-2. loopkit's resumed logs and weights equal its uninterrupted run's; TRL's resumed run
+    counts `num_tokens` from 0 again and averages its step-3 metrics over step 3 alone."""
+    fields = dict(save_strategy="steps", save_steps=2, logging_steps=3, max_steps=4)
+    with tempfile.TemporaryDirectory() as folder:
+        data = review_pairs(16)
+        runs = {}
+        for cls in (DPOTrainer, DPOLoop):
+            full = train(cls, os.path.join(folder, cls.__name__), data, **fields)
+            checkpoint = os.path.join(folder, cls.__name__, "out", "checkpoint-2")
+            assert os.path.isfile(os.path.join(folder, cls.__name__, "out", "README.md"))  # TRL's model card
+            resumed = train(cls, os.path.join(folder, cls.__name__), data, resume=checkpoint, **fields)
+            runs[cls] = full, resumed
+        (trl_full, trl_resumed), (loop_full, loop_resumed) = runs[DPOTrainer], runs[DPOLoop]
+        assert_parity(trl_full, loop_full)
+
+        ours, uninterrupted = logs_after(loop_resumed, 2), logs_after(loop_full, 2)
+        assert len(ours) == len(uninterrupted) == 1 and ours[0]["step"] == 3
+        for key, expected in uninterrupted[0].items():
+            assert ours[0][key] == pytest.approx(expected, rel=RTOL), key
+        assert_same_weights(loop_resumed.model, loop_full.model, RTOL)
+
+        theirs, trl_uninterrupted = logs_after(trl_resumed, 2)[0], logs_after(trl_full, 2)[0]
+        assert trl_uninterrupted["num_tokens"] == uninterrupted[0]["num_tokens"]
+        assert theirs["num_tokens"] < trl_uninterrupted["num_tokens"], (theirs, trl_uninterrupted)
+        print(f"num_tokens at step 3: uninterrupted {trl_uninterrupted['num_tokens']}, loopkit resumed "
+              f"{ours[0]['num_tokens']}, TRL resumed {theirs['num_tokens']}; rewards/margins: uninterrupted "
+              f"{trl_uninterrupted['rewards/margins']:.6g}, TRL resumed {theirs['rewards/margins']:.6g}")
