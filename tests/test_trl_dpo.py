@@ -7,6 +7,7 @@ switched off, or precomputed; several loss types; gradient accumulation; evaluat
 """
 
 import functools
+import json
 import math
 import os
 import tempfile
@@ -298,3 +299,37 @@ def test_own_preference_loss_refuses_trl_loss_fields():
             with pytest.raises(LoopConfigError, match=f"{field_name}=.*preference_loss"):
                 SigmoidLoop(model=tiny_llama(0, 64), ref_model=tiny_llama(0, 64), processing_class=tokenizer(),
                             args=dpo_config(folder, **{field_name: value}), train_dataset=review_pairs(4))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Two processes
+# ---------------------------------------------------------------------------------------------------------------
+def test_two_processes_same_logs_and_weights_as_dpo_trainer(forked):
+    """2 forked ranks (torchrun's environment, CPU, gloo), DPOTrainer then DPOLoop in the same processes, reference
+    log-probs precomputed over 14 pairs (an uneven last batch across the ranks), 2 pairs per rank per step: rank 0's
+    log history (every key) and the weights equal; each rank's precomputed column equals TRL's."""
+    from safetensors.torch import load_file
+
+    from test_distributed import child_env
+
+    script = os.path.join(os.path.dirname(__file__), "scripts", "dpo_ranks_child.py")
+    with tempfile.TemporaryDirectory() as out:
+        launch = forked.launch([script, out], 2, "the 2-process DPO launch", env=child_env(cpu_mode=True))
+        result = launch.wait()
+        assert result.returncode == 0, result.stdout[-6000:]
+
+        def read(name, rank):
+            with open(os.path.join(out, f"{name}_rank{rank}.json")) as f:
+                return json.load(f), load_file(os.path.join(out, f"{name}_rank{rank}.safetensors"))
+
+        for rank in (0, 1):
+            (ours, our_weights), (theirs, their_weights) = read("DPOLoop", rank), read("DPOTrainer", rank)
+            assert len(ours["ref_logps"]) == 14 and ours["ref_logps"] == pytest.approx(theirs["ref_logps"], rel=RTOL)
+            for name, tensor in their_weights.items():
+                torch.testing.assert_close(our_weights[name], tensor, rtol=RTOL, atol=1e-7)
+        logs = [[{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))}
+                 for e in read(name, 0)[0]["log_history"]] for name in ("DPOLoop", "DPOTrainer")]
+        assert [sorted(e) for e in logs[0]] == [sorted(e) for e in logs[1]] and len(logs[0]) == 4
+        for a, b in zip(*logs):
+            for key, expected in b.items():
+                assert a[key] == pytest.approx(expected, rel=RTOL), key
