@@ -333,3 +333,19 @@ def test_two_processes_same_logs_and_weights_as_dpo_trainer(forked):
         for a, b in zip(*logs):
             for key, expected in b.items():
                 assert a[key] == pytest.approx(expected, rel=RTOL), key
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The example
+# ---------------------------------------------------------------------------------------------------------------
+def test_example_script_trains_with_its_own_loss_at_a_tiny_size(capsys):
+    import runpy
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "trl", "dpo_reviews.py")
+    example = runpy.run_path(path)  # not as __main__: its main() is called below
+    with pytest.raises(SystemExit):
+        example["main"](["--help"])
+    assert "--loss" in capsys.readouterr().out
+    loop = example["main"](["--pairs", "8", "--steps", "2", "--batch-size", "4", "--loss", "simpo"])
+    assert type(loop).__name__ == "SimPOLoop" and isinstance(loop, DPOLoop) and loop.state.global_step == 2
+    assert "rewards/margins" in loop.state.log_history[-2] and "step 2: loss" in capsys.readouterr().out
