@@ -119,8 +119,9 @@ def assert_same_logs(loop, trainer, rtol=RTOL) -> float:
 def assert_parity(trainer, loop, min_keys=("rewards/chosen", "rewards/margins", "logps/chosen", "num_tokens")):
     train_logs = [e for e in trainer.state.log_history if "loss" in e]
     assert train_logs and all(key in train_logs[0] for key in min_keys), train_logs[:1]
-    assert_same_logs(loop, trainer)
+    worst = assert_same_logs(loop, trainer)
     assert_same_weights(loop.model, trainer.model, RTOL)
+    print(f"largest relative difference of a logged value: {worst:.3g}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -349,3 +350,23 @@ def test_example_script_trains_with_its_own_loss_at_a_tiny_size(capsys):
     loop = example["main"](["--pairs", "8", "--steps", "2", "--batch-size", "4", "--loss", "simpo"])
     assert type(loop).__name__ == "SimPOLoop" and isinstance(loop, DPOLoop) and loop.state.global_step == 2
     assert "rewards/margins" in loop.state.log_history[-2] and "step 2: loss" in capsys.readouterr().out
+
+
+def test_docs_preference_loss_block_trains_with_its_own_loss(tmp_path, monkeypatch):
+    """docs/trl.md's SimPOLoop block, run as printed: its loss is the SimPO loss of the log-probs, not TRL's."""
+    from test_docs import python_blocks
+
+    (block,) = [code for code in python_blocks("docs/trl.md") if "class SimPOLoop(DPOLoop)" in code]
+    monkeypatch.chdir(tmp_path)
+    seen = []
+    namespace = {}
+    exec(block.replace("loop.train()\n", ""), namespace)  # everything up to the training
+    loop, own_loss = namespace["loop"], namespace["SimPOLoop"].preference_loss
+    loop.preference_loss = lambda pairs: seen.append(pairs) or own_loss(loop, pairs)
+    loop.train()
+    assert isinstance(loop, DPOLoop) and loop.state.global_step == 2 and len(seen) == 2
+    by_hand = []  # each step's mean over its pairs of -log sigmoid(beta * margin - gamma), beta = 2, gamma = 0.5
+    for pairs in seen:
+        margin = pairs.chosen_logps / pairs.chosen_tokens - pairs.rejected_logps / pairs.rejected_tokens
+        by_hand.append(torch.nn.functional.softplus(-(2.0 * margin.detach().double() - 0.5)).mean().item())
+    assert loop.state.log_history[-1]["train_loss"] == pytest.approx(sum(by_hand) / 2, rel=1e-5)
