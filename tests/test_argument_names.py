@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import re
 from pathlib import Path
@@ -90,6 +91,10 @@ def other_api_parameters() -> set[str]:
                loopkit.data_order.ReadAhead, dcp.load, torch.optim.SGD, torch.compile, torch.load, torch.utils.data.DataLoader, torch.nn.CrossEntropyLoss,
                accelerate.Accelerator, FullyShardedDataParallelPlugin, DeepSpeedPlugin, DataLoaderConfiguration,
                ParallelismConfig]
+    if importlib.util.find_spec("trl") is not None:  # docs/trl.md writes TRL's arguments (the `trl` extra)
+        import trl
+
+        owners += [trl.DPOTrainer, trl.DPOConfig]
     return set().union(*(parameters_of(owner) for owner in owners))
 
 

@@ -298,6 +298,12 @@ def test_own_sigmoid_loss_equals_trl_sigmoid():
         assert_parity(trainer, loop)
 
 
+def test_dpo_loop_takes_dpo_trainers_arguments():
+    import inspect
+
+    assert inspect.signature(DPOLoop) == inspect.signature(DPOTrainer)
+
+
 def test_own_preference_loss_refuses_trl_loss_fields():
     with tempfile.TemporaryDirectory() as folder:
         for field_name, value in (("loss_type", ["ipo"]), ("label_smoothing", 0.1), ("ld_alpha", 0.5)):

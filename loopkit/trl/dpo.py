@@ -77,6 +77,8 @@ class DPOLoop(DPOTrainer, TRLLoop):
             refuse_unused_loss_fields(config)
         super().__init__(*args, **kwargs)
 
+    __init__.__signature__ = inspect.signature(DPOTrainer.__init__)  # DPOTrainer's arguments, as help() shows them
+
     # -- the loss -------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.preference_loss is None:
