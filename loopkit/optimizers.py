@@ -345,7 +345,8 @@ def steps_on_metrics(scheduler) -> bool:
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         return True
     optimization = sys.modules.get("transformers.optimization")  # a GreedyLR exists only once it is imported
-    return optimization is not None and isinstance(scheduler, optimization.GreedyLR)
+    greedy = getattr(optimization, "GreedyLR", None)  # and only in transformers releases that have it
+    return greedy is not None and isinstance(scheduler, greedy)
 
 
 def add_param_group(optimizer, scheduler, params, **group_options) -> None:

@@ -1,0 +1,52 @@
+"""The pip constraints of the suite's two extra environments (`make test-newest`, `make test-oldest`, docs/versions.md).
+
+    python constraints/versions.py newest   # torch pinned to the CPU build on the machines' disk; the rest free
+    python constraints/versions.py oldest   # the same, and transformers and accelerate at setup.cfg's floors
+
+The floors are read from setup.cfg, so raising one there moves the oldest environment with it: nothing is kept by hand.
+"""
+
+from __future__ import annotations
+
+import configparser
+import pathlib
+import re
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+OLDEST_OF = ("transformers", "accelerate")  # the libraries whose every release since the floor loopkit follows
+
+
+def torch_pin() -> str:
+    """The development constraints' torch (the CPU build on disk: any other torch is a multi-GB CUDA download)."""
+    for line in (HERE / "dev.txt").read_text().splitlines():
+        if line.startswith("torch=="):
+            return line
+    raise SystemExit("constraints/dev.txt pins no torch")
+
+
+def floors() -> dict[str, str]:
+    """`name>=version` of setup.cfg's install_requires, for each library of OLDEST_OF."""
+    config = configparser.ConfigParser()
+    config.read(HERE.parent / "setup.cfg")
+    found = {}
+    for requirement in config["options"]["install_requires"].split("\n"):
+        match = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*>=\s*([0-9][^,;\s]*).*", requirement)
+        if match and match.group(1).lower() in OLDEST_OF:
+            found[match.group(1).lower()] = match.group(2)
+    missing = [name for name in OLDEST_OF if name not in found]
+    if missing:
+        raise SystemExit(f"setup.cfg declares no '>=' floor for {', '.join(missing)}")
+    return found
+
+
+def constraints(kind: str) -> list[str]:
+    if kind == "newest":
+        return [torch_pin()]
+    if kind == "oldest":
+        return [torch_pin()] + [f"{name}=={version}" for name, version in floors().items()]
+    raise SystemExit(f"usage: python constraints/versions.py newest|oldest (got {kind!r})")
+
+
+if __name__ == "__main__":
+    print("\n".join(constraints(sys.argv[1] if len(sys.argv) > 1 else "")))
