@@ -94,7 +94,8 @@ def other_api_parameters() -> set[str]:
     if importlib.util.find_spec("trl") is not None:  # docs/trl.md writes TRL's arguments (the `trl` extra)
         import trl
 
-        owners += [trl.DPOTrainer, trl.DPOConfig]
+        owners += [trl.SFTTrainer, trl.SFTConfig, trl.DPOTrainer, trl.DPOConfig, trl.RewardTrainer,
+                   trl.RewardConfig, trl.GRPOTrainer, trl.GRPOConfig]
     return set().union(*(parameters_of(owner) for owner in owners))
 
 
