@@ -92,10 +92,11 @@ def other_api_parameters() -> set[str]:
                loopkit.data_order.ReadAhead, dcp.load, torch.optim.SGD, torch.compile, torch.load, torch.utils.data.DataLoader, torch.nn.CrossEntropyLoss,
                accelerate.Accelerator, FullyShardedDataParallelPlugin, DeepSpeedPlugin, DataLoaderConfiguration,
                ParallelismConfig]
-    if importlib.util.find_spec("trl") is not None:  # TRL's configs (loopkit[trl]: docs/trl.md, loopkit/args/)
+    if importlib.util.find_spec("trl") is not None:  # docs/trl.md writes TRL's arguments (the `trl` extra)
         import trl
 
-        owners += [trl.SFTConfig, trl.DPOConfig, trl.RewardConfig, trl.GRPOConfig]
+        owners += [trl.SFTTrainer, trl.SFTConfig, trl.DPOTrainer, trl.DPOConfig, trl.RewardTrainer,
+                   trl.RewardConfig, trl.GRPOTrainer, trl.GRPOConfig]
     return set().union(*(parameters_of(owner) for owner in owners))
 
 
