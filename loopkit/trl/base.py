@@ -31,14 +31,26 @@ from __future__ import annotations
 
 from transformers import Trainer
 
-from ..loop import Loop
+from ..loop import STAGES, Loop
+from ..stages.step import StepStage
 
 # The key of TRL's running metrics in a checkpoint's loopkit state (`loopkit_state.json`).
 TRL_STATE_KEY = "trl"
 
 
+class TRLStepStage(StepStage):
+    """loopkit's step stage, without the warning for a `compute_loss` override that leaves the loss scaling for
+    gradient accumulation to HF's rule: a TRL trainer's `compute_loss` is written for exactly that rule (TRL's
+    `loss_is_scaled_for_ga` is None), and the parity tests run it with accumulation against TRL's trainer."""
+
+    def warn_if_override_scaling_is_implicit(self) -> None:
+        pass
+
+
 class TRLLoop(Loop, Trainer):
     """`Loop` in `Trainer`'s place for TRL's trainer classes (module docstring). Not used on its own."""
+
+    stage_classes = {**STAGES, "step": TRLStepStage}
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
