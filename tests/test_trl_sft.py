@@ -93,6 +93,19 @@ class BatchRecorder:
                 "tokens": int(mask.sum()) if mask is not None else ids.numel()})
 
 
+class CollatorRecorder:
+    """TRL's collator, recording the columns each batch's examples hold and how many samples they carry (a packed
+    row carries one per entry of its `seq_lengths`)."""
+
+    def __init__(self, collator):
+        self.collator, self.batches = collator, []
+
+    def __call__(self, examples):
+        self.batches.append({"columns": sorted(examples[0]), "samples": sum(
+            len(example["seq_lengths"]) if "seq_lengths" in example else 1 for example in examples)})
+        return self.collator(examples)
+
+
 def run(trainer_class, output_dir, form="text", n=16, eval_n=0, peft_config=None, resume=None, after=None,
         **fields):
     """Build and train one runner (TRL's `SFTTrainer` or `SFTLoop`, the same arguments); its logs, final weights,
@@ -103,11 +116,12 @@ def run(trainer_class, output_dir, form="text", n=16, eval_n=0, peft_config=None
     trainer = trainer_class(model=model, args=sft_config(output_dir, **fields), train_dataset=reviews(form, n),
                             eval_dataset=reviews(form, eval_n, skip=n) if eval_n else None,
                             processing_class=tokenizer, peft_config=peft_config)
+    trainer.data_collator = collator = CollatorRecorder(trainer.data_collator)
     trainer.train(resume_from_checkpoint=resume)
     weights = {name: tensor.detach().clone() for name, tensor in trainer.model.state_dict().items()}
     extra = after(trainer) if after is not None else None
     return {"logs": trainer.state.log_history, "weights": weights, "batches": recorder.batches, "extra": extra,
-            "trainer": trainer}
+            "trainer": trainer, "collated": collator.batches}
 
 
 def timing(key: str) -> bool:
@@ -152,6 +166,7 @@ def assert_same_run(trl_run, loop_run, what: str, keys=("loss", "grad_norm", "le
     compare_weights(loop_run["weights"], trl_run["weights"], what)
     assert type(loop_run["trainer"]) is SFTLoop and loop_run["batches"] == trl_run["batches"], \
         f"{what}: the model saw other batches than under TRL"
+    assert loop_run["collated"] == trl_run["collated"], f"{what}: the collator saw other examples than under TRL"
     return worst
 
 
@@ -190,13 +205,15 @@ def test_each_mode_logs_what_sfttrainer_logs(mode):
 def test_packing_keeps_seq_lengths_so_packed_samples_do_not_attend_across_boundaries():
     """bfd packing: TRL's dataset keeps each row's `seq_lengths`, from which its collator builds `position_ids`
     restarting at every packed sample (its attention never crosses one). loopkit's `remove_unused_columns` must keep
-    that column: without it the collator marks one start per row."""
+    that column: without it the collator marks one start per packed row."""
     with tempfile.TemporaryDirectory() as tmp:
         trl_run, loop_run = both(tmp, packing=True, max_length=48)
-    assert "seq_lengths" in loop_run["trainer"].train_dataset.column_names
+    collated = loop_run["collated"]
+    assert all("seq_lengths" in batch["columns"] for batch in collated), collated[0]["columns"]
+    # TRL's padding-free collator lays a batch's packed rows end to end, position_ids restarting at each sample
+    # (the collator runs one batch ahead of the model, in TRL's trainer as here)
     starts = [b["starts"] for b in loop_run["batches"]]
-    rows = [b["rows"] for b in loop_run["batches"]]
-    assert all(s > r for s, r in zip(starts, rows)), f"{starts} sample starts in batches of {rows} rows"
+    assert starts == [batch["samples"] for batch in collated][:len(starts)] and sum(starts) > 4 * len(starts), starts
     assert_same_run(trl_run, loop_run, "packing")
 
 
