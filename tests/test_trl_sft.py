@@ -174,7 +174,6 @@ def assert_same_run(trl_run, loop_run, what: str, keys=("loss", "grad_norm", "le
 # The modes
 # ---------------------------------------------------------------------------------------------------------------
 MODES = {
-    "text": dict(form="text"),
     "prompt-completion": dict(form="prompt-completion"),  # completion_only_loss=None: on for this form
     "prompt-completion-full-loss": dict(form="prompt-completion", completion_only_loss=False),
     "assistant-only": dict(form="messages", assistant_only_loss=True),
@@ -182,6 +181,13 @@ MODES = {
     "dft": dict(form="text", loss_type="dft"),
     "accumulation-2": dict(form="text", per_device_train_batch_size=2, gradient_accumulation_steps=2),
 }
+
+
+def test_plain_text_logs_what_sfttrainer_logs():
+    with tempfile.TemporaryDirectory() as tmp:
+        trl_run, loop_run = both(tmp, form="text")
+    assert_same_run(trl_run, loop_run, "text")
+    assert any(entry.get("mean_token_accuracy", 0) > 0 for entry in trl_run["logs"])  # the comparison bites
 
 
 # TRL's compute_loss is written for HF's loss-scaling rule under accumulation: no warning about it (loopkit/trl/base.py)
@@ -289,3 +295,38 @@ def test_resume_is_exact_where_sfttrainer_loses_its_token_count():
     assert tokens("loopkit resumed") == tokens("trl") == [133, 389, 645]
     assert tokens("trl resumed") == [133, 389 - counted_before_checkpoint, 645 - counted_before_checkpoint] == \
         [133, 132, 388]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Two processes
+# ---------------------------------------------------------------------------------------------------------------
+def test_two_processes_log_what_sfttrainer_logs_on_two_processes(tmp_path, forked):
+    """DDP on 2 gloo CPU processes (forked ranks with torchrun's environment): on each rank, TRL's trainer and then
+    `SFTLoop` (tests/scripts/trl_sft_ranks.py). TRL gathers entropy, accuracy and the token count over the ranks;
+    the logs (rank 0 logs) and every rank's weights must match TRL's."""
+    from safetensors.torch import load_file
+
+    from helpers import wait_for
+
+    script = os.path.join(os.path.dirname(__file__), "scripts", "trl_sft_ranks.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    launch = forked.launch([script, tmp_path], 2, "the 2-process SFT launch", env=env)
+    output = wait_for(launch, "the 2-process SFT launch")
+    assert launch.returncode == 0, output[-4000:]
+    import json
+
+    def result(name, rank):
+        with open(tmp_path / f"{name}_rank{rank}.json") as f:
+            return {**json.load(f), "weights": load_file(str(tmp_path / f"{name}_rank{rank}.safetensors"))}
+
+    for rank in (0, 1):
+        trl_run, loop_run = result("trl", rank), result("loopkit", rank)
+        assert trl_run["processes"] == loop_run["processes"] == 2
+        assert loop_run["batches"] == trl_run["batches"], f"rank {rank}: other batches than under TRL"
+        compare_weights(loop_run["weights"], trl_run["weights"], f"rank {rank}")
+    trl_run, loop_run = result("trl", 0), result("loopkit", 0)
+    compare_logs(loop_run["logs"], trl_run["logs"], "2 processes")
+    assert [e["num_tokens"] for e in trl_run["logs"] if "num_tokens" in e][-1] == sum(  # both ranks' tokens
+        b["tokens"] for rank in (0, 1) for b in result("trl", rank)["batches"])
