@@ -330,3 +330,25 @@ def test_two_processes_log_what_sfttrainer_logs_on_two_processes(tmp_path, forke
     compare_logs(loop_run["logs"], trl_run["logs"], "2 processes")
     assert [e["num_tokens"] for e in trl_run["logs"] if "num_tokens" in e][-1] == sum(  # both ranks' tokens
         b["tokens"] for rank in (0, 1) for b in result("trl", rank)["batches"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The example
+# ---------------------------------------------------------------------------------------------------------------
+def test_the_example_trains_a_conversation_at_a_tiny_size(capsys):
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "trl",
+                        "sft_reviews.py")
+    spec = importlib.util.spec_from_file_location("sft_reviews", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with pytest.raises(SystemExit):
+        example.main(["--help"])
+    assert "--form {text,prompt-completion,messages}" in capsys.readouterr().out
+    with tempfile.TemporaryDirectory() as tmp:
+        loop = example.main(["--form", "messages", "--steps", "2", "--samples", "16", "--max-length", "32",
+                             "--output-dir", tmp])
+        assert os.path.isdir(os.path.join(tmp, "checkpoint-2"))
+    assert type(loop) is SFTLoop and loop.state.global_step == 2
+    assert "SFTLoop: eval loss" in capsys.readouterr().out
