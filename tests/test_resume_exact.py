@@ -14,7 +14,7 @@ from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageMod
 
 from loopkit import Loop, LoopArgs
 
-from helpers import minilm_tokenizer, rotten_tomatoes
+from helpers import minilm_tokenizer, regression_data, rotten_tomatoes, tiny_regression
 
 datasets = pytest.importorskip("datasets")
 
@@ -121,3 +121,47 @@ def test_first_log_after_resume_keeps_the_running_loss(tmp_path):
     expected = (full_logs[4] * 2 - step3 + full_logs[6] * 2) / 3
     assert out.training_loss == pytest.approx(expected, rel=1e-6)
     assert os.path.isfile(tmp_path / "b" / "checkpoint-6" / "trainer_state.json")
+
+
+
+class SkippingLoop(Loop):
+    """A script's override of HF's `get_resumed_dataloader` (transformers 5.25), as its docs suggest for a stateful
+    loader: here accelerate's `skip_first_batches`, recording each call."""
+
+    calls = []
+
+    def get_resumed_dataloader(self, dataloader, num_batches):
+        from accelerate import skip_first_batches
+
+        self.calls.append(num_batches)
+        return skip_first_batches(dataloader, num_batches)
+
+
+class Samples(torch.utils.data.IterableDataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(self.rows)
+
+
+@pytest.mark.parametrize("iterable", [False, True])
+def test_an_override_of_get_resumed_dataloader_positions_the_resumed_epoch(tmp_path, iterable):
+    """Honoured as in Trainer: called once, for the resumed epoch, with every batch the interrupted run had read
+    (its read-ahead batch too), and the run ends identical (the iterable cannot seek: the override's loader reads
+    and discards the batches itself). The collator draws no random numbers: the override's loader is read as it is
+    returned, so RNG exactness across a resume is the override's own business."""
+    def go(cls, out, resume=None):
+        args = LoopArgs(output_dir=str(tmp_path / out), per_device_train_batch_size=4, max_steps=6 if iterable else -1,
+                        num_train_epochs=1, learning_rate=0.05, logging_steps=1, save_steps=3, disable_tqdm=True)
+        rows = regression_data(24)
+        loop = cls(model=tiny_regression(), args=args, train_dataset=Samples(rows) if iterable else rows)
+        loop.train(resume_from_checkpoint=resume)
+        return loop
+
+    full = go(Loop, "run")
+    SkippingLoop.calls.clear()
+    resumed = go(SkippingLoop, "resumed", str(tmp_path / "run" / "checkpoint-3"))
+    assert SkippingLoop.calls == [3 + 1]  # 3 steps of one micro-batch, and the batch read ahead
+    for (name, a), (_, b) in zip(full.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), f"{name} differs after resume"

@@ -58,6 +58,11 @@ FIXES = {
 SUPPORTED_FIELDS = LOOP_ARGS_FIELDS - INERT_FIELDS - ACCELERATE_ENGINE_FIELDS
 
 
+# A config subclass's own fields that its `__post_init__` derives from another one when left None, and refuses
+# when both are given: TRL's GRPOConfig / RLOOConfig derive `generation_batch_size` from `steps_per_generation`.
+DERIVED_OWN_FIELDS = {"generation_batch_size"}
+
+
 def unsupported_field_error(name: str, value: Any, default: Any) -> LoopConfigError:
     fix = FIXES.get(name, f"leave {name} at its default ({default!r}), or train with transformers.Trainer")
     # A field a later transformers adds, until it is reviewed. (What a user's machine lacks is checked on it when
@@ -82,6 +87,8 @@ def check_unsupported_fields(args) -> None:
     fields = [f for f in dataclasses.fields(args) if not f.name.startswith("_")]
     own = {f.name for f in fields} - trainer_field_names(args)
     same = {f.name: getattr(args, f.name) for f in fields if f.init and (f.name in SUPPORTED_FIELDS or f.name in own)}
+    for name in DERIVED_OWN_FIELDS & own:  # left for the reference's __post_init__ to derive again
+        same[name] = None
     with accelerate_state_kept(), transformers_quiet():  # the user's own args printed its notes already
         reference = type(args)(**same)
     for f in fields:

@@ -19,7 +19,8 @@ Contract:
 
 Reads `run.args`, `run.model`, `run.label_names`, `run.train_dataset`, `run.eval_dataset`, `run.data_collator`,
 `run.processing_class`, `run.train_dataloader`; uses `context.accelerator`, `context.clock`, `context.checkpointer`;
-writes no run-state field. Owns HF's overridable `get_train_dataloader`, `get_eval_dataloader`, `get_test_dataloader`.
+writes no run-state field. Owns HF's overridable `get_train_dataloader`, `get_eval_dataloader`, `get_test_dataloader`,
+`get_resumed_dataloader`.
 """
 
 from __future__ import annotations
@@ -375,17 +376,38 @@ class DataStage(Stage):
         if self.length_order is not None and skip and self.saved_order_rng is not None:
             self.length_order.replay(self.saved_order_rng)  # the interrupted epoch's order, drawn again
         read = skip + (primed is not None)  # batches the interrupted run had read
-        loader, discard = self.skip_batches(loader, read, resume)
+        overridden = bool(read) and self.resumes_through_override()
+        if overridden:  # HF's hook, overridden: told every batch the interrupted run read (its read-ahead too)
+            loader, discard = self.get_resumed_dataloader(loader, read), 0
+        else:
+            loader, discard = self.skip_batches(loader, read, resume)
         dataset = getattr(loader, "dataset", None)
         if isinstance(dataset, PositionSeededDataset):
             dataset.start_epoch(epoch, read)
-        base = getattr(loader, "base_dataloader", loader)
-        iterator = iter(base)  # the plain loader: ReadAhead reads ahead as Accelerate's shard would
+        # The plain loader, which ReadAhead reads ahead as Accelerate's shard would; an override's loader as returned.
+        base = loader if overridden else getattr(loader, "base_dataloader", loader)
+        iterator = iter(base)
         for _ in range(discard):
             next(iterator, None)
         if resume is not None and skip and resume.rng is not None:
             restore_rng_state(resume.rng)  # the checkpoint's RNG was taken after the batch read ahead
         return ReadAhead(iterator, primed, read_ahead=base is not loader), loader
+
+    def get_resumed_dataloader(self, dataloader, num_batches: int):
+        """HF's hook (transformers 5.25): the train loader past its first `num_batches` batches, for a resumed epoch.
+        By default loopkit skips them itself (`skip_batches`: in the sampler, by the dataset's own seek, or by reading
+        and discarding them); an override, for a stateful or streaming loader, is called instead, as in Trainer."""
+        loader, discard = self.skip_batches(dataloader, num_batches, None)
+        if discard:
+            from accelerate import skip_first_batches
+
+            return skip_first_batches(loader, discard)  # reads and discards them, as Trainer's default does
+        return loader
+
+    def resumes_through_override(self) -> bool:
+        """Whether a `Loop` subclass or a stage subclass overrides `get_resumed_dataloader`."""
+        return "get_resumed_dataloader" in vars(self) or \
+            type(self).get_resumed_dataloader is not DataStage.get_resumed_dataloader
 
     def skip_batches(self, loader, skip: int, resume: ResumePoint | None):
         """Skip the first `skip` micro-batches as cheaply as the data allows: in the sampler (map-style), by the
@@ -398,7 +420,7 @@ class DataStage(Stage):
             from accelerate import skip_first_batches
 
             return skip_first_batches(loader, skip), 0  # skips indices in the sampler: nothing read or collated
-        if resume.dataset_state is not None and is_seekable(source) and self.run.args.dataloader_num_workers == 0:
+        if resume is not None and resume.dataset_state is not None and is_seekable(source) and self.run.args.dataloader_num_workers == 0:
             source.load_state_dict(resume.dataset_state)
             return loader, 0
         warnings.warn(f"Resuming mid-epoch on an iterable dataset that cannot seek: re-reading and discarding "

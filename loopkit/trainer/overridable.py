@@ -22,6 +22,7 @@ from ..errors import config_error
 OWNERS = {
     "call_model_init": "setup",
     "get_train_dataloader": "data", "get_eval_dataloader": "data", "get_test_dataloader": "data",
+    "get_resumed_dataloader": "data",
     "create_optimizer": "step", "get_optimizer_cls_and_kwargs": "step", "create_scheduler": "step",
     "get_decay_parameter_names": "step", "compute_loss": "step", "compute_loss_context_manager": "step",
     "autocast_smart_context_manager": "step", "training_step": "step", "floating_point_ops": "step",
@@ -95,6 +96,9 @@ class HFMethods:
 
     def get_test_dataloader(self, test_dataset):
         return self.stage_method("get_test_dataloader")(test_dataset)
+
+    def get_resumed_dataloader(self, dataloader, num_batches: int):
+        return self.stage_method("get_resumed_dataloader")(dataloader, num_batches)
 
     def create_optimizer(self, model=None):
         return self.stage_method("create_optimizer")(model)
