@@ -25,7 +25,7 @@ README_MAX_BYTES = 12 * 1024  # a landing page: the reference material lives in 
 # How many ```python blocks each page has, all run by the tests below: a new block needs a test here.
 # (docs/stages.md's blocks 4 and 5, the step observers, run in tests/test_observers.py)
 PYTHON_BLOCKS_RUN_HERE = {"README.md": 1, "docs/stages.md": 5, "docs/evaluation.md": 4,
-                          "docs/trl.md": 1}  # trl.md: run by tests/test_trl_grpo.py
+                          "docs/trl.md": 2}  # trl.md: run by tests/test_trl_sft.py and tests/test_trl_grpo.py
 NOT_PYTHON = {"bash", "text"}
 NOT_RUN_MARK = re.compile(r"<!-- not run: (\S.*?) -->")
 FENCE = re.compile(r"^```(\S*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)

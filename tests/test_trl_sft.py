@@ -295,6 +295,10 @@ def test_resume_is_exact_where_sfttrainer_loses_its_token_count():
     assert tokens("loopkit resumed") == tokens("trl") == [133, 389, 645]
     assert tokens("trl resumed") == [133, 389 - counted_before_checkpoint, 645 - counted_before_checkpoint] == \
         [133, 132, 388]
+    # step 4's accuracy: the mean over steps 3 and 4 uninterrupted and in SFTLoop's resumed run, over step 4 alone
+    # in SFTTrainer's resumed run
+    accuracy = {name: runs[name]["logs"][1]["mean_token_accuracy"] for name in runs}
+    assert accuracy["loopkit resumed"] == accuracy["trl"] and abs(accuracy["trl resumed"] - accuracy["trl"]) > 1e-3
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -333,8 +337,25 @@ def test_two_processes_log_what_sfttrainer_logs_on_two_processes(tmp_path, forke
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The example
+# The example and the docs
 # ---------------------------------------------------------------------------------------------------------------
+def test_the_docs_example_runs(tmp_path, monkeypatch):
+    """docs/trl.md's SFT block: prompt-completion reviews, two steps."""
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "trl.md"), encoding="utf-8") as f:
+        section = f.read().split("## SFT: `SFTLoop`")[1].split("\n## ")[0]
+    blocks = re.findall(r"^```python\n(.*?)^```$", section, re.DOTALL | re.MULTILINE)
+    assert len(blocks) == 1
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(blocks[0], "docs/trl.md", "exec"), namespace)
+    loop = namespace["loop"]
+    assert type(loop) is SFTLoop and loop.state.global_step == 2
+    assert {"entropy", "mean_token_accuracy", "num_tokens"} <= set(loop.state.log_history[0])
+
+
 def test_the_example_trains_a_conversation_at_a_tiny_size(capsys):
     import importlib.util
 
