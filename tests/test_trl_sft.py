@@ -106,12 +106,23 @@ class CollatorRecorder:
         return self.collator(examples)
 
 
+def tiny_mixtral(seed: int = 0, vocab_size: int = 64):
+    """A 2-layer, 2-expert Mixtral returning its router logits: SFTTrainer adds its load-balancing loss."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1, output_router_logits=True,
+        router_aux_loss_coef=0.1))
+
+
 def run(trainer_class, output_dir, form="text", n=16, eval_n=0, peft_config=None, resume=None, after=None,
-        **fields):
+        build_model=tiny_llama, **fields):
     """Build and train one runner (TRL's `SFTTrainer` or `SFTLoop`, the same arguments); its logs, final weights,
     the batches its model saw and, if `after` is given, `after(trainer)`."""
     tokenizer = chat_tokenizer()
-    model = tiny_llama(0, vocab_size=len(tokenizer))
+    model = build_model(0, vocab_size=len(tokenizer))
     recorder = BatchRecorder(model)
     trainer = trainer_class(model=model, args=sft_config(output_dir, **fields), train_dataset=reviews(form, n),
                             eval_dataset=reviews(form, eval_n, skip=n) if eval_n else None,
@@ -180,6 +191,9 @@ MODES = {
     "max-length": dict(form="text", max_length=12),
     "dft": dict(form="text", loss_type="dft"),
     "accumulation-2": dict(form="text", per_device_train_batch_size=2, gradient_accumulation_steps=2),
+    # TRL divides the MoE auxiliary loss by the step's micro-batches (`current_gradient_accumulation_steps`)
+    "moe-aux-loss-accumulation-2": dict(form="text", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                        build_model=tiny_mixtral),
 }
 
 
@@ -204,6 +218,8 @@ def test_each_mode_logs_what_sfttrainer_logs(mode):
         assert batch["label_tokens"] == batch["tokens"]
     if mode == "assistant-only":  # one word and [SEP] per conversation
         assert batch["label_tokens"] == 2 * batch["rows"]
+    if mode == "moe-aux-loss-accumulation-2":
+        assert all("aux_loss" in entry for entry in trl_run["logs"][:-1])
     if mode == "max-length":
         assert all(b["length"] <= 12 for b in loop_run["batches"])
 
