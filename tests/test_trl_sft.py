@@ -265,6 +265,26 @@ def test_evaluation_during_and_after_training():
     compare_logs([loop_run["extra"]], [trl_run["extra"]], "evaluate() after training")
 
 
+def test_model_from_a_folder_and_named_eval_sets():
+    """`model=` a folder (TRL loads it), and `eval_dataset` a dict of two sets in two forms (TRL prepares each and
+    logs `eval_<name>_loss` beside its own `eval_entropy`, `eval_mean_token_accuracy`, `eval_num_tokens`)."""
+    def train(trainer_class, folder, model_path):
+        trainer = trainer_class(model=model_path, args=sft_config(folder, eval_strategy="steps", eval_steps=2),
+                                train_dataset=reviews("text", 8), processing_class=chat_tokenizer(),
+                                eval_dataset={"a": reviews("text", 4, skip=8),
+                                              "b": reviews("prompt-completion", 4, skip=12)})
+        trainer.train()
+        return trainer.state.log_history, trainer.model.state_dict()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny_llama(0, vocab_size=len(chat_tokenizer())).save_pretrained(os.path.join(tmp, "model"))
+        trl_logs, trl_weights = train(SFTTrainer, os.path.join(tmp, "trl"), os.path.join(tmp, "model"))
+        loop_logs, loop_weights = train(SFTLoop, os.path.join(tmp, "loopkit"), os.path.join(tmp, "model"))
+    assert {"eval_a_loss", "eval_b_loss"} <= {key for entry in trl_logs for key in entry}
+    compare_logs(loop_logs, trl_logs, "named eval sets")
+    compare_weights(loop_weights, trl_weights, "named eval sets")
+
+
 def test_sftconfig_defaults_on_a_cpu_bf16_autocast_and_gradient_checkpointing():
     """SFTConfig's own defaults (use_cpu=True: bf16=True, gradient_checkpointing=True, learning_rate 2e-5) are
     taken by `Loop`'s construction checks and run as SFTTrainer runs them."""
