@@ -64,7 +64,7 @@ def parameters_of(obj) -> set[str]:
 
 def other_api_parameters() -> set[str]:
     """Parameters of the other APIs the docs and messages write `name=` for: loopkit's public API and stages, HF's
-    Trainer, configs, collators, callbacks and optimizers, torch's and accelerate's."""
+    Trainer, configs, collators, callbacks and optimizers, torch's and accelerate's, TRL's configs and trainers."""
     import accelerate
     import torch
     import transformers
@@ -90,6 +90,10 @@ def other_api_parameters() -> set[str]:
                loopkit.data_order.ReadAhead, dcp.load, torch.optim.SGD, torch.compile, torch.load, torch.utils.data.DataLoader, torch.nn.CrossEntropyLoss,
                accelerate.Accelerator, FullyShardedDataParallelPlugin, DeepSpeedPlugin, DataLoaderConfiguration,
                ParallelismConfig]
+    import trl  # docs/trl.md: TRL's configs and trainers' arguments
+
+    owners += [trl.SFTConfig, trl.SFTTrainer, trl.DPOConfig, trl.DPOTrainer, trl.RewardConfig, trl.RewardTrainer,
+               trl.GRPOConfig, trl.GRPOTrainer]
     return set().union(*(parameters_of(owner) for owner in owners))
 
 
