@@ -251,7 +251,8 @@ def test_lora_adapter_from_peft_config():
 
 
 def test_evaluation_during_and_after_training():
-    """`eval_strategy="steps"` (steps 2 and 4): TRL logs eval_loss, eval_entropy, eval_mean_token_accuracy, eval_num_tokens; and
+    """`eval_strategy="steps"` (steps 2 and 4): TRL logs eval_loss, eval_entropy, eval_mean_token_accuracy,
+    eval_num_tokens; and
     `evaluate(raw_dataset)` after training, which TRL's `evaluate` tokenises first."""
     def evaluate_raw(trainer):
         return trainer.evaluate(reviews("text", 6, skip=40))
