@@ -66,7 +66,7 @@ def parameters_of(obj) -> set[str]:
 
 def other_api_parameters() -> set[str]:
     """Parameters of the other APIs the docs and messages write `name=` for: loopkit's public API and stages, HF's
-    Trainer, configs, collators, callbacks and optimizers, torch's and accelerate's."""
+    Trainer, configs, collators, callbacks and optimizers, torch's and accelerate's, TRL's configs and trainers."""
     import accelerate
     import torch
     import transformers

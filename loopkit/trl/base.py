@@ -12,19 +12,45 @@ first, and its `super().__init__(...)` is `Loop.__init__`; TRL's overrides are b
 `Loop` subclass's are (loopkit/trainer/overridable.py), so TRL's loss runs inside loopkit's step stage, and `train()`
 is loopkit's run. `Trainer` stays last in the order only so that `isinstance(loop, Trainer)` holds for TRL's code and
 callbacks. A `Trainer` method that TRL calls and loopkit does not define would fall through to `Trainer`'s own
-implementation, which reads state a `Loop` does not keep: each such method is defined on the TRL loop that needs it,
-and the parity tests (tests/test_trl_*.py) run TRL's trainer live beside it.
+implementation, which reads state a `Loop` does not keep: each one TRL's trainers reach is defined here (those common
+to every TRL trainer) or on the TRL loop that needs it, and the parity tests (tests/test_trl_*.py) run TRL's trainer
+live beside it.
+
+Defined here, for every TRL trainer:
+* `_prepare_inputs` (TRL's `prediction_step` calls it): the batch on the run's device, as Trainer's.
+* `current_gradient_accumulation_steps` (TRL's MoE auxiliary loss reads it): the micro-batches of the step in
+  progress, which Trainer keeps as an attribute of its training loop and the step stage keeps here.
+* `_save_checkpoint`: TRL's override writes the model card (`README.md` in `output_dir`) and then calls Trainer's;
+  every checkpoint loopkit writes goes through it, and Trainer's part is `Loop.save_checkpoint`.
+* TRL's running metrics (`_total_train_tokens`, the `num_tokens` it logs, and the training metrics gathered since
+  the last log, `_metrics["train"]`) are kept in each checkpoint and restored on resume. TRL keeps them on the
+  trainer object only, so a resumed TRL run counts `num_tokens` from zero again (docs/trl.md, "Where TRL is wrong").
 """
 
 from __future__ import annotations
 
 from transformers import Trainer
 
-from ..loop import Loop
+from ..loop import STAGES, Loop
+from ..stages.step import StepStage
+
+# The key of TRL's running metrics in a checkpoint's loopkit state (`loopkit_state.json`).
+TRL_STATE_KEY = "trl"
+
+
+class TRLStepStage(StepStage):
+    """loopkit's step stage, without the warning for a `compute_loss` override that leaves the loss scaling for
+    gradient accumulation to HF's rule: a TRL trainer's `compute_loss` is written for exactly that rule (TRL's
+    `loss_is_scaled_for_ga` is None), and the parity tests run it with accumulation against TRL's trainer."""
+
+    def warn_if_override_scaling_is_implicit(self) -> None:
+        pass
 
 
 class TRLLoop(Loop, Trainer):
     """`Loop` in `Trainer`'s place for TRL's trainer classes (module docstring). Not used on its own."""
+
+    stage_classes = {**STAGES, "step": TRLStepStage}
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -33,3 +59,59 @@ class TRLLoop(Loop, Trainer):
         self._signature_columns = None
         self._set_signature_columns_if_needed()
         self.run.signature_columns = list(self._signature_columns)
+
+    # -- Trainer methods TRL calls ---------------------------------------------------------------------------------
+    def _prepare_inputs(self, inputs):
+        """Trainer's: `inputs` on the run's device (floating tensors in DeepSpeed's dtype under DeepSpeed)."""
+        import torch
+        from accelerate.utils import recursively_apply
+
+        if len(inputs) == 0:
+            raise ValueError(f"The batch received was empty, so the model cannot train on it. Fix: make the dataset "
+                             f"hold the columns the model reads: {', '.join(self._signature_columns or [])}.")
+        options = {"device": self.accelerator.device}
+
+        def move(tensor):
+            if self.is_deepspeed_enabled and (torch.is_floating_point(tensor) or torch.is_complex(tensor)):
+                return tensor.to(dtype=self.accelerator.state.deepspeed_plugin.hf_ds_config.dtype(), **options)
+            return tensor.to(**options)
+
+        return recursively_apply(move, inputs)
+
+    @property
+    def current_gradient_accumulation_steps(self) -> int:
+        """The number of micro-batches of the optimizer step in progress (fewer at an epoch's uneven end)."""
+        return getattr(self.step, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+
+    def save_checkpoint(self) -> str:
+        """loopkit's checkpoint, through TRL's `_save_checkpoint` (the model card, then Trainer's part)."""
+        self._save_checkpoint(self.model_wrapped, None)  # TRL's override passes `trial` on to Trainer's only
+        return self.saved_checkpoint
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Trainer's part of a checkpoint save, after TRL's own: loopkit's checkpoint of this step."""
+        self.saved_checkpoint = Loop.save_checkpoint(self)
+
+    # -- TRL's running metrics in the checkpoint ---------------------------------------------------------------
+    def trl_state_dict(self) -> dict:
+        """TRL's running training metrics: the token count behind `num_tokens` and the values since the last log."""
+        metrics = getattr(self, "_metrics", {}).get("train", {})
+        return {"total_train_tokens": getattr(self, "_total_train_tokens", None),
+                "train_metrics": {key: list(values) for key, values in metrics.items()}}
+
+    def load_trl_state_dict(self, state: dict) -> None:
+        if state.get("total_train_tokens") is not None:
+            self._total_train_tokens = state["total_train_tokens"]
+        if hasattr(self, "_metrics"):
+            self._metrics["train"].clear()
+            self._metrics["train"].update({key: list(values) for key, values in state["train_metrics"].items()})
+
+    def stage_states(self) -> dict:
+        return {**super().stage_states(), TRL_STATE_KEY: self.trl_state_dict()}
+
+    def start_state(self, checkpoint, plan, trial) -> None:
+        super().start_state(checkpoint, plan, trial)
+        if checkpoint is not None:  # a fresh train() keeps counting, as TRL's trainer does
+            saved = self.context.checkpointer.read_stage_states(checkpoint).get(TRL_STATE_KEY)
+            if saved is not None:  # a checkpoint written by TRL's trainer or by a plain Loop has none
+                self.load_trl_state_dict(saved)

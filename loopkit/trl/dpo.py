@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from trl import DPOConfig, DPOTrainer
@@ -115,31 +114,6 @@ class DPOLoop(DPOTrainer, TRLLoop):
             yield
         finally:
             self.precompute_ref_logps = precompute
-
-    # -- checkpoints ----------------------------------------------------------------------------------------------
-    def save_checkpoint(self) -> str:
-        """TRL's model card (`output_dir/README.md`) with each checkpoint, as DPOTrainer's `_save_checkpoint`."""
-        hub_model_id = self.args.hub_model_id
-        self.create_model_card(model_name=Path(self.args.output_dir).name if hub_model_id is None
-                               else hub_model_id.split("/")[-1])
-        return super().save_checkpoint()
-
-    def stage_states(self) -> dict:
-        """loopkit's checkpointed state, and TRL's running training metrics (its token count, values not logged)."""
-        states = super().stage_states()
-        states[TRL_METRICS_KEY] = {"total_train_tokens": self._total_train_tokens,
-                                   "train": {key: list(values) for key, values in self._metrics["train"].items()}}
-        return states
-
-    def start_state(self, checkpoint, plan, trial) -> None:
-        super().start_state(checkpoint, plan, trial)
-        if checkpoint is None:
-            return
-        saved = self.context.checkpointer.read_stage_states(checkpoint).get(TRL_METRICS_KEY)
-        if saved is not None:  # absent from a checkpoint of TRL's own trainer, which keeps none
-            self._total_train_tokens = saved["total_train_tokens"]
-            self._metrics["train"].clear()
-            self._metrics["train"].update(saved["train"])
 
 
 def preference_pairs(policy_output, inputs: dict) -> PreferencePairs:

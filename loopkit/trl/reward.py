@@ -14,8 +14,6 @@ collator (`DataCollatorForPreference`: chosen rows, then rejected rows), the for
 
 from __future__ import annotations
 
-from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,8 +22,6 @@ from trl import RewardConfig, RewardTrainer
 
 from .base import TRLLoop
 
-# The key of TRL's running metrics in a checkpoint's loopkit state (loopkit_state.json).
-TRL_METRICS_KEY = "trl_metrics"
 
 
 class RewardLoop(RewardTrainer, TRLLoop):
@@ -74,26 +70,3 @@ class RewardLoop(RewardTrainer, TRLLoop):
         logits = nested_detach(tuple(v for k, v in outputs.items() if k not in ignore_keys + ["loss"]))
         labels = nested_detach(tuple(inputs.get(name) for name in self.label_names))
         return loss, logits[0] if len(logits) == 1 else logits, labels[0] if len(labels) == 1 else labels
-
-    # -- TRL's running metrics across a resume, and its model card at each save ------------------------------------
-    def stage_states(self) -> dict:
-        """loopkit's checkpointed state plus TRL's running metrics: the token count behind `num_tokens` and the
-        training values gathered since the last log (RewardTrainer keeps neither across a resume)."""
-        states = super().stage_states()
-        states[TRL_METRICS_KEY] = {"total_train_tokens": self._total_train_tokens,
-                                   "train": {key: list(values) for key, values in self._metrics["train"].items()}}
-        return states
-
-    def start_state(self, checkpoint, plan, trial) -> None:
-        super().start_state(checkpoint, plan, trial)
-        saved = self.context.checkpointer.read_stage_states(checkpoint).get(TRL_METRICS_KEY) if checkpoint else None
-        if saved is not None:
-            self._total_train_tokens = saved["total_train_tokens"]
-            self._metrics["train"] = defaultdict(list, saved["train"])
-
-    def save_checkpoint(self) -> str:
-        """As RewardTrainer's `_save_checkpoint`: the model card first (`output_dir/README.md`), then the checkpoint."""
-        hub_model_id = self.args.hub_model_id
-        model_name = hub_model_id.split("/")[-1] if hub_model_id else Path(self.args.output_dir).name
-        self.create_model_card(model_name=model_name)
-        return super().save_checkpoint()

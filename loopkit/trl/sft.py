@@ -1,11 +1,21 @@
-"""`SFTLoop`: TRL's `SFTTrainer` on loopkit's loop (docs/trl.md). `SFTTrainer(` becomes `SFTLoop(`."""
+"""`SFTLoop`: TRL's `SFTTrainer` on loopkit's loop (docs/trl.md). `SFTTrainer(` becomes `SFTLoop(`.
+
+Everything `SFTTrainer.__init__` does is TRL's (the model from a name, PEFT, the chat template, tokenising text,
+prompt-completion and conversational datasets, truncation, packing, the collator, the fused LM head); its
+`compute_loss` (NLL or DFT over the completion or assistant tokens), `log` (entropy, mean_token_accuracy, num_tokens),
+`prediction_step` and `evaluate` run inside loopkit's stages. The run is loopkit's: TRLLoop (loopkit/trl/base.py)
+defines each `Trainer` method these reach, and keeps TRL's running metrics exact over a resume.
+"""
 
 from __future__ import annotations
 
-from trl import SFTTrainer
+from trl import SFTConfig, SFTTrainer
 
 from .base import TRLLoop
 
 
 class SFTLoop(SFTTrainer, TRLLoop):
     """TRL's `SFTTrainer`: its arguments, data preparation, collator and loss; loopkit's run (loopkit/trl/base.py)."""
+
+    #: The configuration class whose every field this loop honours (SFTTrainer reads SFTConfig's own fields).
+    args_class = SFTConfig
