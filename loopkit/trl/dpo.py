@@ -23,9 +23,6 @@ from trl import DPOConfig, DPOTrainer
 from ..errors import config_error, plain
 from .base import TRLLoop
 
-# loopkit_state.json's entry for TRL's running metrics
-TRL_METRICS_KEY = "trl_metrics"
-
 
 @dataclass
 class PreferencePairs:
