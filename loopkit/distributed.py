@@ -79,6 +79,30 @@ def check_launch(accelerator) -> None:
         f"{launched} train.py`.")
 
 
+def agreed_checkpoint(names: list[str], accelerator, output_dir: str) -> str | None:
+    """The checkpoint every process resumes from, given this process's usable checkpoint folder names, newest first:
+    the first of the main process's names that every process holds (one all-gather of the names), or None where no
+    process holds any. Processes that hold checkpoints but none in common (an `output_dir` on node-local disks
+    without `save_on_each_node`) are refused: each would resume a different step."""
+    if accelerator.num_processes == 1:
+        return names[0] if names else None
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, names)
+    common = [name for name in every[0] if all(name in held for held in every)]
+    if common:
+        return common[0]
+    if any(every):
+        held = "; ".join(f"process {rank}: {', '.join(names) or 'none'}" for rank, names in enumerate(every))
+        raise DistributedSetupError(
+            f'resume_from_checkpoint="auto": the processes hold no complete checkpoint in common in {output_dir} '
+            f"({held}), so they cannot resume the same step. Fix: put output_dir on a disk every node shares, or "
+            f"set save_on_each_node=True so that each node keeps its own copy; or resume from a path every node "
+            f"holds.")
+    return None
+
+
 def _dist_initialised() -> bool:
     import torch.distributed as dist
 

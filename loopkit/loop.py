@@ -134,6 +134,7 @@ class Loop(HFMethods, TrainerAPI):
         self.is_in_train = True
         try:
             with context.preemption, quiet_hub_progress(args):
+                resume_from_checkpoint = self.setup.resume_point(resume_from_checkpoint)  # "auto": agreed here
                 output = with_batch_size_search(self.run_training, run, context)(resume_from_checkpoint, trial,
                                                                                  ignore_keys_for_eval)
         except BaseException as exc:

@@ -1,0 +1,109 @@
+"""The training script of tests/test_elastic.py: a tiny Llama on causal-LM samples, DDP, a save every 2 steps,
+`resume_from_checkpoint="auto"`, run under `torchrun --max-restarts N --rdzv-backend c10d`.
+
+Usage: python elastic_child.py OUTPUT_DIR [KILL]
+
+KILL, `RANK:STEP:MOMENT`, SIGKILLs rank RANK in the first attempt only (TORCHELASTIC_RESTART_COUNT=0) at MOMENT of
+optimizer step STEP: `step` (at on_step_end, before that step's save), `save` (inside the save of checkpoint-STEP:
+its trainer state written, the folder not yet renamed), `saved` (right after the rename, before on_save) or `substep`
+(inside the accumulation window of step STEP, after its first micro-batch). `sigterm` sends SIGTERM to rank RANK's
+torchrun agent (the job's launcher) at on_step_end of STEP instead. Rank 0 writes OUTPUT_DIR/final.safetensors at
+the end and each rank OUTPUT_DIR/rank<r>.json (the steps it ran in each attempt, its exit code if preempted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+from safetensors.torch import save_file
+from transformers import TrainerCallback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import lm_data, tiny_llama  # noqa: E402
+
+import loopkit.checkpoint as ckpt  # noqa: E402
+from loopkit import Loop, LoopArgs  # noqa: E402
+
+MAX_STEPS, SAVE_STEPS = 8, 2
+RANK, ATTEMPT = int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Kill(TrainerCallback):
+    """SIGKILL (or the launcher's SIGTERM) at the chosen moment of the chosen step, in the first attempt."""
+
+    def __init__(self, spec: str | None):
+        rank, step, self.moment = spec.split(":") if spec else ("-1", "-1", "")
+        self.armed = ATTEMPT == 0 and int(rank) == RANK
+        self.step, self.substeps = int(step), 0
+        if self.armed and self.moment == "save":
+            self.wrap_write_text()
+
+    def wrap_write_text(self) -> None:
+        original = ckpt.write_text
+
+        def write_text(path, text):
+            original(path, text)
+            if os.path.basename(path) == "trainer_state.json" and f"checkpoint-{self.step}" in path:
+                die()
+
+        ckpt.write_text = write_text
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if self.armed and self.moment == "substep" and state.global_step == self.step - 1:
+            die()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.armed or state.global_step != self.step:
+            return
+        if self.moment == "step":
+            die()
+        if self.moment == "sigterm":
+            os.kill(os.getppid(), signal.SIGTERM)  # the torchrun agent: it forwards SIGTERM to every worker
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.armed and self.moment == "saved" and state.global_step == self.step:
+            die()
+
+
+class Steps(TrainerCallback):
+    def __init__(self):
+        self.steps, self.times = [], {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+        self.times[state.global_step] = time.time()
+
+
+def main() -> None:
+    out, spec = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+    steps = Steps()
+    args = LoopArgs(output_dir=os.path.join(out, "run"), max_steps=MAX_STEPS, per_device_train_batch_size=2,
+                    gradient_accumulation_steps=2, learning_rate=3e-3, warmup_steps=2, weight_decay=0.01,
+                    logging_steps=1, save_steps=SAVE_STEPS, optim="adamw_torch", disable_tqdm=True, seed=7,
+                    report_to="none")
+    loop = Loop(model=tiny_llama(), args=args, train_dataset=lm_data(64), callbacks=[Kill(spec), steps])
+    record = {"attempt": ATTEMPT, "steps": steps.steps, "times": steps.times}
+    try:
+        loop.train(resume_from_checkpoint="auto")
+    except SystemExit as stop:
+        record["exit_code"] = stop.code
+        raise
+    finally:
+        with open(os.path.join(out, f"rank{RANK}-attempt{ATTEMPT}.json"), "w") as f:
+            json.dump(record, f)
+    if RANK == 0:
+        weights = {k: v.detach().contiguous() for k, v in loop.accelerator.unwrap_model(loop.model).state_dict().items()}
+        save_file(weights, os.path.join(out, "final.safetensors"))
+
+
+if __name__ == "__main__":
+    main()
