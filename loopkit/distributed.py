@@ -103,6 +103,54 @@ def agreed_checkpoint(names: list[str], accelerator, output_dir: str) -> str | N
     return None
 
 
+# torchrun's switch for a rendezvous store of each round's own (torch/distributed/elastic/rendezvous/
+# dynamic_rendezvous.py): without it, restarted workers join over the agent's store, which still holds the killed
+# attempt's keys.
+OWN_STORE_PER_ROUND = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+PREEMPTED_EXIT_CODES = (128 + 15, 128 + 2)  # a worker that left after SIGTERM / SIGINT (loopkit/guards.py)
+
+
+def warn_if_restarts_share_a_store() -> None:
+    """Under torchrun with `--max-restarts` and its default shared rendezvous store, a restarted process reads the
+    addresses the killed attempt's processes published when it joins the process group: gloo refuses them
+    ("Connection refused") or, where a port was reused, waits until the group's timeout; each such restart spends
+    one of `--max-restarts` (measured: docs/distributed.md, "Elastic restarts"). Say so, once, on the main process."""
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not restarts.isdigit() or int(restarts) == 0 \
+            or os.environ.get("RANK", "0") != "0":
+        return
+    import warnings
+
+    warnings.warn(f"torchrun restarts these processes (--max-restarts {restarts}) over its shared rendezvous store, "
+                  f"where a restarted process can read the killed attempt's addresses when it joins (gloo: "
+                  f"'Connection refused', or a wait until ddp_timeout), spending further restarts. Launch with "
+                  f"`python -m loopkit torchrun ...` (torchrun with {OWN_STORE_PER_ROUND}=1), or export "
+                  f"{OWN_STORE_PER_ROUND}=1 for torchrun.")
+
+
+def torchrun(argv: list[str]) -> int:
+    """`python -m loopkit torchrun [torchrun's arguments]`: torchrun, with two changes a cluster needs
+    (docs/distributed.md, "Elastic restarts" and "Preemption"): each rendezvous round gets a store of its own
+    (`OWN_STORE_PER_ROUND`), and the exit status says preempted: when torchrun itself was signalled (by the
+    scheduler), 128 + the signal (torchrun exits 1), and when its workers all left after SIGTERM or SIGINT with no
+    restart left, their status. Any other failure ends as torchrun's does."""
+    os.environ.setdefault(OWN_STORE_PER_ROUND, "1")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    try:
+        main(argv)
+    except SignalException as stop:
+        return 128 + int(stop.sigval)
+    except ChildFailedError as failed:
+        codes = {failure.exitcode for failure in failed.failures.values()}
+        if len(codes) == 1 and codes <= set(PREEMPTED_EXIT_CODES):
+            return codes.pop()
+        raise
+    return 0
+
+
 def _dist_initialised() -> bool:
     import torch.distributed as dist
 

@@ -42,8 +42,8 @@ from ..args import LoopArgs, config_error
 from ..checkpoint.lineage import checkpoints_by_recency
 from ..compilation import should_watch
 from ..distributed import (active_engine, agreed_checkpoint, check_engines_active, check_launch,
-                           deepspeed_on_cpu_processes, engine_plugins, fill_deepspeed_config, launched_world_size, requested_engines,
-                           shard_on_cpu_processes)
+                           deepspeed_on_cpu_processes, engine_plugins, fill_deepspeed_config, launched_world_size,
+                           requested_engines, shard_on_cpu_processes, warn_if_restarts_share_a_store)
 from ..parallelism import (accelerator_parallelism, attach_on_cpu_processes, check_parallelism, check_resume,
                            cuda_processes, local_gather, ranks_share_batches)
 from ..trainer import log_messages
@@ -195,6 +195,7 @@ class SetupStage(Stage):
         """The model passed to the `Loop` (or `model_init`'s, for None), on the context's accelerator's device."""
         run = self.run
         check_launch(self.context.accelerator)  # processes that Accelerate did not join: refuse (distributed.py)
+        warn_if_restarts_share_a_store()  # torchrun restarts over a store that keeps the killed attempt's keys
         settle_at_exit(self.context.accelerator.num_processes)  # gloo's threads done before exit (process_exit.py)
         if model is None:
             if run.model_init is None:
