@@ -90,6 +90,11 @@ def agreed_checkpoint(names: list[str], accelerator, output_dir: str) -> str | N
 
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, names)
+    return common_checkpoint(every, output_dir)
+
+
+def common_checkpoint(every: list[list[str]], output_dir: str) -> str | None:
+    """`agreed_checkpoint`'s choice from each process's names (by process index, each newest first)."""
     common = [name for name in every[0] if all(name in held for held in every)]
     if common:
         return common[0]
