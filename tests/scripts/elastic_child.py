@@ -8,7 +8,7 @@ gloo group).
 
 KILL, `RANK:STEP:MOMENT`, SIGKILLs rank RANK in the first attempt only (TORCHELASTIC_RESTART_COUNT=0) at MOMENT of
 optimizer step STEP: `step` (at on_step_end, before that step's save), `save` (inside the save of checkpoint-STEP:
-its trainer state written, the folder not yet renamed), `saved` (right after the rename, before on_save) or `substep`
+this rank's RNG file written, the folder not yet renamed), `saved` (right after the rename, before on_save) or `substep`
 (inside the accumulation window of step STEP, after its first micro-batch). `sigterm` sends SIGTERM to rank RANK's
 torchrun agent (the job's launcher) at on_step_end of STEP instead; `stall` (STEP 0) keeps rank RANK from joining
 the process group for 3 x DDP_TIMEOUT_S, as a hung rendezvous would. Rank 0 writes OUTPUT_DIR/final.safetensors at
@@ -53,17 +53,19 @@ class Kill(TrainerCallback):
         self.armed = ATTEMPT == 0 and int(rank) == RANK
         self.step, self.signalled_at = int(step), None
         if self.armed and self.moment == "save":
-            self.wrap_write_text()
+            self.wrap_save_state_file()
 
-    def wrap_write_text(self) -> None:
-        original = ckpt.write_text
+    def wrap_save_state_file(self) -> None:
+        """Die right after this process wrote its RNG file into checkpoint-STEP's folder (every process writes one;
+        the folder is not renamed yet)."""
+        original = ckpt.save_state_file
 
-        def write_text(path, text):
-            original(path, text)
-            if os.path.basename(path) == "trainer_state.json" and f"checkpoint-{self.step}" in path:
+        def save_state_file(state, path):
+            original(state, path)
+            if os.path.basename(path).startswith("rng_state") and f"checkpoint-{self.step}" in path:
                 die()
 
-        ckpt.write_text = write_text
+        ckpt.save_state_file = save_state_file
 
     def on_substep_end(self, args, state, control, **kwargs):
         if self.armed and self.moment == "substep" and state.global_step == self.step - 1:

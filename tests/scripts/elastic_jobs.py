@@ -63,12 +63,17 @@ def launch(out: str, storage: str, kill: str | None = None, plain_torchrun: bool
 
 
 def wait(process: subprocess.Popen, timeout: float = JOB_TIMEOUT_S) -> int:
-    """The launch's exit status; a launch past `timeout` is killed (its whole process group) and counts as -1."""
+    """The launch's exit status; a launch past `timeout` is stopped and counts as -1: SIGTERM to the launcher (which
+    stops its workers, SIGKILL after its 30 s grace period), then SIGKILL to its process group."""
     try:
-        return process.wait(timeout=timeout)
+        return process.wait(timeout=max(timeout, 1))
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        process.wait(timeout=30)
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.wait(timeout=30)
         return -1
 
 
