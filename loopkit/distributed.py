@@ -1,8 +1,13 @@
 """Distributed training through Accelerate: the checks that keep a launch honest, and FSDP / DeepSpeed configuration.
 
-loopkit never builds a process group. The launcher (`torchrun`, `accelerate launch`) starts the processes, and the
-`Accelerator` that the setup stage creates joins them and decides the engine: DDP, FSDP or DeepSpeed. The rest of the
-loop only asks the accelerator (`num_processes`, `gather`, `reduce`, `no_sync`, `wait_for_everyone`).
+loopkit never builds the training process group. The launcher (`torchrun`, `accelerate launch`) starts the
+processes, and the `Accelerator` that the setup stage creates joins them and decides the engine: DDP, FSDP or
+DeepSpeed. The rest of the loop only asks the accelerator (`num_processes`, `gather`, `reduce`, `no_sync`,
+`wait_for_everyone`); the guards' and the asynchronous writer's small gloo groups are made when `train()` starts.
+
+Elastic restarts (docs/distributed.md): `agreed_checkpoint` gives every process the same checkpoint for
+`resume_from_checkpoint="auto"`; `torchrun` is `python -m loopkit torchrun`, torchrun with a rendezvous store per
+round and an exit status that says preempted.
 
 Two ways a launch can silently train something other than what was asked, both refused here:
 * **Processes that do not know each other.** On a machine without CUDA, `torchrun --nproc_per_node 2` (or

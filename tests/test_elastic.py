@@ -146,7 +146,9 @@ def test_jobs_killed_at_moments_drawn_from_a_seed_finish_by_themselves_with_the_
     for result in results:
         out = os.path.join(tmp_path, f"job{result['job']}")
         assert result["exit"] == 0 and result["equal"], f"{result}:\n{log_of(out)}"
-        assert len(result["attempts"]) >= 2, f"{result}: the kill did not happen"
+        # The kill happened, and cost one restart: a restarted worker does not trip over the killed attempt's
+        # rendezvous keys (plain torchrun's shared store: 2 of 2 such jobs needed 2 and 3 restarts).
+        assert result["attempts"] == [0, 1], f"{result}:\n{log_of(out)}"
 
 
 def test_a_rank_that_never_joins_the_process_group_becomes_a_restart(tmp_path, reference):
@@ -166,13 +168,15 @@ def test_sigterm_to_the_launcher_saves_exits_143_within_two_steps_and_resumes_ex
     assert code == 143, log_of(out)
     ranks = [json.load(open(os.path.join(out, f"rank{r}-attempt0.json"))) for r in (0, 1)]
     assert [r["exit_code"] for r in ranks] == [143, 143]
-    stopped = {r["steps"][-1] for r in ranks}
-    assert len(stopped) == 1 and 3 <= stopped.pop() <= 3 + 2, [r["steps"] for r in ranks]  # the documented bound
     stop = ranks[0]["steps"][-1]
+    assert [r["steps"][-1] for r in ranks] == [stop, stop]  # every rank stopped after the same step
+    for r in ranks:  # the documented bound: at most two optimizer steps after the signal reached the process
+        assert 3 <= r["signal_after_step"] and stop <= r["signal_after_step"] + 2, r
     newest = checkpoint_dirs(os.path.join(out, "run"))[-1]
     assert os.path.basename(newest) == f"checkpoint-{stop}" and HFStorage().checkpoint_problem(newest) is None
-    print(f"SIGTERM after step 3: stopped after step {stop}; the signal to rank 0's exit took "
-          f"{ranks[0]['left_at'] - ranks[0]['signalled_at']:.1f} s")
+    print(f"SIGTERM to the launcher after step 3; it reached the ranks after steps "
+          f"{[r['signal_after_step'] for r in ranks]}; they stopped after step {stop}, rank 0 exited "
+          f"{ranks[0]['left_at'] - ranks[0]['signalled_at']:.1f} s after the signal was sent")
     code = elastic_jobs.wait(elastic_jobs.launch(out, "hf"))  # the scheduler starts the job again
     assert code == 0, log_of(out)
     assert elastic_jobs.same_weights(out, reference)

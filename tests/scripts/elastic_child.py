@@ -86,12 +86,24 @@ class Kill(TrainerCallback):
 
 
 class Steps(TrainerCallback):
+    """The steps this process ran, and the number of steps done when a SIGTERM reached it (loopkit's handler is
+    wrapped once train() has installed it)."""
+
     def __init__(self):
-        self.steps, self.times = [], {}
+        self.steps, self.signal_after_step = [], None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        handler = signal.getsignal(signal.SIGTERM)
+
+        def noted(signum, frame):
+            if self.signal_after_step is None:
+                self.signal_after_step = state.global_step
+            handler(signum, frame)
+
+        signal.signal(signal.SIGTERM, noted)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.steps.append(state.global_step)
-        self.times[state.global_step] = time.time()
 
 
 def main() -> None:
@@ -105,11 +117,12 @@ def main() -> None:
                     report_to="none", ddp_timeout=DDP_TIMEOUT_S)
     loop = Loop(model=tiny_llama(), args=args, train_dataset=lm_data(64), callbacks=[kill, steps],
                 storage=STORAGES[storage]())
-    record = {"attempt": ATTEMPT, "steps": steps.steps, "times": steps.times}
+    record = {"attempt": ATTEMPT, "steps": steps.steps}
     try:
         loop.train(resume_from_checkpoint="auto")
     except SystemExit as stop:
-        record.update(exit_code=stop.code, signalled_at=kill.signalled_at, left_at=time.time())
+        record.update(exit_code=stop.code, signal_after_step=steps.signal_after_step, left_at=time.time(),
+                      signalled_at=kill.signalled_at)
         raise
     finally:
         with open(os.path.join(out, f"rank{RANK}-attempt{ATTEMPT}.json"), "w") as f:
