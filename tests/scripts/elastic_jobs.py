@@ -25,12 +25,12 @@ from safetensors.torch import load_file
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, TESTS)
-from helpers import free_port  # noqa: E402
+from helpers import PROCESS_WAIT_S, free_port  # noqa: E402
 
 CHILD = os.path.join(TESTS, "scripts", "elastic_child.py")
 MAX_STEPS, SAVE_STEPS = 8, 2  # elastic_child.py's
 MOMENTS = ("step", "substep", "save", "saved")
-JOB_TIMEOUT_S = 420  # a job: two attempts (~40 s each on a loaded 2-core machine) and torchrun's own waits
+JOB_TIMEOUT_S = PROCESS_WAIT_S  # a job: two attempts, 150-200 s in all on a 2-core machine at load 20
 
 
 def job_plan(seed: int, index: int) -> tuple[str, str]:
@@ -63,17 +63,13 @@ def launch(out: str, storage: str, kill: str | None = None, plain_torchrun: bool
 
 
 def wait(process: subprocess.Popen, timeout: float = JOB_TIMEOUT_S) -> int:
-    """The launch's exit status; a launch past `timeout` is stopped and counts as -1: SIGTERM to the launcher (which
-    stops its workers, SIGKILL after its 30 s grace period), then SIGKILL to its process group."""
+    """The launch's exit status; a launch past `timeout` is stopped and counts as -1: SIGTERM to the launcher, which
+    stops its workers (SIGKILL after its 30 s grace period)."""
     try:
         return process.wait(timeout=max(timeout, 1))
     except subprocess.TimeoutExpired:
         process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
-            process.wait(timeout=30)
+        process.wait(timeout=PROCESS_WAIT_S)
         return -1
 
 
