@@ -145,7 +145,7 @@ def log_of(out) -> str:
 def test_jobs_killed_at_moments_drawn_from_a_seed_finish_by_themselves_with_the_uninterrupted_weights(
         tmp_path, reference):
     assert {index: elastic_jobs.job_plan(0, index) for index in SUITE_JOBS} == SUITE_JOBS
-    results = elastic_jobs.run_jobs(str(tmp_path), list(SUITE_JOBS), reference, concurrency=2, seed=0)
+    results = elastic_jobs.run_jobs(str(tmp_path), list(SUITE_JOBS), reference, concurrency=4, seed=0)
     for result in results:
         out = os.path.join(tmp_path, f"job{result['job']}")
         assert result["exit"] == 0 and result["equal"], f"{result}:\n{log_of(out)}"
