@@ -96,6 +96,24 @@ def test_a_repeated_sigterm_under_a_launcher_keeps_the_preemption_save_and_a_sec
         watch.record(signal.SIGINT, None)
 
 
+def test_restarts_over_torchruns_shared_store_are_warned_about_with_the_fix(monkeypatch, recwarn):
+    from loopkit.distributed import warn_if_restarts_share_a_store
+
+    torchrun_env = dict(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_MAX_RESTARTS="3", RANK="0")
+    for name, value in torchrun_env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.warns(UserWarning, match=r"--max-restarts 3.*python -m loopkit torchrun.*"
+                                         r"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        warn_if_restarts_share_a_store()
+    for name, value in (("TORCHELASTIC_USE_AGENT_STORE", "False"), ("TORCHELASTIC_MAX_RESTARTS", "0"),
+                        ("RANK", "1")):  # a store per round, no restarts, or not the main process: nothing to say
+        monkeypatch.setenv(name, value)
+        recwarn.clear()
+        warn_if_restarts_share_a_store()
+        assert not recwarn.list, name
+        monkeypatch.setenv(name, torchrun_env[name])
+
+
 @pytest.mark.parametrize("raised, status", [
     ("signal", 143), ("workers-preempted", 143), ("workers-failed", None), ("none", 0)])
 def test_loopkits_torchrun_exits_with_what_a_scheduler_reads(monkeypatch, raised, status):
