@@ -1,8 +1,13 @@
 """Distributed training through Accelerate: the checks that keep a launch honest, and FSDP / DeepSpeed configuration.
 
-loopkit never builds a process group. The launcher (`torchrun`, `accelerate launch`) starts the processes, and the
-`Accelerator` that the setup stage creates joins them and decides the engine: DDP, FSDP or DeepSpeed. The rest of the
-loop only asks the accelerator (`num_processes`, `gather`, `reduce`, `no_sync`, `wait_for_everyone`).
+loopkit never builds the training process group. The launcher (`torchrun`, `accelerate launch`) starts the
+processes, and the `Accelerator` that the setup stage creates joins them and decides the engine: DDP, FSDP or
+DeepSpeed. The rest of the loop only asks the accelerator (`num_processes`, `gather`, `reduce`, `no_sync`,
+`wait_for_everyone`); the guards' and the asynchronous writer's small gloo groups are made when `train()` starts.
+
+Elastic restarts (docs/distributed.md): `agreed_checkpoint` gives every process the same checkpoint for
+`resume_from_checkpoint="auto"`; `torchrun` is `python -m loopkit torchrun`, torchrun with a rendezvous store per
+round and an exit status that says preempted.
 
 Two ways a launch can silently train something other than what was asked, both refused here:
 * **Processes that do not know each other.** On a machine without CUDA, `torchrun --nproc_per_node 2` (or
@@ -77,6 +82,83 @@ def check_launch(accelerator) -> None:
         f"On a GPU machine, check that every process sees a GPU (torch.cuda.is_available(), CUDA_VISIBLE_DEVICES) "
         f"and launch with `accelerate launch --num_processes {launched} train.py` or `torchrun --nproc_per_node "
         f"{launched} train.py`.")
+
+
+def agreed_checkpoint(names: list[str], accelerator, output_dir: str) -> str | None:
+    """The checkpoint every process resumes from, given this process's usable checkpoint folder names, newest first:
+    the first of the main process's names that every process holds (one all-gather of the names), or None where no
+    process holds any. Processes that hold checkpoints but none in common (an `output_dir` on node-local disks
+    without `save_on_each_node`) are refused: each would resume a different step."""
+    if accelerator.num_processes == 1:
+        return names[0] if names else None
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, names)
+    return common_checkpoint(every, output_dir)
+
+
+def common_checkpoint(every: list[list[str]], output_dir: str) -> str | None:
+    """`agreed_checkpoint`'s choice from each process's names (by process index, each newest first)."""
+    common = [name for name in every[0] if all(name in held for held in every)]
+    if common:
+        return common[0]
+    if any(every):
+        held = "; ".join(f"process {rank}: {', '.join(names) or 'none'}" for rank, names in enumerate(every))
+        raise DistributedSetupError(
+            f'resume_from_checkpoint="auto": the processes hold no complete checkpoint in common in {output_dir} '
+            f"({held}), so they cannot resume the same step. Fix: put output_dir on a disk every node shares, or "
+            f"set save_on_each_node=True so that each node keeps its own copy; or resume from a path every node "
+            f"holds.")
+    return None
+
+
+# torchrun's switch for a rendezvous store of each round's own (torch/distributed/elastic/rendezvous/
+# dynamic_rendezvous.py): without it, restarted workers join over the agent's store, which still holds the killed
+# attempt's keys.
+OWN_STORE_PER_ROUND = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+PREEMPTED_EXIT_CODES = (128 + 15, 128 + 2)  # a worker that left after SIGTERM / SIGINT (loopkit/guards.py)
+
+
+def warn_if_restarts_share_a_store() -> None:
+    """Under torchrun with `--max-restarts` and its default shared rendezvous store, a restarted process reads the
+    addresses the killed attempt's processes published when it joins the process group: gloo refuses them
+    ("Connection refused") or, where a port was reused, waits until the group's timeout; each such restart spends
+    one of `--max-restarts` (measured: docs/distributed.md, "Elastic restarts"). Say so, once, on the main process."""
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not restarts.isdigit() or int(restarts) == 0 \
+            or os.environ.get("RANK", "0") != "0":
+        return
+    import warnings
+
+    warnings.warn(f"torchrun restarts these processes (--max-restarts {restarts}) over its shared rendezvous store, "
+                  f"where a restarted process can read the killed attempt's addresses when it joins (gloo: "
+                  f"'Connection refused', or a wait until ddp_timeout), spending further restarts. Launch with "
+                  f"`python -m loopkit torchrun ...` (torchrun with {OWN_STORE_PER_ROUND}=1), or export "
+                  f"{OWN_STORE_PER_ROUND}=1 for torchrun.")
+
+
+def torchrun(argv: list[str]) -> int:
+    """`python -m loopkit torchrun [torchrun's arguments]`: torchrun, with two changes a cluster needs
+    (docs/distributed.md, "Elastic restarts" and "Preemption"): each rendezvous round gets a store of its own
+    (`OWN_STORE_PER_ROUND`), and the exit status says preempted: when torchrun itself was signalled (by the
+    scheduler), 128 + the signal (torchrun exits 1), and when its workers all left after SIGTERM or SIGINT with no
+    restart left, their status. Any other failure ends as torchrun's does."""
+    os.environ.setdefault(OWN_STORE_PER_ROUND, "1")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    try:
+        main(argv)
+    except SignalException as stop:
+        return 128 + int(stop.sigval)
+    except ChildFailedError as failed:
+        codes = {failure.exitcode for failure in failed.failures.values()}
+        if len(codes) == 1 and codes <= set(PREEMPTED_EXIT_CODES):
+            return codes.pop()
+        raise
+    return 0
 
 
 def _dist_initialised() -> bool:

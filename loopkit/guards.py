@@ -16,9 +16,16 @@ How `train()` then ends depends on who runs the process:
   the checkpoint path and the resume call, so code after `train()` can catch it and go on. Uncaught in a script it
   ends the process with a traceback and status 1 (Python's rule for an exception other than KeyboardInterrupt itself).
 
-With several processes the ranks agree through one small all-reduce every `check_every` optimizer steps (so the
-worst-case delay between the signal and the stop is `check_every - 1` steps); a single process checks every step,
-which costs nothing.
+With several processes the ranks agree after every optimizer step through one all-reduce of a flag, on a gloo group
+of their own (host memory: no device sync, nothing in the training group's stream) made when `train()` starts. It
+is started after step N and read after step N + 1, so no process waits for it: a signal during step N (or during
+its log/evaluate/save) stops every process after step N + 1 at the latest, the same step on each. A single process
+checks every step, which costs nothing. docs/distributed.md ("Preemption") gives the bound against a launcher's
+grace period.
+
+Under a launcher a repeated SIGTERM is the same preemption again (SLURM signals every process of a job step, and
+torchrun forwards its own SIGTERM to its workers: a worker gets two); it is noted and the save goes on. The
+launcher's SIGKILL at the end of its grace period is the hard stop. A second SIGINT (Ctrl-C) still stops at once.
 
 Non-finite values: `nonfinite=` on the step stage chooses the policy:
 * "ignore" (HF Trainer's behaviour): train on; the logged loss filters NaN/Inf (`logging_nan_inf_filter`).
@@ -116,20 +123,35 @@ class PreemptionWatch:
         self.checked_step = None
         self.previous = {}
         self.active = False
+        self.group = None  # several processes: the gloo group the flag is all-reduced on (made at the first train())
+        self.flag = self.pending = None  # the all-reduce started after the last step, read after the next
 
     def __enter__(self):
         self.signum, self.stopped_without_saving, self.checked_step, self.active = None, None, None, True
+        self.flag = self.pending = None
+        accelerator = getattr(self.context, "accelerator", None)
+        if self.group is None and accelerator is not None and accelerator.num_processes > 1:
+            import torch.distributed as dist
+
+            self.group = dist.new_group(backend="gloo")  # by every process, as train() starts
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self.previous[sig] = signal.signal(sig, self.record)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         self.previous, self.active = {}, False
+        if self.pending is not None and exc_type is None:  # every process started it after the last step
+            self.pending.wait()
+        self.flag = self.pending = None
 
     def record(self, signum, frame):
+        if self.signum == signal.SIGTERM == signum and self.run is not None and under_launcher(
+                self.context.accelerator.num_processes):  # the same preemption, signalled again (module docstring)
+            os.write(2, b"\nloopkit: SIGTERM again: the preemption save goes on\n")
+            return
         if self.signum is not None and self.run is not None:  # the second signal: stop now, save nothing
             self.stopped_without_saving = TrainingInterrupted(signum, self.newest_checkpoint(), saved=False)
             raise self.stopped_without_saving
@@ -138,26 +160,46 @@ class PreemptionWatch:
             os.write(2, (self.plan_text() + "\n").encode())  # os.write: print() may be mid-write in this thread
 
     def checked(self, step: int, check_every: int) -> None:
-        """The loop checked for a signal after `step`; with several processes it checks every `check_every` steps."""
+        """The loop checked for a signal after `step` (and for non-finite values every `check_every` steps)."""
         self.checked_step, self.check_every = step, check_every
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
 
+    def agreed(self) -> bool:
+        """After each optimizer step: whether to stop now. One process: whether a signal came. Several: whether any
+        process had one when the previous step's flag was sent (read now: that all-reduce ran during this step);
+        then this step's flag is sent. Every process gets the same answer at the same step."""
+        if self.group is None:
+            return self.requested
+        import torch.distributed as dist
+
+        stop = False
+        if self.pending is not None:
+            self.pending.wait()
+            stop = bool(self.flag[0])
+        if stop:
+            self.flag = self.pending = None
+            if self.signum is None:
+                self.signum = signal.SIGTERM  # another process was signalled: leave as it does
+            return True
+        self.flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
+        self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return False
+
     def plan_text(self) -> str:
         """What the first signal does, in the words printed at once."""
         run, context = self.run, self.context
         step = run.state.global_step if run.state is not None else 0
         several = context.accelerator is not None and context.accelerator.num_processes > 1
-        if several and self.checked_step is None:  # before the first check: its interval is not known yet
-            return (f"\nloopkit: {signal_name(self.signum)} received: finishing the steps up to the ranks' next "
-                    f"agreed check, then saving its checkpoint in {run.args.output_dir}; press Ctrl-C again to stop "
-                    f"without saving.")
-        if several:  # the ranks agree at the next step that is a multiple of check_every (maybe this one)
-            if step % self.check_every or step == self.checked_step:
-                step = (step // self.check_every + 1) * self.check_every
-            how = f"finishing the steps up to step {step} (the ranks agree every {self.check_every} steps)"
+        if several:  # the flag sent after the next step is read after the one after it (module docstring)
+            if self.checked_step is None:
+                return (f"\nloopkit: {signal_name(self.signum)} received: finishing the steps up to the ranks' "
+                        f"agreement (at most two optimizer steps), then saving their checkpoint in "
+                        f"{run.args.output_dir}; press Ctrl-C again to stop without saving.")
+            step = self.checked_step + 2
+            how = f"finishing the steps up to step {step} (the ranks agree one step behind)"
         elif self.checked_step is None or step == self.checked_step:
             step += 1
             how = f"finishing step {step}"
@@ -192,15 +234,6 @@ class PreemptionWatch:
         if under_launcher(self.context.accelerator.num_processes):
             raise Preempted(128 + interruption.signum) from None
         raise interruption
-
-
-def preemption_agreed(preemption: PreemptionWatch, accelerator) -> bool:
-    """Several processes: one tiny all-reduce, so a signal on any rank stops every rank at this same step."""
-    flag = torch.tensor(float(preemption.requested), device=accelerator.device)
-    agreed = accelerator.reduce(flag, reduction="max").item() > 0
-    if agreed and preemption.signum is None:
-        preemption.signum = 15  # another rank was signalled: leave as that rank does (SIGTERM)
-    return agreed
 
 
 class NonFiniteWatch:

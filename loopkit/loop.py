@@ -23,7 +23,7 @@ from .checkpoint import CHECKPOINT_PREFIX, warn_if_checkpoint_args_differ
 from .columns import find_labels
 from .distributed import release_earlier_run
 from .events import EventHandler, default_callbacks
-from .guards import PreemptionWatch, preemption_agreed, with_batch_size_search
+from .guards import PreemptionWatch, with_batch_size_search
 from .metrics import check_metrics
 from .phases import PhaseClock
 from .process import leaves_process_as_found
@@ -56,8 +56,8 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
     `storage=` picks how checkpoints are stored (`loopkit.storage`: `HFStorage()`, the default, or `DCPStorage()`).
     """
 
-    # With several processes, preemption and non-finite checks agree through one all-reduce every this many
-    # optimizer steps (see loopkit/guards.py); non-finite values are read back this often on one process too.
+    # Non-finite losses and gradients are read back (one host sync) every this many optimizer steps; preemption is
+    # agreed after every step, without a device sync (loopkit/guards.py).
     guard_check_every = 10
     # The class of each stage not passed in; a subclass may change one (`Seq2SeqLoop`: the evaluation stage), and
     # a subclass's overrides of HF's methods are checked against these (loopkit/trainer/overridable.py).
@@ -134,6 +134,7 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
         self.is_in_train = True
         try:
             with context.preemption, quiet_hub_progress(args):
+                resume_from_checkpoint = self.setup.resume_point(resume_from_checkpoint)  # "auto": agreed here
                 output = with_batch_size_search(self.run_training, run, context)(resume_from_checkpoint, trial,
                                                                                  ignore_keys_for_eval)
         except BaseException as exc:
@@ -239,14 +240,11 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
 
     def check_guards(self) -> None:
         """Preemption and non-finite values (loopkit/guards.py): act on them at an optimizer-step boundary."""
-        run, context, watch, acc = self.run, self.context, self.context.preemption, self.context.accelerator
+        run, context, watch = self.run, self.context, self.context.preemption
         step = run.state.global_step
         watch.checked(step, self.guard_check_every)  # what the next signal's message says
-        due = step % self.guard_check_every == 0
-        if not due and (not watch.requested or acc.num_processes > 1):
-            return  # most steps; several processes agree on a signal at the due steps only
-        preempted = preemption_agreed(watch, acc) if acc.num_processes > 1 else watch.requested
-        stop_for_nonfinite = self.step.check_nonfinite() if due else False
+        preempted = watch.agreed()  # several processes: one small all-reduce on a gloo group, read a step later
+        stop_for_nonfinite = self.step.check_nonfinite() if step % self.guard_check_every == 0 else False
         if preempted or stop_for_nonfinite:
             if context.checkpointer.last_saved_step != step:
                 self.schedule.save_checkpoint()  # on_save once committed (schedule.py)

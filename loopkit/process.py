@@ -179,9 +179,9 @@ def partial_state_kwargs(args) -> tuple[dict, bool]:
     """`PartialState`'s keywords as `TrainingArguments._setup_devices` chooses them (the device, `ddp_backend`,
     `ddp_timeout`), and whether DeepSpeed is asked for."""
     use_cpu = args.use_cpu or os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes", "on")
-    if use_cpu:
-        return {"cpu": True, "backend": args.ddp_backend}, False
     timeout = timedelta(seconds=args.ddp_timeout)
+    if use_cpu:  # with the timeout, which TrainingArguments drops here: a hung join must end (docs/distributed.md)
+        return {"cpu": True, "backend": args.ddp_backend, "timeout": timeout}, False
     if getattr(args, "deepspeed", None):
         return {"timeout": timeout}, True
     return {"backend": args.ddp_backend, "timeout": timeout}, False

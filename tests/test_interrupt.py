@@ -138,6 +138,6 @@ def test_the_first_signal_names_the_step_it_stops_after_with_one_process_and_wit
     run.state.global_step = 5  # step 5 done, its log/evaluate/save running: the check after it acts
     assert "SIGTERM received: step 5 is done" in watch.plan_text()
     assert watch.plan_text().endswith(tail.format(5))
-    context.accelerator.num_processes = 2  # the ranks agree every 10 steps: at step 10
-    assert "finishing the steps up to step 10 (the ranks agree every 10 steps), " + tail.format(10) in \
+    context.accelerator.num_processes = 2  # the flag sent after step 5 is read after step 6: the ranks stop there
+    assert "finishing the steps up to step 6 (the ranks agree one step behind), " + tail.format(6) in \
         watch.plan_text()

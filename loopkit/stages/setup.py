@@ -6,11 +6,16 @@ Contract:
   `create_accelerator_and_gather()` returns the `Accelerator` and the gather function, which the `Loop`'s HF hook
   `create_accelerator_and_postprocess()` hands to the context; `track_memory()` returns the memory metrics, for the
   context too; `build(model)` builds the model from `model_init` if no model was given and moves it to the device.
+* `resume_point(resume_from_checkpoint)` runs once at the start of `train()`: `"auto"` becomes the newest complete
+  checkpoint in `output_dir` that every process holds (the processes agree on one), or None (a fresh start) where
+  there is none; any other value is returned as given (`True` keeps Trainer's meaning: the newest, else an error).
+  This is what a job restarted by its launcher or scheduler passes (docs/distributed.md, "Elastic restarts").
 * `begin_training(resume_from_checkpoint, trial)` runs at the start of every `train()`: re-seeds and rebuilds the
   model when `model_init` is used, applies Liger's kernels (`use_liger_kernel`, through transformers' own
   `apply_liger_kernel`), turns on activation checkpointing, resolves the checkpoint to resume from and
   loads its weights (before `accelerator.prepare`, as HF does). It returns the checkpoint path or None. With
-  `neftune_noise_alpha` it adds HF's NEFTune hook to the input embeddings (removed at `on_train_end`), with
+  With several processes and `async_save`, the asynchronous writer's process group is made here, by every process at
+  the start of training, not at the first save. With `neftune_noise_alpha` it adds HF's NEFTune hook to the input embeddings (removed at `on_train_end`), with
   `debug="underflow_overflow"` HF's `DebugUnderflowOverflow` hooks, as `Trainer.train` does.
 * Memory metrics (`skip_memory_metrics=False`, loopkit/memory.py): the "init" stage runs from `track_memory()` to
   `on_init_end`, the "train" stage starts in `begin_training`.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
 import warnings
 import sys
@@ -33,10 +39,11 @@ import sys
 import torch
 
 from ..args import LoopArgs, config_error
+from ..checkpoint.lineage import checkpoints_by_recency
 from ..compilation import should_watch
-from ..distributed import (active_engine, check_engines_active, check_launch, deepspeed_on_cpu_processes,
-                           engine_plugins, fill_deepspeed_config, launched_world_size, requested_engines,
-                           shard_on_cpu_processes)
+from ..distributed import (active_engine, agreed_checkpoint, check_engines_active, check_launch,
+                           deepspeed_on_cpu_processes, engine_plugins, fill_deepspeed_config, launched_world_size,
+                           requested_engines, shard_on_cpu_processes, warn_if_restarts_share_a_store)
 from ..parallelism import (accelerator_parallelism, attach_on_cpu_processes, check_parallelism, check_resume,
                            cuda_processes, local_gather, ranks_share_batches)
 from ..trainer import log_messages
@@ -46,6 +53,9 @@ from ..process_exit import settle_at_exit
 from ..models import base_model
 from .base import Stage
 from ..errors import RuntimeConfigError, trainer_error
+
+AUTO_RESUME = "auto"  # train(resume_from_checkpoint="auto"): resume if there is a checkpoint, else start fresh
+logger = logging.getLogger("loopkit.setup")
 
 
 def seed_everything(seed: int, full_determinism: bool = False) -> None:
@@ -185,6 +195,7 @@ class SetupStage(Stage):
         """The model passed to the `Loop` (or `model_init`'s, for None), on the context's accelerator's device."""
         run = self.run
         check_launch(self.context.accelerator)  # processes that Accelerate did not join: refuse (distributed.py)
+        warn_if_restarts_share_a_store()  # torchrun restarts over a store that keeps the killed attempt's keys
         settle_at_exit(self.context.accelerator.num_processes)  # gloo's threads done before exit (process_exit.py)
         if model is None:
             if run.model_init is None:
@@ -268,6 +279,21 @@ class SetupStage(Stage):
             run.model_accepts_loss_kwargs = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
         run.label_smoother = label_smoother(run.args, model)
 
+    def resume_point(self, resume_from_checkpoint):
+        """`resume_from_checkpoint` with `"auto"` resolved: the newest complete checkpoint in `output_dir` that every
+        process holds (each lists its usable ones, newest first; the first of the main process's list that every
+        process holds wins), or None where no process holds one. Other values are returned as given."""
+        if not isinstance(resume_from_checkpoint, str) or resume_from_checkpoint != AUTO_RESUME:
+            return resume_from_checkpoint
+        checkpointer, output_dir = self.context.checkpointer, self.run.args.output_dir
+        newest_first = reversed(checkpoints_by_recency(output_dir, checkpointer))
+        usable = [os.path.basename(r.path) for r in newest_first if checkpointer.checkpoint_problem(r.path) is None]
+        name = agreed_checkpoint(usable, self.context.accelerator, output_dir)
+        if self.context.accelerator.is_main_process:
+            logger.info(f'resume_from_checkpoint="auto": ' + (f"resuming from {name}, the newest complete checkpoint "
+                        f"in {output_dir}" if name else f"no checkpoint in {output_dir}: starting fresh"))
+        return os.path.join(output_dir, name) if name else None
+
     def begin_training(self, resume_from_checkpoint, trial=None):
         run, context, args = self.run, self.context, self.run.args
         context.memory.start("train")
@@ -291,6 +317,8 @@ class SetupStage(Stage):
                 activation_checkpointing_kwargs=kwargs)
         self.add_training_hooks()
         checkpoint = context.checkpointer.start(resume_from_checkpoint)  # also: which run the coming saves belong to
+        if getattr(context.checkpointer, "async_save", False) and context.accelerator.num_processes > 1:
+            context.checkpointer.async_group()  # now, by every process: a group made at a save can fail mid-run
         log_messages.log_loading_checkpoint(checkpoint)
         if checkpoint is not None:
             check_resume(context.accelerator, checkpoint)  # tensor parallel: refused (loopkit/parallelism.py)
