@@ -146,9 +146,10 @@ def test_loopkits_torchrun_exits_with_what_a_scheduler_reads(monkeypatch, raised
 # ---------------------------------------------------------------------------------------------------------------
 # Slow: real torchrun jobs
 # ---------------------------------------------------------------------------------------------------------------
-# Jobs of seed 0's plan (elastic_jobs.job_plan) covering each moment and both storages: (storage, RANK:STEP:MOMENT)
-SUITE_JOBS = {1: ("dcp-async", "0:5:substep"), 2: ("hf", "0:1:step"), 5: ("dcp-async", "1:6:save"),
-              12: ("hf", "1:4:saved")}
+# Jobs of seed 0's plan (elastic_jobs.job_plan), one per storage: a kill at a step's end (HF's layout) and one inside
+# an asynchronous save (DCP): (storage, RANK:STEP:MOMENT). The other moments (mid accumulation, right after a save)
+# are in the 20-job command's plan (docs/distributed.md), kept out of the suite for its time.
+SUITE_JOBS = {2: ("hf", "0:1:step"), 5: ("dcp-async", "1:6:save")}
 
 
 @pytest.fixture(scope="module")
