@@ -166,6 +166,13 @@ class EventHandler:
         run.control = self.dispatch(event, run.args, run.state, run.control, kwargs)
         return run.control
 
+    def fire_with_state(self, event: str, state):
+        """`event` with `state` in place of the run's (a late `on_save`: the state its checkpoint holds) and no flag
+        resets; the control the listeners return becomes `run.control`, as with `fire`."""
+        run = self.run
+        run.control = self.call_event(event, run.args, state, run.control)
+        return run.control
+
     def call_event(self, event: str, args, state, control, **kwargs):
         """HF's `CallbackHandler.call_event`: `event` on the stages and callbacks in order, without flag resets, with
         the run's objects as keywords; returns the final control."""

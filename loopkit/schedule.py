@@ -267,12 +267,12 @@ class Schedule:
         flight), on the training thread. A synchronous save is announced right after it, with the run's state, as
         HF does. A late one (asynchronous) gets the state its checkpoint holds (`global_step` its step, the
         `log_history` up to it), and resets no flag: the step it is announced at keeps its own `should_save`."""
-        run, events = self.run, self.context.events
+        events = self.context.events
         for saved in self.context.checkpointer.take_committed(wait):
             if saved.state is None:
                 events.fire("on_save")
             else:
-                run.control = events.call_event("on_save", run.args, saved.state, run.control)
+                events.fire_with_state("on_save", saved.state)
 
     def run_pending_evaluation(self, resume, ignore_keys_for_eval=None) -> None:
         """After a resume: the evaluation a preemption interrupted, and the save scheduled after it. It starts from

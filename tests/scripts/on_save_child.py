@@ -15,7 +15,7 @@ import json
 import os
 import signal
 import sys
-import threading
+import time
 
 import torch
 from safetensors.torch import load_file
@@ -110,10 +110,10 @@ def kill_while_writing(step: int, watch: OpenAtSave) -> None:
 
     def fsync_tree(path):
         if os.path.basename(path) == f".tmp-checkpoint-{step}":
-            passed = threading.Event()
-            for _ in range(KILL_WAIT_S * 20):
-                if watch.last_step_end > step or passed.wait(0.05):
+            for _ in range(KILL_WAIT_S * 20):  # polled: at most KILL_WAIT_S seconds
+                if watch.last_step_end > step:
                     break
+                time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
         original(path)
 
