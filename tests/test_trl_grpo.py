@@ -248,12 +248,9 @@ def test_example_script_runs_at_a_tiny_size():
 
 def test_the_docs_example_runs(tmp_path, monkeypatch):
     """docs/trl.md's GRPO block: a reward function and a RolloutDataStage subclass, two steps."""
-    import re
+    from test_docs import python_blocks
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "docs", "trl.md"), encoding="utf-8") as f:
-        section = f.read().split("## GRPO: `GRPOLoop`")[1].split("\n## ")[0]
-    blocks = re.findall(r"^```python\n(.*?)^```$", section, re.DOTALL | re.MULTILINE)
+    blocks = [code for code in python_blocks("docs/trl.md") if "GRPOLoop(" in code]
     assert len(blocks) == 1
     monkeypatch.chdir(tmp_path)
     namespace = {}

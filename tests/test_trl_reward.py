@@ -311,21 +311,12 @@ def test_the_reward_example_runs_small_and_evaluates_as_on_trls_trainer(capsys):
     assert "held-out accuracy (chosen scored above rejected)" in capsys.readouterr().out
 
 
-def reward_section_python_blocks() -> list[str]:
-    """The ```python blocks under docs/trl.md's heading "Reward modelling: `RewardLoop`"."""
-    import re
-
-    with open(os.path.join(os.path.dirname(EXAMPLE), "..", "..", "docs", "trl.md"), encoding="utf-8") as f:
-        page = f.read()
-    start = page.index("## Reward modelling: `RewardLoop`")
-    section = page[start:page.index("\n## ", start)]
-    return re.findall(r"^```python\n(.*?)^```$", section, re.DOTALL | re.MULTILINE)
-
-
 def test_the_docs_hinge_variant_trains_on_the_hinge_loss_checked_by_hand(tmp_path, monkeypatch):
     """docs/trl.md's reward variant, run as printed (from `pairs`, `model`, `tokenizer`), logs the losses of
     HingeRewardLoop above, whose loss, update and eval_loss the hand computation checks."""
-    (block,) = reward_section_python_blocks()
+    from test_docs import python_blocks
+
+    (block,) = [code for code in python_blocks("docs/trl.md") if "class HingeRewardLoop(RewardLoop)" in code]
     monkeypatch.chdir(tmp_path)
     pairs = child.preference_pairs(8)
     tokenizer = child.reward_tokenizer()

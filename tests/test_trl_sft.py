@@ -378,12 +378,9 @@ def test_two_processes_log_what_sfttrainer_logs_on_two_processes(tmp_path, forke
 # ---------------------------------------------------------------------------------------------------------------
 def test_the_docs_example_runs(tmp_path, monkeypatch):
     """docs/trl.md's SFT block: prompt-completion reviews, two steps."""
-    import re
+    from test_docs import python_blocks
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "docs", "trl.md"), encoding="utf-8") as f:
-        section = f.read().split("## SFT: `SFTLoop`")[1].split("\n## ")[0]
-    blocks = re.findall(r"^```python\n(.*?)^```$", section, re.DOTALL | re.MULTILINE)
+    blocks = [code for code in python_blocks("docs/trl.md") if "loop = SFTLoop(" in code]
     assert len(blocks) == 1
     monkeypatch.chdir(tmp_path)
     namespace = {}
