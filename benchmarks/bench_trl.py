@@ -41,6 +41,7 @@ MODULE = "benchmarks.bench_trl"
 TITLE = "TRL: SFT (plain, packed) and DPO, TRL's trainers vs loopkit's (CPU per step, peak memory)"
 WORKLOADS = {"sft": "SFT, plain text, padded batches", "sft-packed": "SFT, packing=True",
              "dpo": "DPO, sigmoid loss, explicit reference model"}
+SHORT = {"sft": "SFT plain", "sft-packed": "SFT packed", "dpo": "DPO"}
 CONTENDERS = ("trl", "loopkit")
 LABELS = {"trl": "TRL's trainer", "loopkit": "loopkit"}
 TRAINER_NAMES = {("sft", "trl"): "SFTTrainer", ("sft", "loopkit"): "SFTLoop", ("dpo", "trl"): "DPOTrainer",
@@ -53,18 +54,18 @@ LOSS_RTOL = 1e-5
 
 
 def plan(suite) -> dict:
-    """Sizes: full, a 2-layer 128-wide Llama, batch 8, 128 tokens, 5 warm-up + 30 timed steps, 3 rounds (2,048
-    reviews: packed rows for the run in one epoch); quick, a
-    64-wide Llama and fewer steps; tiny (the smoke test), seconds."""
+    """Sizes: full, a 2-layer 128-wide Llama, batch 8, 64 tokens, 3 warm-up + 20 timed steps, 3 rounds (1,024 reviews:
+    the packed rows last the run in one epoch; a round is a few minutes of CPU on a quiet machine); quick, a 64-wide
+    Llama and fewer steps; tiny (the smoke test), seconds."""
     return {"model": suite.pick(dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=4),
                                 dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                      num_attention_heads=2, num_key_value_heads=2),
                                 dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                      num_attention_heads=2, num_key_value_heads=2)),
-            "batch_size": suite.pick(8, 8, 2), "max_length": suite.pick(128, 64, 32),
-            "warmup_steps": suite.pick(5, 3, 1), "timed_steps": suite.pick(30, 10, 2),
-            "logging_steps": suite.pick(5, 5, 1), "num_reviews": suite.pick(2048, 512, 16),
+            "batch_size": suite.pick(8, 8, 2), "max_length": suite.pick(64, 64, 32),
+            "warmup_steps": suite.pick(3, 2, 1), "timed_steps": suite.pick(20, 10, 2),
+            "logging_steps": suite.pick(5, 5, 1), "num_reviews": suite.pick(1024, 256, 16),
             "rounds": suite.measured_rounds(3, 3, 1), "learning_rate": 1e-4, "seed": 0}
 
 
@@ -288,7 +289,7 @@ def markdown(section: dict) -> str:
     lines = [f"A {model['num_hidden_layers']}-layer, {model['hidden_size']}-wide Llama from a config (MiniLM's "
              f"30,522-token vocabulary), fp32, seed 0; batch {settings['batch_size']}, max_length "
              f"{settings['max_length']}, {settings['warmup_steps']} warm-up + {settings['timed_steps']} timed "
-             f"optimizer steps, logging every {settings['logging_steps']}; the first {settings['num_reviews']} "
+             f"optimizer steps, logging every {settings['logging_steps']}; the first {settings['num_reviews']:,} "
              f"Rotten Tomatoes reviews (DPO: as many fresh/rotten pairs); {settings['rounds']} round(s), each run a "
              f"fresh process, alternated TRL, loopkit; load average (1 min) {min(loads):.1f}-{max(loads):.1f} over "
              f"the runs. CPU: the process's CPU time per timed step (all threads). Peak RSS: the process's resident "
