@@ -123,7 +123,8 @@ def markdown(results: dict, top: int = 12) -> str:
                   f"Profiled CPU ms/step: {trl['trainer']} {trl['cpu_ms_per_step_profiled']:.1f}, "
                   f"{loopkit['trainer']} {loopkit['cpu_ms_per_step_profiled']:.1f} (load average "
                   f"{min(loads):.1f}-{max(loads):.1f}).", "",
-                  f"| package | {trl['trainer']} ms/step | {loopkit['trainer']} ms/step | difference |", "|---|---|---|---|"]
+                  f"| package | {trl['trainer']} ms/step | {loopkit['trainer']} ms/step | difference |",
+                  "|---|---|---|---|"]
         packages = sorted(set(trl["by_package_ms_per_step"]) | set(loopkit["by_package_ms_per_step"]),
                           key=lambda p: -max(r["by_package_ms_per_step"].get(p, 0.0) for r in (trl, loopkit)))
         for package in packages:
