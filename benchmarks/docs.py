@@ -21,17 +21,19 @@ import re
 import sys
 from pathlib import Path
 
-from . import bench_compile, bench_overhead, bench_storage, ladder_profile, overhead_profile
+from . import bench_compile, bench_overhead, bench_storage, bench_trl, ladder_profile, overhead_profile
 from .bench_ladder import COMPILED, DATASETS, RUNGS
 from .harness import REPO_ROOT, fmt, fmt_comparison, median, paired_ratio, rebuilt_row, verdict
 from .report import markdown, rebuilt, with_range
 
 FULL_RESULTS = "benchmarks/results/results.json"
 LADDER_RESULTS = "benchmarks/results/quick/results.json"
-PAGES = ("README.md", "docs/performance.md", "docs/packing.md", "docs/evaluation.md")
+PAGES = ("README.md", "docs/performance.md", "docs/packing.md", "docs/evaluation.md", "docs/trl.md")
 # The results.md files written again from their results.json (quick-under-load/: an older format, left as run)
 RESULTS_PAGES = ("benchmarks/results/results.md", "benchmarks/results/quick/results.md",
-                 "benchmarks/results/overhead/results.md", "benchmarks/results/ladder/results.md")
+                 "benchmarks/results/overhead/results.md", "benchmarks/results/ladder/results.md") + tuple(
+    page for page in ("benchmarks/results/trl/results.md",)  # once its run is committed
+    if (REPO_ROOT / page).with_name("results.json").exists())
 NUMBERED = re.compile(r"^## (\d+)\. [^\n]*\n\n", re.MULTILINE)
 SECTION = re.compile(r"^(?P<indent> *)<!-- generated: (?P<name>[\w-]+) from (?P<file>\S+) -->\n(?P<body>.*?)"
                      r"^(?P=indent)<!-- end generated: (?P=name) -->", re.DOTALL | re.MULTILINE)
@@ -152,6 +154,14 @@ def durations(results: dict) -> str:
              "| benchmark | seconds |", "|---|---|"]
     lines += [f"| {name} | {fmt(section['seconds'])} |" for name, section in results["benchmarks"].items()]
     return "\n".join(lines)
+
+
+class NotRun(LookupError):
+    """The results file a section names is not committed yet (its benchmark's first run is still to come)."""
+
+
+# A generated section whose name is not its benchmark's: the benchmark, for the command a missing file's section names
+BENCHMARK_OF = {"trl-headline": "trl"}
 
 
 class NotMeasured(LookupError):
@@ -292,11 +302,34 @@ def overhead_interleaved(results: dict) -> str:
                       f"{loads['min']:.1f}-{loads['max']:.1f}.", "", overhead_profile.interleaved_table(results)])
 
 
+def trl(results: dict) -> str:
+    """docs/performance.md's table of TRL's trainers against loopkit's (bench_trl), with the run it comes from."""
+    section = benchmark_section(results, "trl")
+    return f"Measured by {measured_by(results, 'trl')}.\n\n" + bench_trl.markdown(section)
+
+
+def trl_headline(results: dict) -> str:
+    """docs/trl.md's paragraph: loopkit / TRL per workload and measure, round by round, and each verdict."""
+    section = benchmark_section(results, "trl")
+    workloads = section["workloads"]
+    same = all(workloads[w]["same_work"] for w in bench_trl.WORKLOADS)
+    lines = [("TRL's trainer and loopkit's logged the same losses and every other key (within "
+              f"{bench_trl.LOSS_RTOL:g} relative) in every round of every workload" if same else
+              "NOT the same work: " + "; ".join(f"{w}: {c['detail']}" for w in bench_trl.WORKLOADS
+                                                for c in workloads[w]["parity"] if not c["ok"]))
+             + f". Measured by {measured_by(results, 'trl')}; loopkit / TRL, round by round:", ""]
+    for key, name, _ in bench_trl.MEASURES:
+        lines.append(f"- {name}: " + "; ".join(
+            f"{bench_trl.SHORT[w]} {fmt_comparison(workloads[w]['verdicts'][key]['ratio'], 'amount', '')}, "
+            f"{workloads[w]['verdicts'][key]['text']}" for w in bench_trl.WORKLOADS) + ".")
+    return "\n".join(lines)
+
+
 GENERATORS = {"summary": summary_table, "overhead-peers": overhead_peers, "ladder": ladder,
               "overhead-interleaved": overhead_interleaved, "ladder-profile": ladder_profile.markdown,
               "ladder-headline": ladder_headline, "durations": durations, "compile": compile_runs,
               "optimizer-step": optimizer_step, "chunked-loss": chunked_loss, "storage": storage,
-              "environment": environment, "eval-memory": eval_memory}
+              "environment": environment, "eval-memory": eval_memory, "trl": trl, "trl-headline": trl_headline}
 
 
 # Sections read from a results file of a benchmark's own command (not `python -m benchmarks`).
@@ -309,7 +342,14 @@ def render(text: str) -> str:
     def section(match):
         indent = match["indent"]  # a section inside a list item is indented with it
         try:
+            if not (REPO_ROOT / match["file"]).exists():
+                raise NotRun(match["file"])
             body = GENERATORS[match["name"]](load(match["file"]))
+        except NotRun:
+            folder = Path(match["file"]).parent
+            body = (f"Not measured yet: `{match['file']}` does not exist. `python -m benchmarks --only "
+                    f"{BENCHMARK_OF.get(match['name'], match['name'])} --out {folder}` measures it, then `python -m "
+                    f"benchmarks.docs` writes it here.")
         except NotMeasured as missing:
             body = (f"Not measured yet: `{match['file']}` has no `{missing}` section. `python -m benchmarks "
                     f"--only {missing}` (with the size and `--out` of that file's run) measures it, then `python -m "

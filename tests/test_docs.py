@@ -329,9 +329,10 @@ def test_benchmark_numbers_in_the_docs_are_generated_from_the_committed_results_
     sections = {page: [m["name"] for m in SECTION.finditer(read_page(page))] for page in PAGES}
     assert sections == {"README.md": ["ladder-headline"],
                         "docs/performance.md": ["environment", "summary", "overhead-interleaved", "overhead-peers",
-                                                "durations", "durations", "durations", "storage", "ladder",
+                                                "trl", "durations", "durations", "durations", "storage", "ladder",
                                                 "ladder-headline", "ladder-profile", "compile", "optimizer-step"],
-                        "docs/packing.md": ["chunked-loss"], "docs/evaluation.md": ["eval-memory"]}
+                        "docs/packing.md": ["chunked-loss"], "docs/evaluation.md": ["eval-memory"],
+                        "docs/trl.md": ["trl-headline"]}
     for page in PAGES:
         text = read_page(page)
         assert render(text) == text, f"{page}: its benchmark numbers differ from the results files"
