@@ -332,6 +332,10 @@ GENERATORS = {"summary": summary_table, "overhead-peers": overhead_peers, "ladde
               "environment": environment, "eval-memory": eval_memory, "trl": trl, "trl-headline": trl_headline}
 
 
+# Benchmarks of `python -m benchmarks` whose published sections read a run of their own (`--only NAME --out FOLDER`:
+# bench_trl's rounds take longer than a quick run of every benchmark should), not the quick run's results file.
+SEPARATE_RUN = {"trl": "benchmarks/results/trl/results.json"}
+
 # Sections read from a results file of a benchmark's own command (not `python -m benchmarks`).
 OWN_COMMAND = {"storage": "benchmarks.bench_storage", "overhead-interleaved": "benchmarks.overhead_profile",
                "ladder-profile": "benchmarks.ladder_profile"}
