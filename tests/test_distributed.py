@@ -191,7 +191,7 @@ def test_input_tokens_seen_are_summed_over_processes_at_logging_points(runs):
 
 
 def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(runs):
-    """Rank 1 alone gets SIGTERM after step 3; with guard_check_every=2 both ranks stop after step 4, write one
+    """Rank 1 alone gets SIGTERM after step 3; the ranks agree one step behind, so both stop after step 4, write one
     checkpoint together and leave with 143."""
     two, _ = runs
     ranks = [result(two, "preempt", r) for r in (0, 1)]
