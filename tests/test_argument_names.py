@@ -39,6 +39,8 @@ OTHER_PARAMETERS = {
     "skip_logits": "a model's forward keyword that Trainer passes under Liger (docs/arguments.md)",
     "scale_wrt_gas": "Accelerator.backward's keyword for DeepSpeed (taken through **kwargs)",
     "loss_scale": "the field of docs/arguments.md's own TrainingArguments subclass (MyArgs)",
+    **{key: "a key of the result lines tests/scripts/elastic_jobs.py prints (quoted in docs/distributed.md)"
+       for key in ("job", "storage", "kill", "exit", "attempts", "equal", "seconds")},
 }
 
 
