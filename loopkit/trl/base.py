@@ -5,10 +5,11 @@ A TRL trainer is a `Trainer` subclass: its `__init__` prepares the model (PEFT, 
 then calls `super().__init__(model=..., args=..., ...)` with Trainer's arguments; its `compute_loss`, `log`,
 `prediction_step` and `evaluate` overrides call `super()` for Trainer's part. Each of loopkit's TRL loops is
 
-    class SFTLoop(SFTTrainer, TRLLoop): ...
+    class SFTLoop(LoopKeywords, SFTTrainer, TRLLoop): ...
 
-whose method order is `SFTLoop, SFTTrainer, _BaseTrainer, TRLLoop, Loop, ..., Trainer`: TRL's preparation runs
-first, and its `super().__init__(...)` is `Loop.__init__`; TRL's overrides are bound onto loopkit's stages as any
+whose method order is `SFTLoop, LoopKeywords, SFTTrainer, _BaseTrainer, TRLLoop, Loop, ..., Trainer`: TRL's
+preparation runs first (after `LoopKeywords` takes loopkit's own keywords out, below), and its `super().__init__(...)`
+is `Loop.__init__`; TRL's overrides are bound onto loopkit's stages as any
 `Loop` subclass's are (loopkit/trainer/overridable.py), so TRL's loss runs inside loopkit's step stage, and `train()`
 is loopkit's run. `Trainer` stays last in the order only so that `isinstance(loop, Trainer)` holds for TRL's code and
 callbacks. A `Trainer` method that TRL calls and loopkit does not define would fall through to `Trainer`'s own
@@ -25,17 +26,29 @@ Defined here, for every TRL trainer:
 * TRL's running metrics (`_total_train_tokens`, the `num_tokens` it logs, and the training metrics gathered since
   the last log, `_metrics["train"]`) are kept in each checkpoint and restored on resume. TRL keeps them on the
   trainer object only, so a resumed TRL run counts `num_tokens` from zero again (docs/trl.md, "Where TRL is wrong").
+
+loopkit's own keywords (`Loop(...)`'s keyword-only ones: `storage=`, `metrics=`, `observers=`, the stage swaps
+`setup=`, `data=`, `step=`, `evaluation=`, `teardown=`) are passed beside TRL's arguments: `LoopKeywords`, the
+first base of each TRL loop, takes them out before TRL's `__init__` (which does not know them) and `TRLLoop.__init__`
+hands them to `Loop.__init__`. The class's signature (`help()`, `inspect.signature`) shows TRL's arguments and these.
 """
 
 from __future__ import annotations
 
+import inspect
+
 from transformers import Trainer
 
+from ..errors import nearest
 from ..loop import STAGES, Loop
 from ..stages.step import StepStage
 
 # The key of TRL's running metrics in a checkpoint's loopkit state (`loopkit_state.json`).
 TRL_STATE_KEY = "trl"
+
+# loopkit's own keywords of `Loop(...)`, which no TRL trainer takes: its keyword-only parameters.
+LOOP_KEYWORDS = tuple(name for name, parameter in inspect.signature(Loop.__init__).parameters.items()
+                      if parameter.kind is parameter.KEYWORD_ONLY)
 
 
 class TRLStepStage(StepStage):
@@ -53,7 +66,8 @@ class TRLLoop(Loop, Trainer):
     stage_classes = {**STAGES, "step": TRLStepStage}
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        """`Trainer.__init__`'s place: TRL's `super().__init__(...)`, with loopkit's keywords `LoopKeywords` took."""
+        super().__init__(*args, **kwargs, **vars(self).pop("loop_keywords", {}))
         # TRL's trainers name the columns their collators read (`prompt_ids`, `seq_lengths`, `completion_mask`, ...)
         # in this hook of Trainer's; `remove_unused_columns` keeps exactly those, as in Trainer.
         self._signature_columns = None
@@ -115,3 +129,50 @@ class TRLLoop(Loop, Trainer):
             saved = self.context.checkpointer.read_stage_states(checkpoint).get(TRL_STATE_KEY)
             if saved is not None:  # a checkpoint written by TRL's trainer or by a plain Loop has none
                 self.load_trl_state_dict(saved)
+
+
+# -- loopkit's own keywords beside TRL's arguments ---------------------------------------------------------------
+class LoopKeywords:
+    """The first base of each TRL loop (`class SFTLoop(LoopKeywords, SFTTrainer, TRLLoop)`): takes loopkit's own
+    keywords (LOOP_KEYWORDS) out of the call before TRL's `__init__`, for `TRLLoop.__init__` to hand to
+    `Loop.__init__`; refuses a keyword neither takes, naming the nearest; gives the class the signature of both."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own_init = "__init__" in vars(cls) and not cls.__module__.startswith("loopkit.")
+        cls.__signature__ = None if own_init else trl_loop_signature(cls)  # None: a user's __init__ is shown
+
+    def __init__(self, *args, **kwargs):
+        refuse_unknown_keywords(type(self), kwargs)
+        self.loop_keywords = {name: kwargs.pop(name) for name in LOOP_KEYWORDS if name in kwargs}
+        super().__init__(*args, **kwargs)
+
+
+def trl_trainer_class(cls) -> type:
+    """The TRL trainer class a TRL loop runs (`SFTTrainer` for `SFTLoop` and its subclasses)."""
+    return next(base for base in cls.__mro__ if issubclass(base, Trainer) and not issubclass(base, TRLLoop))
+
+
+def trl_loop_signature(cls) -> inspect.Signature:
+    """TRL's trainer's parameters (less `self`), then loopkit's own keywords (keyword-only), as `cls(...)` takes
+    them."""
+    trl_parameters = list(inspect.signature(trl_trainer_class(cls).__init__).parameters.values())[1:]
+    loop_parameters = [parameter for name, parameter in inspect.signature(Loop.__init__).parameters.items()
+                       if name in LOOP_KEYWORDS]
+    before = [p for p in trl_parameters if p.kind is not p.VAR_KEYWORD and p.name not in LOOP_KEYWORDS]
+    after = [p for p in trl_parameters if p.kind is p.VAR_KEYWORD]
+    return inspect.Signature(before + loop_parameters + after)
+
+
+def refuse_unknown_keywords(cls, kwargs: dict) -> None:
+    """A keyword neither TRL's trainer nor `Loop` takes: a TypeError (as Python's) naming the nearest one."""
+    known = trl_loop_signature(cls).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in known.values()):
+        return
+    for name in kwargs:
+        if name not in known:
+            guesses = nearest(name, known, n=2)
+            fix = (f"did you mean {' or '.join(guesses)}? Write {cls.__name__}(..., {guesses[0]}=...)" if guesses else
+                   f"{cls.__name__} takes {trl_trainer_class(cls).__name__}'s arguments and loopkit's own "
+                   f"({', '.join(LOOP_KEYWORDS)})")
+            raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {name!r}. Fix: {fix}.")

@@ -21,7 +21,7 @@ import torch
 from trl import DPOConfig, DPOTrainer
 
 from ..errors import config_error, plain
-from .base import TRLLoop
+from .base import LOOP_KEYWORDS, LoopKeywords, TRLLoop
 
 
 @dataclass
@@ -59,7 +59,7 @@ class FirstForward:
         return output
 
 
-class DPOLoop(DPOTrainer, TRLLoop):
+class DPOLoop(LoopKeywords, DPOTrainer, TRLLoop):
     """TRL's `DPOTrainer`: its arguments, data preparation, collator and loss; loopkit's run (loopkit/trl/base.py).
 
     A subclass may define `preference_loss(self, pairs: PreferencePairs) -> Tensor` (one loss per pair; the loop
@@ -70,11 +70,10 @@ class DPOLoop(DPOTrainer, TRLLoop):
 
     def __init__(self, *args, **kwargs):
         if self.preference_loss is not None:  # before TRL's preparation, which may precompute over the dataset
-            config = inspect.signature(DPOTrainer.__init__).bind(self, *args, **kwargs).arguments.get("args")
+            trl_kwargs = {name: value for name, value in kwargs.items() if name not in LOOP_KEYWORDS}
+            config = inspect.signature(DPOTrainer.__init__).bind(self, *args, **trl_kwargs).arguments.get("args")
             refuse_unused_loss_fields(config)
         super().__init__(*args, **kwargs)
-
-    __init__.__signature__ = inspect.signature(DPOTrainer.__init__)  # DPOTrainer's arguments, as help() shows them
 
     # -- the loss -------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

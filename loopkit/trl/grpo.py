@@ -30,7 +30,7 @@ from ..errors import config_error
 from ..stages.data import DataStage
 from ..stages.step import StepStage
 from ..trainer.overridable import HFMethods
-from .base import TRLLoop
+from .base import LoopKeywords, TRLLoop
 
 
 class Rollouts:
@@ -156,15 +156,7 @@ class GRPOStep(StepStage):
         return None  # the rollout counts them (`num_items_in_batch` in each micro-batch)
 
 
-class GivenStages:
-    """Hands `data=` / `step=` given to `GRPOLoop` to `Loop.__init__`, past `GRPOTrainer.__init__` (which does not
-    forward them)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs, **vars(self).pop("stages_given"))
-
-
-class GRPOLoop(GRPOTrainer, GivenStages, TRLLoop):
+class GRPOLoop(LoopKeywords, GRPOTrainer, TRLLoop):
     """TRL's `GRPOTrainer`: its arguments, rollouts and loss; loopkit's run with the rollouts as the data stage and
     the update as the step stage (module docstring). `data=` / `step=` swap either (a `RolloutDataStage` /
     `GRPOStep` subclass)."""
@@ -202,7 +194,6 @@ class GRPOLoop(GRPOTrainer, GivenStages, TRLLoop):
             raise config_error("train_dataset", type(train_dataset).__name__, "GRPOLoop repeats prompts with TRL's "
                                "RepeatSampler, which needs a dataset with a length",
                                "pass a datasets.Dataset (e.g. Dataset.from_list(list(stream.take(n))))")
-        self.stages_given = {"data": data, "step": step}
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, data=data, step=step, **kwargs)  # loopkit's keywords: LoopKeywords (base.py)
         self.data.trl_rollout = self._generate_and_score_completions
         self.step.trl_loss = self._compute_loss

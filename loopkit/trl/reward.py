@@ -20,11 +20,11 @@ from torch import nn
 from transformers.trainer_pt_utils import nested_detach
 from trl import RewardConfig, RewardTrainer
 
-from .base import TRLLoop
+from .base import LoopKeywords, TRLLoop
 
 
 
-class RewardLoop(RewardTrainer, TRLLoop):
+class RewardLoop(LoopKeywords, RewardTrainer, TRLLoop):
     """TRL's `RewardTrainer`: its arguments, data preparation, collator and metrics; loopkit's run (module docstring).
 
     A reward loss of your own is one method: override `reward_loss(rewards_chosen, rewards_rejected, margin)`.

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from trl import SFTConfig, SFTTrainer
 
-from .base import TRLLoop
+from .base import LoopKeywords, TRLLoop
 
 
-class SFTLoop(SFTTrainer, TRLLoop):
+class SFTLoop(LoopKeywords, SFTTrainer, TRLLoop):
     """TRL's `SFTTrainer`: its arguments, data preparation, collator and loss; loopkit's run (loopkit/trl/base.py)."""
 
     #: The configuration class whose every field this loop honours (SFTTrainer reads SFTConfig's own fields).
