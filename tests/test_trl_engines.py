@@ -30,7 +30,7 @@ sys.path.insert(0, TESTS)
 sys.path.insert(0, os.path.join(TESTS, "scripts"))
 
 RTOL = 1e-5
-ENGINES = ("fsdp", "deepspeed")
+ENGINES = ("fsdp", "zero2")  # FSDP2; DeepSpeed ZeRO-2
 TRAINERS = ("sft", "dpo", "reward")
 STEPS = 3
 
@@ -44,7 +44,7 @@ def engine_fields(engine: str) -> dict:
     from deepspeed_child import deepspeed_config
 
     # use_cpu=True turns DeepSpeed off in Accelerate; use_configured_state keeps the gloo state made before
-    return dict(deepspeed=deepspeed_config("zero2"), use_cpu=False,
+    return dict(deepspeed=deepspeed_config(engine), use_cpu=False,
                 accelerator_config={"use_configured_state": True})
 
 
@@ -76,7 +76,7 @@ def gloo_state_for(engine: str) -> None:
     DeepSpeed (deepspeed_child.trainer_process_state)."""
     from accelerate.state import AcceleratorState
 
-    if engine == "deepspeed":
+    if engine != "fsdp":
         from deepspeed_child import trainer_process_state
 
         trainer_process_state()
@@ -113,10 +113,19 @@ RUNS = {"sft": ("SFTTrainer", "SFTLoop", train_sft), "dpo": ("DPOTrainer", "DPOL
 
 
 def whole_weights(trainer) -> dict:
-    """The trained model, whole, on every rank (FSDP2: DTensor shards gathered, a collective)."""
+    """The trained model, whole, on every rank (FSDP2's DTensor shards or ZeRO-3's partitions gathered: a
+    collective)."""
+    import contextlib
+
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    return {name: (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu().clone()
-            .contiguous() for name, tensor in model.state_dict().items()}
+    gathered = contextlib.nullcontext()
+    if trainer.is_deepspeed_enabled:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(model.parameters()))
+    with gathered:
+        return {name: (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu().clone()
+                .contiguous() for name, tensor in model.state_dict().items()}
 
 
 def engine_evidence(trainer) -> dict:
@@ -219,7 +228,7 @@ def engine_runs(tmp_path_factory, forked):
 
     build_comm_op()  # DeepSpeed's shared-memory op, built or loaded once before two ranks race for it
     folders = {engine: tmp_path_factory.mktemp(engine) for engine in ENGINES}
-    environments = {"fsdp": child_env(cpu_mode=True), "deepspeed": deepspeed_env()}
+    environments = {"fsdp": child_env(cpu_mode=True), "zero2": deepspeed_env()}
     launches = {engine: forked.launch([os.path.abspath(__file__), folders[engine], engine], 2,
                                       f"the 2-process {engine} launch", env=environments[engine])
                 for engine in ENGINES}
@@ -230,10 +239,10 @@ def engine_runs(tmp_path_factory, forked):
 
 
 ENGINE_EVIDENCE = {"fsdp": {"distributed_type": "DistributedType.FSDP", "processes": 2, "sharded_weight": True},
-                   "deepspeed": {"distributed_type": "DistributedType.DEEPSPEED", "processes": 2,
+                   "zero2": {"distributed_type": "DistributedType.DEEPSPEED", "processes": 2,
                                  "sharded_weight": False, "zero_stage": 2}}
 REFERENCE_EVIDENCE = {"fsdp": {"reference": "FSDPLlamaForCausalLM", "reference_sharded": True},
-                      "deepspeed": {"reference": "DeepSpeedEngine", "reference_sharded": False}}
+                      "zero2": {"reference": "DeepSpeedEngine", "reference_sharded": False}}
 
 
 @pytest.mark.parametrize("engine", ENGINES)
