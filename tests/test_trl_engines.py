@@ -5,7 +5,8 @@ reference model, which TRL prepares with `prepare_fsdp` / `prepare_deepspeed`) a
 (`fsdp="full_shard"`, `fsdp_config={"version": 2}`) and under DeepSpeed ZeRO-2, each against TRL's own trainer
 under the same engine, in the same processes: every key TRL logs within 1e-5 relative and the final (gathered)
 weights within 1e-5. One launch per engine runs all three pairs; this file is that launch's script too
-(`python tests/test_trl_engines.py OUT ENGINE`).
+(`python tests/test_trl_engines.py OUT ENGINE` under a 2-process launch; ENGINE: fsdp, zero2, or zero3, which the
+test does not run: docs/trl.md, "Engines").
 
 TRL's trainers are `Trainer`s, which do not run these engines on CPU processes as they stand (Accelerate 1.15 drops
 FSDP on MULTI_CPU, and hands DeepSpeed no gloo backend): TRL's side here is set up as a GPU launch would set it up,
@@ -188,33 +189,14 @@ pytestmark = [IGNORE_PIN_MEMORY_WARNING, pytest.mark.filterwarnings("ignore::Fut
               pytest.mark.filterwarnings("ignore::UserWarning")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-TIMING = ("_runtime", "_per_second", "step_time")
-
-
 def worst_log_difference(ours: list[dict], theirs: list[dict], what: str) -> float:
-    """Every entry and key of `theirs` in `ours` (timings aside) within RTOL relative; the largest difference."""
-    assert len(ours) == len(theirs), f"{what}: {len(ours)} log entries vs {len(theirs)}"
-    worst = 0.0
-    for mine, reference in zip(ours, theirs):
-        keys = sorted(k for k in reference if not k.endswith(TIMING))
-        assert keys == sorted(k for k in mine if not k.endswith(TIMING)), f"{what}: other keys at {reference}"
-        for key in keys:
-            difference = abs(mine[key] - reference[key]) / max(abs(reference[key]), 1e-12)
-            assert difference <= RTOL, f"{what}, step {reference.get('step')}, {key}: {mine[key]!r} vs " \
-                                       f"{reference[key]!r}"
-            worst = max(worst, difference)
-    return worst
+    """Every entry and key of `theirs` in `ours` within RTOL relative (timings aside: GRPO's `step_time` too)."""
+    from test_trl_sft import compare_logs
 
+    def untimed(entries):
+        return [{key: value for key, value in entry.items() if key != "step_time"} for entry in entries]
 
-def worst_weight_difference(ours: dict, theirs: dict, what: str) -> float:
-    assert ours.keys() == theirs.keys(), what
-    worst = 0.0
-    for name, expected in theirs.items():
-        scale = max(expected.double().abs().max().item(), 1e-12)
-        difference = (ours[name].double() - expected.double()).abs().max().item() / scale
-        assert difference <= RTOL, f"{what}: weight {name} differs by {difference:.3g} relative"
-        worst = max(worst, difference)
-    return worst
+    return compare_logs(untimed(ours), untimed(theirs), what)
 
 
 # -- the engines ---------------------------------------------------------------------------------------------
@@ -251,6 +233,7 @@ def test_trl_loops_equal_trls_trainers_under_the_same_engine(engine, engine_runs
     and reward modelling, 3 steps of 2 ranks x 2 samples: loopkit's loop and TRL's trainer ran under the engine
     (the evidence), and every logged key of both ranks and the final weights agree within 1e-5."""
     from safetensors.torch import load_file
+    from test_trl_sft import compare_weights
 
     folder = engine_runs[engine]
     for kind in TRAINERS:
@@ -265,8 +248,8 @@ def test_trl_loops_equal_trls_trainers_under_the_same_engine(engine, engine_runs
             assert len(steps) == STEPS and len({entry["loss"] for entry in steps}) == STEPS  # it trained
             assert all(entry["grad_norm"] > 0 for entry in steps)
             worst = worst_log_difference(ours["logs"], theirs["logs"], f"{engine} {kind} rank {rank}")
-        weights = worst_weight_difference(load_file(os.path.join(folder, f"{loop_name}.safetensors")),
-                                          load_file(os.path.join(folder, f"{trl_name}.safetensors")), kind)
+        weights = compare_weights(load_file(os.path.join(folder, f"{loop_name}.safetensors")),
+                                  load_file(os.path.join(folder, f"{trl_name}.safetensors")), kind)
         print(f"\n{engine} {kind}: {len(theirs['logs'][0])} keys logged; largest relative difference: logs "
               f"{worst:.3g}, weights {weights:.3g}")
 
