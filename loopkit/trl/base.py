@@ -8,10 +8,10 @@ then calls `super().__init__(model=..., args=..., ...)` with Trainer's arguments
     class SFTLoop(LoopKeywords, SFTTrainer, TRLLoop): ...
 
 whose method order is `SFTLoop, LoopKeywords, SFTTrainer, _BaseTrainer, TRLLoop, Loop, ..., Trainer`: TRL's
-preparation runs first (after `LoopKeywords` takes loopkit's own keywords out, below), and its `super().__init__(...)`
-is `Loop.__init__`; TRL's overrides are bound onto loopkit's stages as any
-`Loop` subclass's are (loopkit/trainer/overridable.py), so TRL's loss runs inside loopkit's step stage, and `train()`
-is loopkit's run. `Trainer` stays last in the order only so that `isinstance(loop, Trainer)` holds for TRL's code and
+preparation runs first (after `LoopKeywords` takes loopkit's own keywords out, below), and its
+`super().__init__(...)` is `Loop.__init__`; TRL's overrides are bound onto loopkit's stages as any `Loop`
+subclass's are (loopkit/trainer/overridable.py), so TRL's loss runs inside loopkit's step stage, and `train()` is
+loopkit's run. `Trainer` stays last in the order only so that `isinstance(loop, Trainer)` holds for TRL's code and
 callbacks. A `Trainer` method that TRL calls and loopkit does not define would fall through to `Trainer`'s own
 implementation, which reads state a `Loop` does not keep: each one TRL's trainers reach is defined here (those common
 to every TRL trainer) or on the TRL loop that needs it, and the parity tests (tests/test_trl_*.py) run TRL's trainer
@@ -26,6 +26,10 @@ Defined here, for every TRL trainer:
 * TRL's running metrics (`_total_train_tokens`, the `num_tokens` it logs, and the training metrics gathered since
   the last log, `_metrics["train"]`) are kept in each checkpoint and restored on resume. TRL keeps them on the
   trainer object only, so a resumed TRL run counts `num_tokens` from zero again (docs/trl.md, "Where TRL is wrong").
+
+Under FSDP2 and DeepSpeed, TRL's engine code reads `is_fsdp_enabled` / `is_deepspeed_enabled` (Loop's: DPOTrainer
+then shards or wraps its reference model with `prepare_fsdp` / `prepare_deepspeed`) and `_prepare_inputs` (above):
+nothing else was reached in tests/test_trl_engines.py (SFT, DPO, reward; FSDP2 and ZeRO-2 against TRL's trainers).
 
 loopkit's own keywords (`Loop(...)`'s keyword-only ones: `storage=`, `metrics=`, `observers=`, the stage swaps
 `setup=`, `data=`, `step=`, `evaluation=`, `teardown=`) are passed beside TRL's arguments: `LoopKeywords`, the

@@ -21,7 +21,7 @@ import torch
 from trl import DPOConfig, DPOTrainer
 
 from ..errors import config_error, plain
-from .base import LOOP_KEYWORDS, LoopKeywords, TRLLoop
+from .base import LoopKeywords, TRLLoop
 
 
 @dataclass
@@ -70,8 +70,9 @@ class DPOLoop(LoopKeywords, DPOTrainer, TRLLoop):
 
     def __init__(self, *args, **kwargs):
         if self.preference_loss is not None:  # before TRL's preparation, which may precompute over the dataset
-            trl_kwargs = {name: value for name, value in kwargs.items() if name not in LOOP_KEYWORDS}
-            config = inspect.signature(DPOTrainer.__init__).bind(self, *args, **trl_kwargs).arguments.get("args")
+            trl_signature = inspect.signature(DPOTrainer.__init__)  # loopkit's keywords aside (LoopKeywords)
+            trl_kwargs = {name: value for name, value in kwargs.items() if name in trl_signature.parameters}
+            config = trl_signature.bind(self, *args, **trl_kwargs).arguments.get("args")
             refuse_unused_loss_fields(config)
         super().__init__(*args, **kwargs)
 
