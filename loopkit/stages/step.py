@@ -48,7 +48,7 @@ from ..models import (PLAIN_TRAIN_METHODS, base_model, causal_lm_class_names, ha
                       is_causal_lm_class)
 from ..optimizers import (add_param_group, backward_kwargs, build_optimizer, build_scheduler, decay_parameter_names,
                           optimizer_cls_and_kwargs, steps_on_metrics, updates_in_backward)
-from ..work import WorkCounter, hf_floating_point_ops
+from ..work import WorkCounter, hf_floating_point_ops, non_embedding_parameters
 from .base import Stage
 
 # Re-exported: these lived here before loss semantics, model introspection and work counting had modules of their own.
@@ -186,8 +186,7 @@ class StepStage(Stage):
     def prepare_hot_path(self) -> None:
         """What every step needs, decided once per `train()`."""
         run, acc = self.run, self.context.accelerator
-        self.num_non_embedding_params = (run.model.num_parameters(exclude_embeddings=True)
-                                         if hasattr(run.model, "num_parameters") else 0)
+        self.num_non_embedding_params = non_embedding_parameters(run.model)
         self.main_input = getattr(run.model, "main_input_name", "input_ids")
         self.label_shift = is_causal_lm(run.model)
         self.scheduler_steps_on_metrics = steps_on_metrics(run.lr_scheduler)
