@@ -5,11 +5,13 @@ real Rotten Tomatoes reviews (chosen = a fresh review, rejected = a rotten one),
 `margin`, the `eval_*` keys, `train_loss`, `total_flos`; not the timings) within 1e-5 relative, the final weights
 within 1e-5, `evaluate()`'s and `predict()`'s output; the three data formats, a `margin` column,
 `center_rewards_coefficient`, gradient accumulation, a LoRA `peft_config`; an exact resume; 2 processes; the example
-script; a user's own reward loss (`reward_loss`) against a hand computation, and docs/trl.md's block.
+script; a user's own reward loss (a `RewardStep` subclass's `reward_loss`) against a hand computation, and
+docs/trl.md's block.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -24,6 +26,7 @@ pytest.importorskip("trl")
 from trl import RewardTrainer  # noqa: E402
 
 from loopkit.trl import RewardLoop  # noqa: E402
+from loopkit.trl.reward import RewardStep  # noqa: E402
 
 from helpers import IGNORE_PIN_MEMORY_WARNING, assert_same_weights, wait_for  # noqa: E402
 
@@ -182,11 +185,16 @@ def test_resumed_reward_loop_continues_exactly_where_reward_trainers_running_met
               f"RewardTrainer resumed {resumed_step3[key]:.6g}")
 
 
-class HingeRewardLoop(RewardLoop):
+class HingeRewardStep(RewardStep):
     """A user's own reward loss, as docs/trl.md shows it: a hinge on the reward difference."""
 
     def reward_loss(self, rewards_chosen, rewards_rejected, margin):
         return torch.relu(1.0 - (rewards_chosen - rewards_rejected)).mean()
+
+
+def hinge_loop(**kwargs) -> RewardLoop:
+    """RewardLoop with the hinge step (a fresh stage for each loop), built as `child.train` builds a trainer."""
+    return RewardLoop(step=HingeRewardStep(), **kwargs)
 
 
 def test_a_reward_loss_of_ones_own_is_what_is_logged_evaluated_and_trained_on():
@@ -195,9 +203,10 @@ def test_a_reward_loss_of_ones_own_is_what_is_logged_evaluated_and_trained_on():
     pairs = child.preference_pairs(4)
     learning_rate = 0.5
     with tempfile.TemporaryDirectory() as output_dir:
-        loop = child.train(HingeRewardLoop, output_dir, pairs, eval_dataset=pairs, max_steps=1, optim="sgd",
+        loop = child.train(hinge_loop, output_dir, pairs, eval_dataset=pairs, max_steps=1, optim="sgd",
                            learning_rate=learning_rate, lr_scheduler_type="constant", max_grad_norm=0.0)
         evaluated = loop.evaluate()["eval_loss"]
+    assert type(loop.step) is HingeRewardStep
     by_hand = child.reward_model(child.reward_tokenizer())
     by_hand.config.pad_token_id = loop.model.config.pad_token_id
 
@@ -311,21 +320,47 @@ def test_the_reward_example_runs_small_and_evaluates_as_on_trls_trainer(capsys):
     assert "held-out accuracy (chosen scored above rejected)" in capsys.readouterr().out
 
 
+def test_the_reward_example_trains_its_hinge_step_with_loss_hinge():
+    """`--loss hinge`: the example's RewardStep subclass trains. While every reward difference d is below 1 (a fresh
+    model's are near 0), the hinge loss mean(relu(1 - d)) is 1 - mean(d), and TRL logs mean(d) as `margin` from the
+    same forward pass; RewardTrainer's loss would be about log 2 there."""
+    with tempfile.TemporaryDirectory() as output_dir:
+        loop, _, _ = load_example(use_trl=False).main(
+            ["--pairs", "8", "--eval-pairs", "4", "--max-steps", "1", "--batch-size", "8", "--hidden-size", "16",
+             "--output-dir", output_dir, "--loss", "hinge"])
+    assert type(loop).__name__ == "RewardLoop" and type(loop.step).__name__ == "HingeRewardStep"
+    first = loop.state.log_history[0]
+    assert abs(first["margin"]) < 0.5 and first["loss"] == pytest.approx(1.0 - first["margin"], rel=1e-5)
+    assert abs(first["loss"] - child.LOG_2) > 0.1
+
+
+def test_a_reward_loss_on_the_loop_or_a_step_of_another_kind_is_refused():
+    from loopkit import LoopConfigError, StepStage
+
+    with pytest.raises(TypeError, match="reward_loss.*RewardStep subclass.*step=YourStep"):
+        class OnTheLoop(RewardLoop):
+            def reward_loss(self, rewards_chosen, rewards_rejected, margin):
+                return (rewards_rejected - rewards_chosen).mean()
+    with tempfile.TemporaryDirectory() as output_dir:
+        with pytest.raises(LoopConfigError, match="step='StepStage'.*RewardStep"):
+            child.train(functools.partial(RewardLoop, step=StepStage()), output_dir, child.preference_pairs(4))
+
+
 def test_the_docs_hinge_variant_trains_on_the_hinge_loss_checked_by_hand(tmp_path, monkeypatch):
     """docs/trl.md's reward variant, run as printed (from `pairs`, `model`, `tokenizer`), logs the losses of
-    HingeRewardLoop above, whose loss, update and eval_loss the hand computation checks."""
+    HingeRewardStep above, whose loss, update and eval_loss the hand computation checks."""
     from test_docs import python_blocks
 
-    (block,) = [code for code in python_blocks("docs/trl.md") if "class HingeRewardLoop(RewardLoop)" in code]
+    (block,) = [code for code in python_blocks("docs/trl.md") if "class HingeRewardStep(RewardStep)" in code]
     monkeypatch.chdir(tmp_path)
     pairs = child.preference_pairs(8)
     tokenizer = child.reward_tokenizer()
     namespace = {"pairs": pairs, "model": child.reward_model(tokenizer), "tokenizer": tokenizer}
     exec(block, namespace)
     documented = namespace["loop"]
-    assert type(documented).__name__ == "HingeRewardLoop" and documented.state.global_step == 2
+    assert type(documented.step).__name__ == "HingeRewardStep" and documented.state.global_step == 2
     args = documented.args  # RewardConfig's defaults where the block sets nothing
-    checked = child.train(HingeRewardLoop, tmp_path / "checked", pairs, max_steps=2, seed=args.seed,
+    checked = child.train(hinge_loop, tmp_path / "checked", pairs, max_steps=2, seed=args.seed,
                           learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type)
     assert_same_weights(documented.model, checked.model, RTOL)
     losses = [run.state.log_history[-1]["train_loss"] for run in (documented, checked)]

@@ -17,6 +17,8 @@ to every TRL trainer) or on the TRL loop that needs it, and the parity tests (te
 live beside it.
 
 Defined here, for every TRL trainer:
+* `take_stages`: a TRL trainer's `__init__` does not forward loopkit's stage keywords (`step=`, GRPO's `data=`);
+  a TRL loop takes them before it and `TRLLoop.__init__` hands them to `Loop.__init__`.
 * `_prepare_inputs` (TRL's `prediction_step` calls it): the batch on the run's device, as Trainer's.
 * `current_gradient_accumulation_steps` (TRL's MoE auxiliary loss reads it): the micro-batches of the step in
   progress, which Trainer keeps as an attribute of its training loop and the step stage keeps here.
@@ -29,13 +31,25 @@ Defined here, for every TRL trainer:
 
 from __future__ import annotations
 
+import inspect
+
 from transformers import Trainer
 
+from ..errors import config_error
 from ..loop import STAGES, Loop
 from ..stages.step import StepStage
 
 # The key of TRL's running metrics in a checkpoint's loopkit state (`loopkit_state.json`).
 TRL_STATE_KEY = "trl"
+
+
+def with_stage_parameters(trainer_init, **stages) -> inspect.Signature:
+    """The TRL trainer's `__init__` signature with the stage keywords a TRL loop adds (`step=...`), as help() shows
+    them: name -> the annotation."""
+    signature = inspect.signature(trainer_init)
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+             for name, annotation in stages.items()]
+    return signature.replace(parameters=[*signature.parameters.values(), *added])
 
 
 class TRLStepStage(StepStage):
@@ -53,12 +67,23 @@ class TRLLoop(Loop, Trainer):
     stage_classes = {**STAGES, "step": TRLStepStage}
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        # The stages given to the TRL loop (`take_stages`), past the TRL trainer's __init__, which does not forward them
+        super().__init__(*args, **kwargs, **vars(self).pop("stages_given", {}))
         # TRL's trainers name the columns their collators read (`prompt_ids`, `seq_lengths`, `completion_mask`, ...)
         # in this hook of Trainer's; `remove_unused_columns` keeps exactly those, as in Trainer.
         self._signature_columns = None
         self._set_signature_columns_if_needed()
         self.run.signature_columns = list(self._signature_columns)
+
+    def take_stages(self, **stages) -> None:
+        """Keep the stages given to a TRL loop's `__init__` (`step=`, GRPO's `data=`) for `Loop.__init__`. Each is an
+        instance of the loop's own class for that stage (`stage_classes`): a variant subclasses it."""
+        for name, stage in stages.items():
+            kind = self.stage_classes[name]
+            if stage is not None and not isinstance(stage, kind):
+                raise config_error(name, type(stage).__name__, f"{type(self).__name__}'s {name} stage is a "
+                                   f"{kind.__name__}", f"pass an instance of a {kind.__name__} subclass")
+        self.stages_given = stages
 
     # -- Trainer methods TRL calls ---------------------------------------------------------------------------------
     def _prepare_inputs(self, inputs):

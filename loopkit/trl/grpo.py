@@ -156,15 +156,7 @@ class GRPOStep(StepStage):
         return None  # the rollout counts them (`num_items_in_batch` in each micro-batch)
 
 
-class GivenStages:
-    """Hands `data=` / `step=` given to `GRPOLoop` to `Loop.__init__`, past `GRPOTrainer.__init__` (which does not
-    forward them)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs, **vars(self).pop("stages_given"))
-
-
-class GRPOLoop(GRPOTrainer, GivenStages, TRLLoop):
+class GRPOLoop(GRPOTrainer, TRLLoop):
     """TRL's `GRPOTrainer`: its arguments, rollouts and loss; loopkit's run with the rollouts as the data stage and
     the update as the step stage (module docstring). `data=` / `step=` swap either (a `RolloutDataStage` /
     `GRPOStep` subclass)."""
@@ -191,18 +183,13 @@ class GRPOLoop(GRPOTrainer, GivenStages, TRLLoop):
                                 f"data=YourStage().")
 
     def __init__(self, *args, data: RolloutDataStage | None = None, step: GRPOStep | None = None, **kwargs):
-        for name, stage, kind in (("data", data, RolloutDataStage), ("step", step, GRPOStep)):
-            if stage is not None and not isinstance(stage, kind):
-                raise config_error(name, type(stage).__name__, f"GRPO's {name} stage is a {kind.__name__}: it "
-                                   f"{'makes the rollouts' if name == 'data' else 'trains on them'}",
-                                   f"pass a {kind.__name__} subclass")
+        self.take_stages(data=data, step=step)  # through GRPOTrainer.__init__ to Loop's (loopkit/trl/base.py)
         train_dataset = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
         if isinstance(train_dataset, torch.utils.data.IterableDataset) or type(train_dataset).__name__ == \
                 "IterableDataset":  # TRL reorders a stream with repeat_iterable_dataset: not done here yet
             raise config_error("train_dataset", type(train_dataset).__name__, "GRPOLoop repeats prompts with TRL's "
                                "RepeatSampler, which needs a dataset with a length",
                                "pass a datasets.Dataset (e.g. Dataset.from_list(list(stream.take(n))))")
-        self.stages_given = {"data": data, "step": step}
         super().__init__(*args, **kwargs)
         self.data.trl_rollout = self._generate_and_score_completions
         self.step.trl_loss = self._compute_loss
