@@ -337,7 +337,7 @@ def test_own_preference_loss_refuses_trl_loss_fields_and_a_step_of_another_kind(
 
 
 def test_a_preference_loss_on_the_loop_is_refused_where_it_would_be_ignored():
-    with pytest.raises(TypeError, match="preference_loss.*DPOStep subclass.*step=YourStep"):
+    with pytest.raises(TypeError, match="preference_loss.*DPOStep subclass.*step=YourStage"):
         class OnTheLoop(DPOLoop):
             def preference_loss(self, pairs):
                 return -F.logsigmoid(pairs.chosen_logratios - pairs.rejected_logratios)

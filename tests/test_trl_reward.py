@@ -357,7 +357,7 @@ def test_the_reward_example_trains_its_hinge_step_with_loss_hinge():
 def test_a_reward_loss_on_the_loop_or_a_step_of_another_kind_is_refused():
     from loopkit import LoopConfigError, StepStage
 
-    with pytest.raises(TypeError, match="reward_loss.*RewardStep subclass.*step=YourStep"):
+    with pytest.raises(TypeError, match="reward_loss.*RewardStep subclass.*step=YourStage"):
         class OnTheLoop(RewardLoop):
             def reward_loss(self, rewards_chosen, rewards_rejected, margin):
                 return (rewards_rejected - rewards_chosen).mean()

@@ -65,6 +65,17 @@ class TRLLoop(Loop, Trainer):
     """`Loop` in `Trainer`'s place for TRL's trainer classes (module docstring). Not used on its own."""
 
     stage_classes = {**STAGES, "step": TRLStepStage}
+    # method -> the stage that owns it: a variant defines it on a subclass of that stage (`stage_classes`), and a
+    # definition on the loop, which the loop never calls, is refused when the class is defined
+    stage_hooks = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name, owner in cls.stage_hooks.items():
+            if name in vars(cls):
+                stage = cls.stage_classes[owner].__name__
+                raise TypeError(f"{cls.__name__} defines {name}, which is a method of the {owner} stage, not of the "
+                                f"loop: define it on a {stage} subclass and pass {owner}=YourStage()")
 
     def __init__(self, *args, **kwargs):
         # The stages given to the TRL loop (`take_stages`), past the TRL trainer's __init__, which does not forward them

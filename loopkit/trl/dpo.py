@@ -98,13 +98,8 @@ class DPOLoop(DPOTrainer, TRLLoop):
 
     args_class = DPOConfig  # the config whose fields this loop honours (loopkit/args/checks.py)
     stage_classes = {**TRLLoop.stage_classes, "step": DPOStep}
+    stage_hooks = {"preference_loss": "step"}
     compute_loss = HFMethods.compute_loss  # the step stage's: TRL's loss, or the stage's own preference_loss
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if "preference_loss" in vars(cls):
-            raise TypeError(f"{cls.__name__} defines preference_loss, which is a method of the step stage, not of the "
-                            f"loop: define it on a DPOStep subclass and pass DPOLoop(..., step=YourStep())")
 
     def __init__(self, *args, step: DPOStep | None = None, **kwargs):
         self.take_stages(step=step)  # through DPOTrainer.__init__ to Loop's (loopkit/trl/base.py)

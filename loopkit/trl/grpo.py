@@ -163,6 +163,7 @@ class GRPOLoop(GRPOTrainer, TRLLoop):
 
     args_class = GRPOConfig  # the config whose fields this loop honours (loopkit/args/checks.py)
     stage_classes = {**TRLLoop.stage_classes, "data": RolloutDataStage, "step": GRPOStep}
+    stage_hooks = {"rollout": "data"}  # a rollout variant is a RolloutDataStage subclass (loopkit/trl/base.py)
     # The loader, the sampler and the loss are the stages' (above), not GRPOTrainer's overrides of Trainer's.
     get_train_dataloader = HFMethods.get_train_dataloader
     get_eval_dataloader = HFMethods.get_eval_dataloader

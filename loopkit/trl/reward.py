@@ -63,13 +63,8 @@ class RewardLoop(RewardTrainer, TRLLoop):
     can_return_loss = True
     args_class = RewardConfig  # the config whose fields this loop honours (loopkit/args/checks.py)
     stage_classes = {**TRLLoop.stage_classes, "step": RewardStep}
+    stage_hooks = {"reward_loss": "step"}
     compute_loss = HFMethods.compute_loss  # the step stage's: RewardTrainer's forward, the stage's reward_loss
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if "reward_loss" in vars(cls):
-            raise TypeError(f"{cls.__name__} defines reward_loss, which is a method of the step stage, not of the "
-                            f"loop: define it on a RewardStep subclass and pass RewardLoop(..., step=YourStep())")
 
     def __init__(self, *args, step: RewardStep | None = None, **kwargs):
         self.take_stages(step=step)  # through RewardTrainer.__init__ to Loop's (loopkit/trl/base.py)
