@@ -3,7 +3,8 @@ vocabulary) and the same real preference pairs (prompt "Review:", chosen = a fre
 = a rotten one), seed 0, fp32: every key TRL logs and the final weights within 1e-5 relative. Also: the implicit-
 prompt and conversational formats, the reference as an explicit model, loaded from the policy's path, a PEFT adapter
 switched off, or precomputed; several loss types; gradient accumulation; evaluation; exact resume (where TRL restarts
-`num_tokens` from 0); a user's own preference loss (`DPOLoop.preference_loss`) against a hand computation.
+`num_tokens` from 0); a user's own preference loss (a `DPOStep` subclass's `preference_loss`) against a hand
+computation.
 """
 
 import functools
@@ -24,6 +25,7 @@ from trl import DPOConfig, DPOTrainer  # noqa: E402
 
 from loopkit.errors import LoopConfigError  # noqa: E402
 from loopkit.trl import DPOLoop  # noqa: E402
+from loopkit.trl.dpo import DPOStep  # noqa: E402
 
 pytestmark = [IGNORE_PIN_MEMORY_WARNING, pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -84,12 +86,19 @@ def model_and_reference(reference: str, folder: str, tok):
     return tiny_llama(0, len(tok)), None  # "peft" (the adapter switched off) or "precompute" (the policy, before)
 
 
-def train(trainer_class, folder, data, reference="explicit", eval_data=None, resume=None, peft_config=None,
+def build(trainer_class, folder, data, reference="explicit", eval_data=None, peft_config=None, step=None,
           **fields):
+    """`trainer_class` on a fresh model and reference; `step`: loopkit's step stage, for a DPOLoop."""
     tok = tokenizer()
     model, ref_model = model_and_reference(reference, folder, tok)
-    trainer = trainer_class(model=model, ref_model=ref_model, args=dpo_config(os.path.join(folder, "out"), **fields),
-                            train_dataset=data, eval_dataset=eval_data, processing_class=tok, peft_config=peft_config)
+    stage = {} if step is None else {"step": step}
+    return trainer_class(model=model, ref_model=ref_model, args=dpo_config(os.path.join(folder, "out"), **fields),
+                         train_dataset=data, eval_dataset=eval_data, processing_class=tok, peft_config=peft_config,
+                         **stage)
+
+
+def train(trainer_class, folder, data, reference="explicit", eval_data=None, resume=None, **kwargs):
+    trainer = build(trainer_class, folder, data, reference, eval_data, **kwargs)
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
@@ -221,19 +230,23 @@ def test_resume_mid_run_equals_uninterrupted_where_trl_restarts_num_tokens():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# A preference loss of one's own: `DPOLoop.preference_loss`
+# A preference loss of one's own: a `DPOStep` subclass's `preference_loss`
 # ---------------------------------------------------------------------------------------------------------------
-class SigmoidLoop(DPOLoop):
+class SigmoidStep(DPOStep):
     """TRL's sigmoid loss written as a user would: it must give TRL's sigmoid run, every key."""
 
     def preference_loss(self, pairs):
         return -F.logsigmoid(self.beta * (pairs.chosen_logratios - pairs.rejected_logratios))
 
 
-class SimPOLoop(DPOLoop):
+class SimPOStep(DPOStep):
     """A SimPO-like loss (length-normalised policy log-probs, a target margin, no reference), recording what it saw."""
 
     gamma = 0.5
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.batches = [], []
 
     def preference_loss(self, pairs):
         self.seen.append({name: getattr(pairs, name).detach().clone() for name in vars(pairs)})
@@ -241,8 +254,6 @@ class SimPOLoop(DPOLoop):
         return -F.logsigmoid(self.beta * margin - self.gamma)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if not self.batches:  # count the reference's forward passes from here on
-            self.ref_model.register_forward_hook(lambda *_: self.reference_forwards.append(1))
         self.batches.append({key: value.clone() for key, value in inputs.items()})
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
@@ -256,15 +267,18 @@ def completion_logps_by_hand(model, batch) -> torch.Tensor:
 
 
 def test_own_preference_loss_matches_hand_computation():
-    """SimPOLoop's logged losses equal -log sigmoid(beta (c/|c| - r/|r|) - gamma) averaged over pairs, computed by
+    """SimPOStep's logged losses equal -log sigmoid(beta (c/|c| - r/|r|) - gamma) averaged over pairs, computed by
     hand from the log-probs it received; those log-probs equal the full-logits computation by hand (the policy's at
     step 1, the reference's at every step); TRL's metrics are still logged, and its `loss_type` is not what trains."""
+    step, reference_forwards = SimPOStep(), []
     with tempfile.TemporaryDirectory() as folder:
-        SimPOLoop.seen, SimPOLoop.batches, SimPOLoop.reference_forwards = [], [], []
-        loop = train(SimPOLoop, folder, review_pairs(12), max_steps=3, beta=2.0)
-        seen, batches = SimPOLoop.seen, SimPOLoop.batches
+        loop = build(DPOLoop, folder, review_pairs(12), max_steps=3, beta=2.0, step=step)
+        loop.ref_model.register_forward_hook(lambda *_: reference_forwards.append(1))
+        loop.train()
+        seen, batches = step.seen, step.batches
         initial = tiny_llama(0, loop.model.config.vocab_size)
-        assert len(seen) == len(batches) == len(SimPOLoop.reference_forwards) == 3  # the reference runs once a batch
+        assert loop.step is step
+        assert len(seen) == len(batches) == len(reference_forwards) == 3  # the reference runs once a batch
         logged = [e for e in loop.state.log_history if "loss" in e]
         for step, (pairs, batch, log) in enumerate(zip(seen, batches, logged)):
             chosen, rejected = completion_logps_by_hand(initial, batch).chunk(2)
@@ -274,7 +288,7 @@ def test_own_preference_loss_matches_hand_computation():
                 torch.testing.assert_close(pairs["chosen_logps"], chosen, rtol=1e-5, atol=1e-4)
             chosen_tokens, rejected_tokens = batch["completion_mask"][:, 1:].sum(1).chunk(2)
             assert pairs["chosen_tokens"].tolist() == chosen_tokens.tolist()
-            per_pair = [math.log1p(math.exp(-(2.0 * (c / nc - r / nr) - SimPOLoop.gamma)))  # -log sigmoid(x)
+            per_pair = [math.log1p(math.exp(-(2.0 * (c / nc - r / nr) - SimPOStep.gamma)))  # -log sigmoid(x)
                         for c, r, nc, nr in zip(pairs["chosen_logps"].tolist(), pairs["rejected_logps"].tolist(),
                                                 chosen_tokens.tolist(), rejected_tokens.tolist())]
             assert log["loss"] == pytest.approx(sum(per_pair) / len(per_pair), rel=1e-5), step
@@ -293,12 +307,14 @@ def test_own_sigmoid_loss_equals_trl_sigmoid():
 
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     with tempfile.TemporaryDirectory() as folder:
-        trainer, loop = [train(cls, os.path.join(folder, cls.__name__), review_pairs(12), "peft", max_steps=3,
-                               peft_config=LoraConfig(**lora)) for cls in (DPOTrainer, SigmoidLoop)]
+        trainer, loop = [train(DPOTrainer if name == "trl" else DPOLoop, os.path.join(folder, name), review_pairs(12),
+                               "peft", max_steps=3, peft_config=LoraConfig(**lora),
+                               **({} if name == "trl" else {"step": SigmoidStep()})) for name in ("trl", "loopkit")]
+        assert type(loop.step) is SigmoidStep
         assert_parity(trainer, loop)
 
 
-def test_dpo_loop_takes_dpo_trainers_arguments():
+def test_dpo_loop_takes_dpo_trainers_arguments_and_a_step_stage():
     import inspect
 
     from loopkit.trl.base import LOOP_KEYWORDS
@@ -308,12 +324,25 @@ def test_dpo_loop_takes_dpo_trainers_arguments():
     assert list(ours)[len(theirs):] == list(LOOP_KEYWORDS)
 
 
-def test_own_preference_loss_refuses_trl_loss_fields():
+def test_own_preference_loss_refuses_trl_loss_fields_and_a_step_of_another_kind():
+    from loopkit import StepStage
+
     with tempfile.TemporaryDirectory() as folder:
         for field_name, value in (("loss_type", ["ipo"]), ("label_smoothing", 0.1), ("ld_alpha", 0.5)):
             with pytest.raises(LoopConfigError, match=f"{field_name}=.*preference_loss"):
-                SigmoidLoop(model=tiny_llama(0, 64), ref_model=tiny_llama(0, 64), processing_class=tokenizer(),
-                            args=dpo_config(folder, **{field_name: value}), train_dataset=review_pairs(4))
+                DPOLoop(model=tiny_llama(0, 64), ref_model=tiny_llama(0, 64), processing_class=tokenizer(),
+                        args=dpo_config(folder, **{field_name: value}), train_dataset=review_pairs(4),
+                        step=SigmoidStep())
+        with pytest.raises(LoopConfigError, match="step='StepStage'.*DPOStep subclass"):
+            DPOLoop(model=tiny_llama(0, 64), ref_model=tiny_llama(0, 64), processing_class=tokenizer(),
+                    args=dpo_config(folder), train_dataset=review_pairs(4), step=StepStage())
+
+
+def test_a_preference_loss_on_the_loop_is_refused_where_it_would_be_ignored():
+    with pytest.raises(TypeError, match="preference_loss.*DPOStep subclass.*step=YourStage"):
+        class OnTheLoop(DPOLoop):
+            def preference_loss(self, pairs):
+                return -F.logsigmoid(pairs.chosen_logratios - pairs.rejected_logratios)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -362,23 +391,23 @@ def test_example_script_trains_with_its_own_loss_at_a_tiny_size(capsys):
         example["main"](["--help"])
     assert "--loss" in capsys.readouterr().out
     loop = example["main"](["--pairs", "8", "--steps", "2", "--batch-size", "4", "--loss", "simpo"])
-    assert type(loop).__name__ == "SimPOLoop" and isinstance(loop, DPOLoop) and loop.state.global_step == 2
+    assert type(loop) is DPOLoop and type(loop.step).__name__ == "SimPOStep" and loop.state.global_step == 2
     assert "rewards/margins" in loop.state.log_history[-2] and "step 2: loss" in capsys.readouterr().out
 
 
 def test_docs_preference_loss_block_trains_with_its_own_loss(tmp_path, monkeypatch):
-    """docs/trl.md's SimPOLoop block, run as printed: its loss is the SimPO loss of the log-probs, not TRL's."""
+    """docs/trl.md's SimPOStep block, run as printed: its loss is the SimPO loss of the log-probs, not TRL's."""
     from test_docs import python_blocks
 
-    (block,) = [code for code in python_blocks("docs/trl.md") if "class SimPOLoop(DPOLoop)" in code]
+    (block,) = [code for code in python_blocks("docs/trl.md") if "class SimPOStep(DPOStep)" in code]
     monkeypatch.chdir(tmp_path)
     seen = []
     namespace = {}
     exec(block.replace("loop.train()\n", ""), namespace)  # everything up to the training
-    loop, own_loss = namespace["loop"], namespace["SimPOLoop"].preference_loss
-    loop.preference_loss = lambda pairs: seen.append(pairs) or own_loss(loop, pairs)
+    loop, own_loss = namespace["loop"], namespace["SimPOStep"].preference_loss
+    loop.step.preference_loss = lambda pairs: seen.append(pairs) or own_loss(loop.step, pairs)
     loop.train()
-    assert isinstance(loop, DPOLoop) and loop.state.global_step == 2 and len(seen) == 2
+    assert type(loop.step).__name__ == "SimPOStep" and loop.state.global_step == 2 and len(seen) == 2
     by_hand = []  # each step's mean over its pairs of -log sigmoid(beta * margin - gamma), beta = 2, gamma = 0.5
     for pairs in seen:
         margin = pairs.chosen_logps / pairs.chosen_tokens - pairs.rejected_logps / pairs.rejected_tokens

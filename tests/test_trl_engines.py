@@ -373,12 +373,14 @@ def test_grpo_loop_with_a_dcp_storage_resumes_exactly(tmp_path):
 
 
 def test_reward_loop_with_an_observer_and_a_swapped_step_stage(tmp_path):
-    """`observers=` adds its key to every training log; `step=` is the step stage that runs (RewardLoop's loss bound
-    onto it, as onto the default one)."""
+    """`observers=` adds its key to every training log; `step=` is the step stage that runs (RewardTrainer's forward
+    handed to it, as to the default one)."""
     import trl_reward_child
 
     from loopkit.observers import StepObserver
-    from loopkit.trl.base import TRLStepStage
+    from trl import RewardTrainer
+
+    from loopkit.trl.reward import RewardStep
 
     class WindowsSeen(StepObserver):
         def __init__(self):
@@ -390,7 +392,7 @@ def test_reward_loop_with_an_observer_and_a_swapped_step_stage(tmp_path):
         def logs(self, state):
             return {"windows_seen": self.windows}
 
-    class CountedClipping(TRLStepStage):
+    class CountedClipping(RewardStep):
         clipped = 0
 
         def clip_gradients(self, model):
@@ -404,6 +406,6 @@ def test_reward_loop_with_an_observer_and_a_swapped_step_stage(tmp_path):
                       train_dataset=trl_reward_child.preference_pairs(12), observers=[WindowsSeen()], step=step)
     loop.train()
     assert loop.step is step and step.clipped == 3
-    assert step.compute_loss.__func__ is RewardLoop.compute_loss  # RewardLoop's loss, on the stage given
+    assert step.trl_loss.__func__ is RewardTrainer.compute_loss  # RewardTrainer's forward, on the stage given
     steps = [entry for entry in loop.state.log_history if "loss" in entry]
     assert [entry["windows_seen"] for entry in steps] == [1, 2, 3] and "accuracy" in steps[0]

@@ -227,6 +227,10 @@ def test_overriding_a_hook_the_run_does_not_call_is_refused():
         class Mine(GRPOLoop):
             def _prepare_inputs(self, generation_batch):
                 return generation_batch
+    with pytest.raises(TypeError, match="defines rollout.*RolloutDataStage subclass.*data=YourStage"):
+        class OnTheLoop(GRPOLoop):
+            def rollout(self, generation_batch):
+                return generation_batch
 
 
 def test_example_script_runs_at_a_tiny_size():

@@ -4,12 +4,15 @@ real Rotten Tomatoes reviews (chosen = a fresh review, rejected = a rotten one),
 `log_history` entry (the loss, `grad_norm`, `learning_rate`, TRL's `num_tokens`, `min/mean/max_reward`, `accuracy`,
 `margin`, the `eval_*` keys, `train_loss`, `total_flos`; not the timings) within 1e-5 relative, the final weights
 within 1e-5, `evaluate()`'s and `predict()`'s output; the three data formats, a `margin` column,
-`center_rewards_coefficient`, gradient accumulation, a LoRA `peft_config`; an exact resume; 2 processes; the example
-script; a user's own reward loss (`reward_loss`) against a hand computation, and docs/trl.md's block.
+`center_rewards_coefficient`, gradient accumulation, a LoRA `peft_config`; an exact resume; 2 processes (an uneven
+last batch in training and evaluation, and a plain `Loop`'s `gather_for_metrics` against `Trainer`'s); the example
+script; a user's own reward loss (a `RewardStep` subclass's `reward_loss`) against a hand computation, and
+docs/trl.md's block.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -24,6 +27,7 @@ pytest.importorskip("trl")
 from trl import RewardTrainer  # noqa: E402
 
 from loopkit.trl import RewardLoop  # noqa: E402
+from loopkit.trl.reward import RewardStep  # noqa: E402
 
 from helpers import IGNORE_PIN_MEMORY_WARNING, assert_same_weights, wait_for  # noqa: E402
 
@@ -182,11 +186,16 @@ def test_resumed_reward_loop_continues_exactly_where_reward_trainers_running_met
               f"RewardTrainer resumed {resumed_step3[key]:.6g}")
 
 
-class HingeRewardLoop(RewardLoop):
+class HingeRewardStep(RewardStep):
     """A user's own reward loss, as docs/trl.md shows it: a hinge on the reward difference."""
 
     def reward_loss(self, rewards_chosen, rewards_rejected, margin):
         return torch.relu(1.0 - (rewards_chosen - rewards_rejected)).mean()
+
+
+def hinge_loop(**kwargs) -> RewardLoop:
+    """RewardLoop with the hinge step (a fresh stage for each loop), built as `child.train` builds a trainer."""
+    return RewardLoop(step=HingeRewardStep(), **kwargs)
 
 
 def test_a_reward_loss_of_ones_own_is_what_is_logged_evaluated_and_trained_on():
@@ -195,9 +204,10 @@ def test_a_reward_loss_of_ones_own_is_what_is_logged_evaluated_and_trained_on():
     pairs = child.preference_pairs(4)
     learning_rate = 0.5
     with tempfile.TemporaryDirectory() as output_dir:
-        loop = child.train(HingeRewardLoop, output_dir, pairs, eval_dataset=pairs, max_steps=1, optim="sgd",
+        loop = child.train(hinge_loop, output_dir, pairs, eval_dataset=pairs, max_steps=1, optim="sgd",
                            learning_rate=learning_rate, lr_scheduler_type="constant", max_grad_norm=0.0)
         evaluated = loop.evaluate()["eval_loss"]
+    assert type(loop.step) is HingeRewardStep
     by_hand = child.reward_model(child.reward_tokenizer())
     by_hand.config.pad_token_id = loop.model.config.pad_token_id
 
@@ -237,6 +247,7 @@ def two_process_runs(tmp_path_factory, forked):
     def result(scenario, name, rank=0):
         with open(os.path.join(out, f"{scenario}_{name}_rank{rank}.json")) as f:
             return json.load(f), load_file(os.path.join(out, f"{scenario}_{name}_rank{rank}.safetensors"))
+    result.out = out
     return result
 
 
@@ -249,8 +260,9 @@ def assert_same_tensors(actual: dict, expected: dict, what: str):
 
 
 def test_two_processes_reward_loop_equals_reward_trainer_on_two_processes(two_process_runs):
-    """2 ranks x 2 pairs x 2 micro-batches, a margin column, an uneven evaluation set (7 pairs): every logged key,
-    evaluate() and the weights of every rank equal RewardTrainer's on the same 2 ranks."""
+    """2 ranks x 2 pairs x 2 micro-batches, a margin column, an uneven evaluation set (9 pairs at 4 a batch: the last
+    batch holds 1 real pair): every logged key, evaluate() and the weights of every rank equal RewardTrainer's on the
+    same 2 ranks."""
     (trl, trl_weights), (loop, loop_weights) = two_process_runs("even", "trl"), two_process_runs("even", "loopkit")
     worst = assert_same_logs(loop["log_history"], trl["log_history"], "2 processes")
     worst = max(worst, assert_same_logs([loop["evaluate"]], [trl["evaluate"]], "2 processes, evaluate()"))
@@ -259,22 +271,39 @@ def test_two_processes_reward_loop_equals_reward_trainer_on_two_processes(two_pr
     print(f"\n2 processes: largest relative difference over every logged key: {worst:.3g}")
 
 
-def test_two_processes_short_last_batch_trains_alike_but_trls_gathered_metrics_differ(two_process_runs):
+def test_two_processes_short_last_batch_every_key_equal_trls_gathered_metrics_included(two_process_runs):
     """13 pairs on 2 ranks x 2: the epoch's last micro-batch holds 1 real pair (rank 0) and 3 that Accelerate repeats
-    from the epoch's start. Loss, grad_norm, rewards and weights are RewardTrainer's. TRL's `num_tokens`, `accuracy`
-    and `margin` go through `gather_for_metrics`, which under Trainer keeps only the first `remainder` (= 1) of the
-    per-rank values at that micro-batch (rank 0's); loopkit's training loader does not mark Accelerate's
-    end-of-dataloader state, so RewardLoop counts both ranks there (a known gap: docs/trl.md)."""
+    from the epoch's start. TRL's `num_tokens`, `accuracy` and `margin` go through `gather_for_metrics`, which keeps
+    only the first `remainder` (= 1) of the per-rank values at that window (rank 0's) when Accelerate's state marks
+    the loader's end: loopkit's data stage marks it as Trainer's loader does, so every logged key, evaluate() (9
+    pairs: the same cut at its last batch) and the weights equal RewardTrainer's."""
     (trl, trl_weights), (loop, loop_weights) = two_process_runs("uneven", "trl"), two_process_runs("uneven", "loopkit")
-    same = ("loss", "grad_norm", "learning_rate", "min_reward", "mean_reward", "max_reward", "epoch", "step")
-    for ours, theirs in zip(loop["log_history"], trl["log_history"]):
-        assert_same_logs([{k: ours[k] for k in same if k in theirs}], [{k: theirs[k] for k in same if k in theirs}],
-                         "2 processes, uneven")
+    worst = assert_same_logs(loop["log_history"], trl["log_history"], "2 processes, uneven")
+    worst = max(worst, assert_same_logs([loop["evaluate"]], [trl["evaluate"]], "2 processes, uneven, evaluate()"))
     assert_same_tensors(loop_weights, trl_weights, "2 processes, uneven")
     at_step_2 = [(e["num_tokens"], e["margin"]) for run in (loop, trl) for e in run["log_history"]
                  if e["step"] == 2 and "loss" in e]
-    print(f"\nnum_tokens and margin at step 2 (the short micro-batch): RewardLoop {at_step_2[0]}, TRL {at_step_2[1]}")
-    assert at_step_2[0][0] > at_step_2[1][0]
+    print(f"\nnum_tokens and margin at step 2 (the short micro-batch): RewardLoop {at_step_2[0]}, TRL {at_step_2[1]}; "
+          f"largest relative difference over every logged key: {worst:.3g}")
+
+
+def test_two_processes_plain_loop_gathers_for_metrics_as_trainer(two_process_runs):
+    """transformers' Trainer and a plain Loop on 2 ranks, 13 training rows at 2 x 2 a micro-batch, 9 evaluation rows
+    with `compute_metrics`: what `accelerator.gather_for_metrics` returns inside `compute_loss`, micro-batch by
+    micro-batch, is the same, and is cut to the 1 real row (of 4 gathered) in the epoch's last window, as Trainer's
+    prepared loader marks it; the logs and `evaluate()`'s metrics (9 rows) equal Trainer's."""
+    def read(name):
+        with open(os.path.join(two_process_runs.out, f"plain_{name}_rank0.json")) as f:
+            return json.load(f)
+
+    trainer, loop = read("trainer"), read("loop")
+    assert loop["gathered"] == trainer["gathered"]
+    rows_per_micro_batch = [len(rows) for rows, _ in trainer["gathered"]]
+    assert rows_per_micro_batch == [4, 4, 1, 1], rows_per_micro_batch  # the last window: remainder 13 % 4 = 1
+    assert [len(means) for _, means in trainer["gathered"]] == [2, 2, 1, 1]
+    assert trainer["evaluate"]["eval_rows"] == 9
+    assert_same_logs(loop["log_history"], trainer["log_history"], "2 processes, plain Loop vs Trainer")
+    assert_same_logs([loop["evaluate"]], [trainer["evaluate"]], "2 processes, plain Loop vs Trainer, evaluate()")
 
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "trl",
@@ -311,21 +340,47 @@ def test_the_reward_example_runs_small_and_evaluates_as_on_trls_trainer(capsys):
     assert "held-out accuracy (chosen scored above rejected)" in capsys.readouterr().out
 
 
+def test_the_reward_example_trains_its_hinge_step_with_loss_hinge():
+    """`--loss hinge`: the example's RewardStep subclass trains. While every reward difference d is below 1 (a fresh
+    model's are near 0), the hinge loss mean(relu(1 - d)) is 1 - mean(d), and TRL logs mean(d) as `margin` from the
+    same forward pass; RewardTrainer's loss would be about log 2 there."""
+    with tempfile.TemporaryDirectory() as output_dir:
+        loop, _, _ = load_example(use_trl=False).main(
+            ["--pairs", "8", "--eval-pairs", "4", "--max-steps", "1", "--batch-size", "8", "--hidden-size", "16",
+             "--output-dir", output_dir, "--loss", "hinge"])
+    assert type(loop).__name__ == "RewardLoop" and type(loop.step).__name__ == "HingeRewardStep"
+    first = loop.state.log_history[0]
+    assert abs(first["margin"]) < 0.5 and first["loss"] == pytest.approx(1.0 - first["margin"], rel=1e-5)
+    assert abs(first["loss"] - child.LOG_2) > 0.1
+
+
+def test_a_reward_loss_on_the_loop_or_a_step_of_another_kind_is_refused():
+    from loopkit import LoopConfigError, StepStage
+
+    with pytest.raises(TypeError, match="reward_loss.*RewardStep subclass.*step=YourStage"):
+        class OnTheLoop(RewardLoop):
+            def reward_loss(self, rewards_chosen, rewards_rejected, margin):
+                return (rewards_rejected - rewards_chosen).mean()
+    with tempfile.TemporaryDirectory() as output_dir:
+        with pytest.raises(LoopConfigError, match="step='StepStage'.*RewardStep"):
+            child.train(functools.partial(RewardLoop, step=StepStage()), output_dir, child.preference_pairs(4))
+
+
 def test_the_docs_hinge_variant_trains_on_the_hinge_loss_checked_by_hand(tmp_path, monkeypatch):
     """docs/trl.md's reward variant, run as printed (from `pairs`, `model`, `tokenizer`), logs the losses of
-    HingeRewardLoop above, whose loss, update and eval_loss the hand computation checks."""
+    HingeRewardStep above, whose loss, update and eval_loss the hand computation checks."""
     from test_docs import python_blocks
 
-    (block,) = [code for code in python_blocks("docs/trl.md") if "class HingeRewardLoop(RewardLoop)" in code]
+    (block,) = [code for code in python_blocks("docs/trl.md") if "class HingeRewardStep(RewardStep)" in code]
     monkeypatch.chdir(tmp_path)
     pairs = child.preference_pairs(8)
     tokenizer = child.reward_tokenizer()
     namespace = {"pairs": pairs, "model": child.reward_model(tokenizer), "tokenizer": tokenizer}
     exec(block, namespace)
     documented = namespace["loop"]
-    assert type(documented).__name__ == "HingeRewardLoop" and documented.state.global_step == 2
+    assert type(documented.step).__name__ == "HingeRewardStep" and documented.state.global_step == 2
     args = documented.args  # RewardConfig's defaults where the block sets nothing
-    checked = child.train(HingeRewardLoop, tmp_path / "checked", pairs, max_steps=2, seed=args.seed,
+    checked = child.train(hinge_loop, tmp_path / "checked", pairs, max_steps=2, seed=args.seed,
                           learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type)
     assert_same_weights(documented.model, checked.model, RTOL)
     losses = [run.state.log_history[-1]["train_loss"] for run in (documented, checked)]

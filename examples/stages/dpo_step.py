@@ -1,7 +1,8 @@
 """A preference-training step stage with a frozen reference model, written against the stage contract only.
 
 For TRL's DPO (its data formats, loss types and metrics) use `loopkit.trl.DPOLoop` (docs/trl.md); a loss of your own
-there is one method, `DPOLoop.preference_loss`. This file stays as the example of a step stage written from scratch.
+there is one small subclass of its step stage, `loopkit.trl.dpo.DPOStep`, defining `preference_loss(pairs)`, passed
+as `DPOLoop(..., step=YourStep())`. This file stays as the example of a step stage written from scratch.
 
 DPO (Rafailov et al., 2023) on batches of chosen/rejected pairs, with log-probabilities summed over the response
 tokens only:

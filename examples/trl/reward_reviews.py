@@ -8,10 +8,12 @@ and runs offline on a CPU:
   * the reward model is a small Llama with a one-output score head, built from a config (no download).
 
 The only loopkit-specific line is the import: with `from trl import RewardTrainer as RewardLoop` this script runs
-on TRL's own trainer, with the same results (tests/test_trl_reward.py measures that).
+on TRL's own trainer, with the same results (tests/test_trl_reward.py measures that). `--loss hinge` trains with a
+reward loss of one's own instead, `HingeRewardStep` below: one `RewardStep` subclass, passed as `step=`.
 
     python examples/trl/reward_reviews.py                      # 8 steps on 64 pairs, then held-out accuracy
     python examples/trl/reward_reviews.py --pairs 512 --max-steps 200 --hidden-size 64
+    python examples/trl/reward_reviews.py --loss hinge
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hidden-size", type=int, default=32, help="the Llama's width (2 layers)")
     parser.add_argument("--max-length", type=int, default=96, help="longer pairs are dropped (TRL's filter)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--loss", choices=("bradley-terry", "hinge"), default="bradley-terry",
+                        help="RewardTrainer's loss, or a hinge on the reward difference (a RewardStep subclass)")
     parser.add_argument("--output-dir", default=os.path.join("runs", "reward_reviews"))
     return parser.parse_args(argv)
 
@@ -73,6 +77,20 @@ def tokenizer_and_model(hidden_size: int, seed: int):
     return tokenizer, LlamaForSequenceClassification(config)
 
 
+def hinge_step():
+    import torch
+
+    from loopkit.trl.reward import RewardStep
+
+    class HingeRewardStep(RewardStep):
+        """A margin-ranking (hinge) loss on the reward difference instead of RewardTrainer's Bradley-Terry loss."""
+
+        def reward_loss(self, rewards_chosen, rewards_rejected, margin):
+            return torch.relu(1.0 - (rewards_chosen - rewards_rejected)).mean()
+
+    return HingeRewardStep()
+
+
 def main(argv=None):
     args = parse_args(argv)
     from trl import RewardConfig
@@ -88,8 +106,9 @@ def main(argv=None):
                           learning_rate=args.learning_rate, max_length=args.max_length, logging_steps=1,
                           eval_strategy="no", save_strategy="no", seed=args.seed, bf16=False, report_to="none",
                           disable_tqdm=True)
+    own_loss = {"step": hinge_step()} if args.loss == "hinge" else {}  # RewardTrainer takes no step=
     loop = RewardLoop(model=model, args=config, train_dataset=train_pairs, eval_dataset=eval_pairs,
-                      processing_class=tokenizer)
+                      processing_class=tokenizer, **own_loss)
     before = loop.evaluate()
     loop.train()
     after = loop.evaluate()

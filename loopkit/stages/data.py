@@ -10,6 +10,10 @@ Contract:
 * `windows(epoch, plan, resume)` yields one `Window` of micro-batches per optimizer step of the epoch from
   `run.train_dataloader`, read in HF Trainer's order (the whole window before its first forward, and one batch
   ahead: loopkit/data_order.py), skipping the micro-batches a resumed run already trained without collating them.
+  Accelerate's record of the loader being read (its `GradientState`: the active loader, `end_of_dataloader`,
+  `remainder`) is kept as the prepared loader keeps it when iterated itself (`track_end_of_loader`), so
+  `accelerator.gather_for_metrics` in a `compute_loss` (TRL's metrics) drops the samples Accelerate repeated to fill
+  the epoch's last batch on several processes, as under Trainer.
 * `state_dict()` is the data position (epoch, micro-batches, samples; an iterable dataset's own state), the batch
   read ahead (its tensors, which the checkpoint writes to safetensors, and its structure), and the state of a
   collator's own seeded generator.
@@ -114,6 +118,7 @@ class DataStage(Stage):
         self.eval_loaders = {}  # kept only with persistent workers
         self.length_order = None  # the group_by_length sampler (LengthGroupedOrder), whose draw a resume replays
         self.saved_order_rng = None
+        self.tracked_loader = None  # the train loader Accelerate's GradientState holds as active (track_end_of_loader)
 
     # -- collation and columns --
     def resolve_collator(self):
@@ -337,6 +342,7 @@ class DataStage(Stage):
         self.saved = None  # from here on the state is the live one
         reader, loader = self.epoch_iterator(epoch, skip, resume if resuming else None)
         self.reader = reader
+        tracked = self.track_end_of_loader(loader, reader)
         generators = self.seeded_collators()
         device, non_blocking = context.accelerator.device, getattr(loader, "_non_blocking", False)
         # On a CPU the collated tensors are already where training runs: Accelerate's recursive copy (a new
@@ -356,6 +362,8 @@ class DataStage(Stage):
                         break
             if not batches:
                 return
+            if tracked is not None and reader.ahead is ReadAhead.END:  # the epoch's last batch is in this window
+                tracked.end_of_dataloader = True
             if generators:  # what a checkpoint holds if an evaluation after this step is interrupted
                 self.generators_after_read = [generator_state(owner) for owner in generators]
             first = self.micro_batches_done
@@ -392,6 +400,33 @@ class DataStage(Stage):
         if resume is not None and skip and resume.rng is not None:
             restore_rng_state(resume.rng)  # the checkpoint's RNG was taken after the batch read ahead
         return ReadAhead(iterator, primed, read_ahead=base is not loader), loader
+
+    def track_end_of_loader(self, loader, reader: ReadAhead):
+        """Make `loader` Accelerate's active loader for the epoch, as a prepared loader does when iterated itself
+        (`DataLoaderShard.begin`: `remainder`, the real samples of the last batch across processes); `windows` sets
+        its `end_of_dataloader` once the epoch's last batch is read, before that window's first forward, as Trainer
+        reads it. Returns the loader, or None where the loader keeps the record itself (iterated as it is: a plain
+        `DataLoader`, or one a `get_resumed_dataloader` override returned). Flags on the host: no device sync."""
+        from accelerate.data_loader import DataLoaderStateMixin
+
+        self.release_train_loader()
+        if not reader.read_ahead or not isinstance(loader, DataLoaderStateMixin):
+            return None
+        loader.begin()
+        self.tracked_loader = loader
+        return loader
+
+    def release_train_loader(self) -> None:
+        """Accelerate's record of the train loader ends with the training (Trainer's goes with its train())."""
+        if self.tracked_loader is not None:
+            self.tracked_loader.end()
+            self.tracked_loader = None
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.release_train_loader()
+
+    def on_train_failed(self, args, state, control, **kwargs):
+        self.release_train_loader()
 
     def get_resumed_dataloader(self, dataloader, num_batches: int):
         """HF's hook (transformers 5.25): the train loader past its first `num_batches` batches, for a resumed epoch.

@@ -43,7 +43,7 @@ import inspect
 
 from transformers import Trainer
 
-from ..errors import nearest
+from ..errors import config_error, nearest
 from ..loop import STAGES, Loop
 from ..stages.step import StepStage
 
@@ -68,6 +68,17 @@ class TRLLoop(Loop, Trainer):
     """`Loop` in `Trainer`'s place for TRL's trainer classes (module docstring). Not used on its own."""
 
     stage_classes = {**STAGES, "step": TRLStepStage}
+    # method -> the stage that owns it: a variant defines it on a subclass of that stage (`stage_classes`), and a
+    # definition on the loop, which the loop never calls, is refused when the class is defined
+    stage_hooks = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name, owner in cls.stage_hooks.items():
+            if name in vars(cls):
+                stage = cls.stage_classes[owner].__name__
+                raise TypeError(f"{cls.__name__} defines {name}, which is a method of the {owner} stage, not of the "
+                                f"loop: define it on a {stage} subclass and pass {owner}=YourStage()")
 
     def __init__(self, *args, **kwargs):
         """`Trainer.__init__`'s place: TRL's `super().__init__(...)`, with loopkit's keywords `LoopKeywords` took."""
@@ -149,7 +160,18 @@ class LoopKeywords:
     def __init__(self, *args, **kwargs):
         refuse_unknown_keywords(type(self), kwargs)
         self.loop_keywords = {name: kwargs.pop(name) for name in LOOP_KEYWORDS if name in kwargs}
+        refuse_foreign_stages(type(self), self.loop_keywords)
         super().__init__(*args, **kwargs)
+
+
+def refuse_foreign_stages(cls, keywords: dict) -> None:
+    """A stage given to a TRL loop is an instance of the loop's own class for it (`stage_classes`: DPOLoop's step is a
+    `DPOStep`, GRPOLoop's data a `RolloutDataStage`): a variant subclasses it, and the loop hands it TRL's parts."""
+    for name, stage in keywords.items():
+        kind = cls.stage_classes.get(name)
+        if kind is not None and stage is not None and not isinstance(stage, kind):
+            raise config_error(name, type(stage).__name__, f"{cls.__name__}'s {name} stage is a {kind.__name__}",
+                               f"pass an instance of a {kind.__name__} subclass")
 
 
 def trl_trainer_class(cls) -> type:

@@ -163,6 +163,7 @@ class GRPOLoop(LoopKeywords, GRPOTrainer, TRLLoop):
 
     args_class = GRPOConfig  # the config whose fields this loop honours (loopkit/args/checks.py)
     stage_classes = {**TRLLoop.stage_classes, "data": RolloutDataStage, "step": GRPOStep}
+    stage_hooks = {"rollout": "data"}  # a rollout variant is a RolloutDataStage subclass (loopkit/trl/base.py)
     # The loader, the sampler and the loss are the stages' (above), not GRPOTrainer's overrides of Trainer's.
     get_train_dataloader = HFMethods.get_train_dataloader
     get_eval_dataloader = HFMethods.get_eval_dataloader
@@ -182,18 +183,13 @@ class GRPOLoop(LoopKeywords, GRPOTrainer, TRLLoop):
                                 f"call, so the override would change nothing. Override {instead} instead and pass "
                                 f"data=YourStage().")
 
-    def __init__(self, *args, data: RolloutDataStage | None = None, step: GRPOStep | None = None, **kwargs):
-        for name, stage, kind in (("data", data, RolloutDataStage), ("step", step, GRPOStep)):
-            if stage is not None and not isinstance(stage, kind):
-                raise config_error(name, type(stage).__name__, f"GRPO's {name} stage is a {kind.__name__}: it "
-                                   f"{'makes the rollouts' if name == 'data' else 'trains on them'}",
-                                   f"pass a {kind.__name__} subclass")
+    def __init__(self, *args, **kwargs):
         train_dataset = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
         if isinstance(train_dataset, torch.utils.data.IterableDataset) or type(train_dataset).__name__ == \
                 "IterableDataset":  # TRL reorders a stream with repeat_iterable_dataset: not done here yet
             raise config_error("train_dataset", type(train_dataset).__name__, "GRPOLoop repeats prompts with TRL's "
                                "RepeatSampler, which needs a dataset with a length",
                                "pass a datasets.Dataset (e.g. Dataset.from_list(list(stream.take(n))))")
-        super().__init__(*args, data=data, step=step, **kwargs)  # loopkit's keywords: LoopKeywords (base.py)
+        super().__init__(*args, **kwargs)
         self.data.trl_rollout = self._generate_and_score_completions
         self.step.trl_loss = self._compute_loss

@@ -4,7 +4,9 @@ model, the Rotten Tomatoes preference pairs and one run of a trainer class (TRL'
 
 Usage (under a launcher): python trl_reward_child.py OUT_DIR: for each of `LAUNCH_SCENARIOS`, TRL's RewardTrainer,
 then RewardLoop, in the same processes, each writing `<scenario>_<trainer>_rank<r>.json` (log history, evaluate())
-and `<scenario>_<trainer>_rank<r>.safetensors` (final weights).
+and `<scenario>_<trainer>_rank<r>.safetensors` (final weights); then `plain_gathers`: transformers' `Trainer` and a
+plain `Loop`, each recording what `accelerator.gather_for_metrics` returns in its `compute_loss`, into
+`plain_<trainer>_rank<r>.json`.
 """
 
 from __future__ import annotations
@@ -92,6 +94,60 @@ def train(trainer_class, output_dir, train_dataset, eval_dataset=None, resume_fr
 # name -> pairs: 16 fill every micro-batch of 2 ranks x 2 pairs; 13 leave the epoch's last one short (padded by
 # Accelerate with pairs from the start of the epoch)
 LAUNCH_SCENARIOS = {"even": 16, "uneven": 13}
+# 9 evaluation pairs at 4 a batch on 2 ranks: the last batch's gathered rows hold 1 real pair (Accelerate's
+# `remainder`), fewer than the ranks, so `gather_for_metrics` drops a rank's per-process value there
+EVAL_PAIRS = 9
+
+
+class GatheredInLoss:
+    """A `compute_loss` that records what `accelerator.gather_for_metrics` returns for each micro-batch's rows (their
+    token counts) and for one value per process (the rows' mean label), as a user's or TRL's code gathers metrics."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if model.training:
+            rows = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum(-1))
+            per_process = self.accelerator.gather_for_metrics(inputs["labels"].float().mean())
+            self.gathered.append([rows.tolist(), per_process.tolist()])
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def review_rows(n: int, skip: int = 0) -> list[dict]:
+    """`n` tokenized reviews (after the first `skip`), labelled 1.0 (fresh) or 0.0 (rotten): a regression target."""
+    tokenizer = reward_tokenizer()
+    rows = rotten_tomatoes(n + skip)[skip:]
+    encoded = [tokenizer(text, truncation=True, max_length=24) for text, _ in rows]
+    return [{"input_ids": row["input_ids"], "attention_mask": row["attention_mask"], "labels": float(label)}
+            for row, (_, label) in zip(encoded, rows)]
+
+
+def mean_squared_error(prediction) -> dict:
+    predictions = prediction.predictions.reshape(-1)
+    return {"mse": float(((predictions - prediction.label_ids) ** 2).mean()), "rows": len(predictions)}
+
+
+def plain_gathers(out_dir: str, rank: int) -> None:
+    """transformers' Trainer, then a plain Loop, each subclassed with `GatheredInLoss`: 13 training rows (the epoch's
+    last micro-batch short) and 9 evaluation rows with `compute_metrics`."""
+    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
+
+    from loopkit import Loop
+
+    tokenizer = reward_tokenizer()
+    for name, base in (("trainer", Trainer), ("loop", Loop)):
+        runner_class = type(f"Gathered{name.title()}", (GatheredInLoss, base), {})
+        with tempfile.TemporaryDirectory() as output_dir:
+            args = TrainingArguments(output_dir, per_device_train_batch_size=2, per_device_eval_batch_size=4,
+                                     gradient_accumulation_steps=2, num_train_epochs=1, learning_rate=1e-3,
+                                     logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+                                     seed=0, use_cpu=True)
+            runner = runner_class(model=reward_model(tokenizer), args=args, train_dataset=review_rows(13),
+                                  eval_dataset=review_rows(EVAL_PAIRS, skip=13), compute_metrics=mean_squared_error,
+                                  data_collator=DataCollatorWithPadding(tokenizer))
+            runner.gathered = []
+            runner.train()
+            metrics = runner.evaluate()
+        with open(os.path.join(out_dir, f"plain_{name}_rank{rank}.json"), "w") as f:
+            json.dump({"gathered": runner.gathered, "log_history": runner.state.log_history, "evaluate": metrics}, f)
 
 
 def main(out_dir: str) -> None:
@@ -100,7 +156,7 @@ def main(out_dir: str) -> None:
     from loopkit.trl import RewardLoop
 
     rank = int(os.environ.get("RANK", 0))
-    eval_pairs = preference_pairs(7, "explicit", skip=16)  # 7: an uneven evaluation set on 2 ranks
+    eval_pairs = preference_pairs(EVAL_PAIRS, "explicit", skip=16)
     for scenario, n in LAUNCH_SCENARIOS.items():
         pairs = preference_pairs(n, "explicit", margin=True)
         for name, trainer_class in (("trl", RewardTrainer), ("loopkit", RewardLoop)):
@@ -113,6 +169,7 @@ def main(out_dir: str) -> None:
             model = trainer.accelerator.unwrap_model(trainer.model)
             weights = {key: value.detach().contiguous() for key, value in model.state_dict().items()}
             save_file(weights, os.path.join(out_dir, f"{scenario}_{name}_rank{rank}.safetensors"))
+    plain_gathers(out_dir, rank)
 
 
 if __name__ == "__main__":
