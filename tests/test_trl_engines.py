@@ -292,18 +292,20 @@ def test_a_subclass_with_its_own_init_shows_its_own_signature_and_passes_loopkit
 
 
 def test_a_dpo_loop_with_its_own_loss_names_the_nearest_keyword_too(tmp_path):
-    """DPOLoop reads the config before TRL's preparation when a subclass brings its own loss: a misspelt keyword is
+    """DPOLoop reads the config before TRL's preparation when its step brings its own loss: a misspelt keyword is
     still refused naming the nearest, and loopkit's own are no TRL argument to it."""
     from test_trl_dpo import dpo_config
 
-    class OwnLoss(DPOLoop):
+    from loopkit.trl.dpo import DPOStep
+
+    class OwnLoss(DPOStep):
         def preference_loss(self, pairs):
             return -torch.nn.functional.logsigmoid(pairs.chosen_logratios - pairs.rejected_logratios)
 
     with pytest.raises(TypeError, match=r"'storag'.*did you mean storage\?"):
-        OwnLoss(model=None, args=dpo_config(tmp_path), storag=DCPStorage())
+        DPOLoop(model=None, args=dpo_config(tmp_path), step=OwnLoss(), storag=DCPStorage())
     with pytest.raises(TypeError, match=r"'ref_modle'.*did you mean ref_model\?"):
-        OwnLoss(model=None, args=dpo_config(tmp_path), storage=DCPStorage(), ref_modle=None)
+        DPOLoop(model=None, args=dpo_config(tmp_path), step=OwnLoss(), storage=DCPStorage(), ref_modle=None)
 
 
 def resumed_like_uninterrupted(build, folder: str, save_at: int = 2) -> tuple:
