@@ -261,3 +261,61 @@ def test_a_variable_left_by_trainers_fsdp_attempt_is_named_with_its_fix(tmp_path
         loop = Loop(model=tiny_regression(), args=LoopArgs(str(tmp_path / "loop"), max_steps=1, disable_tqdm=True,
                                                            save_strategy="no"), train_dataset=regression_data(4))
         assert loop.train().global_step == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A quiet train(): log_level="error" (above WARNING) prints neither bars, nor logs, nor the run summary
+# ---------------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def verbosity_kept():
+    """transformers' verbosity as it was: a Loop's log_level stays set until the next Loop takes it back."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def evaluated_run(tmp_path, **fields) -> Loop:
+    loop = Loop(model=tiny_regression(), train_dataset=regression_data(16), eval_dataset=regression_data(8, seed=1),
+                args=LoopArgs(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, logging_steps=1,
+                              eval_strategy="steps", eval_steps=2, save_steps=2, **fields))
+    loop.train()
+    loop.evaluate()
+    return loop
+
+
+@IGNORE_PIN_MEMORY_WARNING
+@pytest.mark.parametrize("disable_tqdm", [False, True])
+def test_log_level_error_keeps_train_quiet_and_the_summary_prints_without_it(tmp_path, capfd, disable_tqdm):
+    with verbosity_kept():
+        evaluated_run(tmp_path / "shown", disable_tqdm=disable_tqdm)
+        shown = capfd.readouterr()
+        loop = evaluated_run(tmp_path / "quiet", disable_tqdm=disable_tqdm, log_level="error")
+        quiet = capfd.readouterr()
+    assert "{'loss': " in shown.out  # each log printed, by the bars (tqdm.write) or the printer, as under Trainer
+    assert f"loopkit run report: completed  ({tmp_path / 'shown'})" in shown.out
+    assert ("it/s]" in shown.err) != disable_tqdm  # tqdm's bars
+    assert (quiet.out, quiet.err) == ("", "")
+    # Nothing lost but the printing: the logs, the report's files and the report.
+    assert [entry["step"] for entry in loop.state.log_history if "loss" in entry] == [1, 2, 3, 4]
+    assert loop.report["status"] == "completed" and (tmp_path / "quiet" / "run_report.md").is_file()
+    assert [type(cb).__name__ for cb in loop.callback_handler.callbacks] == ["DefaultFlowCallback"]
+
+
+def test_a_search_with_log_level_error_prints_nothing_per_trial(tmp_path, capfd):
+    optuna = pytest.importorskip("optuna", reason="optuna is optional (pip install optuna)")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # optuna's own line per trial (as under Trainer)
+    with verbosity_kept():
+        loop = Loop(model_init=lambda: tiny_regression(), train_dataset=regression_data(16),
+                    eval_dataset=regression_data(8, seed=1),
+                    args=LoopArgs(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
+                                  eval_strategy="steps", eval_steps=2, save_strategy="no", log_level="error"))
+        best = loop.hyperparameter_search(n_trials=2, direction="minimize",
+                                          hp_space=lambda trial: {"learning_rate": trial.suggest_float(
+                                              "learning_rate", 1e-3, 1e-1, log=True)})
+        printed = capfd.readouterr()
+    assert best.run_id in ("0", "1") and (tmp_path / "run-1" / "run_report.json").is_file()
+    assert (printed.out, printed.err) == ("", "")
