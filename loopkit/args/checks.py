@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import LoopConfigError, RuntimeConfigError, config_error, plain, trainer_error
 from ..optimizers import check_optim
 from .loop_args import LOOP_ARGS_FIELDS, SEQ2SEQ_FIELDS, LoopArgs, check_best_model_schedule
-from .refusals import ENUM_OF_FIELD, enum_refusal, refuse_as_training_arguments  # noqa: F401
+from .refusals import enum_refusal, refuse_as_training_arguments
 
 # TrainingArguments fields that may take any value under loopkit, because HF Trainer does not change how it trains
 # with them, or because TrainingArguments applies them itself when it is built (so they act under Loop too; with
