@@ -354,24 +354,92 @@ def unwrap_model(accelerator, model, keep_torch_compile: bool = True):
     return model
 
 
-def check_engines_active(accelerator, requested: list[str]) -> None:
-    """Raise when FSDP or DeepSpeed was asked for but Accelerate is running something else."""
+def engine_requests(args, fsdp_plugin=None, deepspeed_plugin=None) -> dict[str, list[str]]:
+    """Where each engine asked for comes from, as the refusals name it: the field and its value, the plugin object
+    passed to the setup stage, or the variable in `os.environ` (exported by `accelerate launch --use_fsdp` /
+    `--use_deepspeed`, or left behind by an earlier `Trainer` or `Accelerator` of this process). Read before the
+    `Accelerator` exists: creating it with a plugin sets those variables."""
+    requests = {}
+    for engine, field, plugin in (("FSDP", "fsdp", fsdp_plugin), ("DeepSpeed", "deepspeed", deepspeed_plugin)):
+        variable, value = f"ACCELERATE_USE_{engine.upper()}", getattr(args, field, None)
+        found = [f"{field}={short_repr(value)}"] if value else []
+        if plugin is not None:
+            found.append(f"SetupStage({field}_plugin={type(plugin).__name__}(...))")
+        if env_flag(variable):
+            found.append(f"os.environ[{variable!r}]={os.environ[variable]!r}")
+        if found:
+            requests[engine] = found
+    return requests
+
+
+def short_repr(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 4] + " ..."
+
+
+def request_fix(engine: str, requests: dict[str, list[str]]) -> str:
+    """The way out that each source of the request needs (a leftover variable: unset it)."""
+    variable = f"ACCELERATE_USE_{engine.upper()}"
+    fixes = []
+    if any(source.startswith("os.environ") for source in requests.get(engine, [])):
+        fixes.append(f"if no launcher exported {variable} (an earlier Trainer or Accelerator in this process left it "
+                     f"set, e.g. a Trainer refused with 'Using fsdp only works in distributed training'), remove it: "
+                     f"del os.environ[{variable!r}]")
+    field = "fsdp" if engine == "FSDP" else "deepspeed"
+    fixes.append(f"drop the {engine} configuration ({field}=..., {field}_plugin=...) to train without {engine}")
+    return "; or ".join(fixes)
+
+
+# What torchrun exports to each process, and what DeepSpeed needs to join a process group without a launcher of its
+# own (deepspeed/comm/comm.py `init_distributed`; otherwise it asks MPI, through mpi4py, or AzureML / SageMaker).
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+ONE_PROCESS = ("os.environ.update(MASTER_ADDR='localhost', MASTER_PORT='29500', RANK='0', LOCAL_RANK='0', "
+               "WORLD_SIZE='1')")
+DEEPSPEED_FINDS_ITS_PROCESSES = ("AZUREML_EXPERIMENT_ID", "SM_TRAINING_ENV")  # its AzureML and SageMaker paths
+
+
+def check_deepspeed_launch(requests: dict[str, list[str]]) -> None:
+    """DeepSpeed asked for in a process no launcher started (a notebook, `python train.py`): Accelerate accepts it,
+    and `train()` fails inside `deepspeed.initialize` (`No module named 'mpi4py'`: DeepSpeed looks for MPI), under HF
+    Trainer too. Refused when the `Loop` is built instead, naming what asked for DeepSpeed and the fix. One process
+    is legitimate with the variables a launcher sets (HF's recipe for DeepSpeed in a notebook), or under MPI."""
+    import importlib.util
+
+    if "DeepSpeed" not in requests or _dist_initialised() or all(name in os.environ for name in LAUNCHER_VARIABLES) \
+            or any(name in os.environ for name in DEEPSPEED_FINDS_ITS_PROCESSES) \
+            or importlib.util.find_spec("mpi4py") is not None:
+        return
+    missing = [name for name in LAUNCHER_VARIABLES if name not in os.environ]
+    raise DistributedSetupError(
+        f"DeepSpeed was asked for by {' and '.join(requests['DeepSpeed'])}, but no launcher started this process "
+        f"({', '.join(missing)} not set, torch.distributed not initialised, no MPI), so DeepSpeed could not join a "
+        f"process group and train() would fail inside deepspeed.initialize (No module named 'mpi4py'), as under HF "
+        f"Trainer. Fix: launch the script with `torchrun --nproc_per_node N train.py` (or `python -m loopkit "
+        f"torchrun ...`, or `accelerate launch --use_deepspeed ...`); for one process in a notebook, set what a "
+        f"launcher sets before building the Loop: {ONE_PROCESS}; or {request_fix('DeepSpeed', requests)}.")
+
+
+def check_engines_active(accelerator, requested: list[str], requests: dict[str, list[str]] | None = None) -> None:
+    """Raise when FSDP or DeepSpeed was asked for but Accelerate is running something else. `requests`: where each
+    was asked for (`engine_requests`), named in the message."""
     active = active_engine(accelerator)
     if active == "FSDP":  # also a plugin Accelerate built from the launcher's environment
         check_fsdp_version(accelerator.state.fsdp_plugin)
     missing = [engine for engine in requested if engine != active]
     if not missing:
         return
-    engine = missing[0]
+    engine, requests = missing[0], requests or {}
+    asked = " and ".join(requests.get(engine, [])) or f"a plugin, the training arguments or ACCELERATE_USE_" \
+                                                      f"{engine.upper()}"
     raise DistributedSetupError(
-        f"{engine} was asked for (a plugin, the training arguments or ACCELERATE_USE_{engine.upper()}), but "
+        f"{engine} was asked for by {asked}, but "
         f"Accelerate runs distributed_type={accelerator.distributed_type.value} with {accelerator.num_processes} "
         f"process(es) on {accelerator.device}, so training would silently run without {engine}. Accelerate uses "
         f"{engine} only under a distributed launch, and "
         f"only from the first Accelerator of a process. Fix: launch with `accelerate launch --num_processes 2 "
         f"{'--use_fsdp ' if engine == 'FSDP' else '--use_deepspeed '}train.py`"
-        f"{' (on CPU: ' + CPU_LAUNCH.format(n=2) + ')' if engine == 'FSDP' else ''}, or drop the {engine} "
-        f"configuration to train with DDP (or on one process).")
+        f"{' (on CPU: ' + CPU_LAUNCH.format(n=2) + ')' if engine == 'FSDP' else ''}; or "
+        f"{request_fix(engine, requests)}.")
 
 
 def release_earlier_run(accelerator) -> None:

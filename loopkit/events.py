@@ -235,14 +235,15 @@ for _event in EVENTS:
 
 def default_callbacks(args, callbacks, progress) -> list:
     """HF Trainer's callback list: its `DefaultFlowCallback`, the `report_to` integrations, the user's `callbacks`,
-    then `progress` (the printer, tqdm bars or the notebook display: loopkit/trainer/notebook.py). The defaults are HF's
+    then `progress` (the printer, tqdm bars or the notebook display: loopkit/trainer/notebook.py; None: none). The
+    defaults are HF's
     classes when their module is free to import, else loopkit's stand-ins, which become HF's classes when user code
     can first see them (loopkit/default_callbacks.py); `import loopkit` imports neither."""
     integrations = reporting_callbacks(args.report_to)  # their module imports HF's callback module
     flow = default_callback("DefaultFlowCallback")
     if hf_classes_are_free() and is_stand_in(progress):  # made before an integration imported HF's module
         become_hf_class(progress)
-    return [flow] + integrations + list(callbacks or []) + [progress]
+    return [flow] + integrations + list(callbacks or []) + ([progress] if progress is not None else [])
 
 
 def reporting_callbacks(report_to) -> list:

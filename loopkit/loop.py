@@ -100,7 +100,8 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
         run.metrics = check_metrics(metrics, context.accelerator.num_processes)
         run.label_names = list(args.label_names) if args.label_names is not None else find_labels(run.model)
         self.data.check_eval_labels()  # before any training: metric_for_best_model needs labelled evaluations
-        progress = default_progress_callback(args)  # events: flow, integrations, the user's, then this (HF's order)
+        # events: flow, integrations, the user's, then this (HF's order); none when log_level keeps the run quiet
+        progress = default_progress_callback(args, log_messages.quiet(args, context.accelerator))
         context.events = EventHandler(default_callbacks(args, callbacks, progress), self.stages, run)
         # As in Trainer.__init__: an evaluate() before train() logs (and reports) on the main process only.
         run.state = LoopState(is_local_process_zero=context.accelerator.is_local_main_process,

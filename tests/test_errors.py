@@ -159,8 +159,10 @@ def test_unsupported_training_arguments_value(tmp_path, field, value, hint, need
 
 
 def test_bf16_and_fp16_together(tmp_path):
+    # use_cpu: without a bf16 device TrainingArguments (and LoopArgs) refuse bf16 itself first
     with pytest.raises(LoopConfigError) as error:
-        Loop(model=tiny_regression(), args=loop_args(tmp_path, bf16=True, fp16=True), train_dataset=regression_data(8))
+        Loop(model=tiny_regression(), args=loop_args(tmp_path, bf16=True, fp16=True, use_cpu=True),
+             train_dataset=regression_data(8))
     assert_names(error, "fp16=True", "bf16", "only one")
 
 

@@ -1,23 +1,30 @@
 """Notebook friendliness (issue 16, item 5): in a Jupyter kernel `Loop` shows HF's notebook progress display, as
 `Trainer` does, with the same table; `Loop` has a readable `repr`; the run report renders as Markdown.
+One kernel, many runs (issue 45, item 5): FSDP or DeepSpeed without a launcher is refused when the `Loop` is built,
+by name, leaving the process as it was; a variable an earlier Trainer left (`ACCELERATE_USE_FSDP`) is named with its
+fix; `log_level="error"` keeps `train()` quiet; `LoopArgs` refuses what `TrainingArguments` refuses.
 
 No Jupyter here: a kernel is simulated by what HF's and loopkit's detection read (`IPython.get_ipython().config`
 holding "IPKernelApp") and an `IPython.display` that records what would be displayed."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import sys
 import types
 
 import pytest
+import torch
 from helpers import IGNORE_PIN_MEMORY_WARNING, hf_args, regression_data, tiny_regression
 from transformers import Trainer
 from transformers.trainer_callback import ProgressCallback
 
 from loopkit import Loop, LoopArgs, StepStage
 from loopkit import report as report_module
+from loopkit.distributed import LAUNCHER_VARIABLES, DistributedSetupError
 
 
 def fake_ipython(monkeypatch, config: dict) -> list:
@@ -150,3 +157,164 @@ def test_run_report_renders_as_markdown(tmp_path):
         for chart in names:
             assert f"![{chart}]({os.path.join(str(tmp_path), chart)})" in drawn._repr_markdown_()
             assert os.path.isfile(tmp_path / chart)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One kernel, many runs: engines without a launcher, and what an earlier run left in the environment
+# ---------------------------------------------------------------------------------------------------------------
+DEEPSPEED_CONFIG = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+                    "train_batch_size": "auto", "gradient_accumulation_steps": "auto"}
+
+
+def process_globals() -> dict:
+    """What a `Loop` may change in its process: the environment, transformers' verbosity, torch's deterministic
+    mode, and Accelerate's shared states (copied)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from transformers.utils import logging as hf_logging
+
+    return {"environ": dict(os.environ), "verbosity": hf_logging.get_verbosity(),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "accelerate": [dict(state._shared_state) for state in (PartialState, AcceleratorState, GradientState)]}
+
+
+@contextlib.contextmanager
+def environment_kept():
+    """The environment and Accelerate's state as they were, after what runs inside (a Trainer changes both)."""
+    from accelerate.state import AcceleratorState
+
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    """A notebook's process: no launcher's variables, no MPI for DeepSpeed to ask, no engine asked by the
+    environment."""
+    if importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("mpi4py") is not None:
+        pytest.skip("needs DeepSpeed installed and mpi4py not (with mpi4py DeepSpeed finds one process by MPI)")
+    for name in (*LAUNCHER_VARIABLES, "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_deepspeed_without_a_launcher_is_refused_by_name_at_construction_leaving_the_process_as_found(
+        tmp_path, no_launcher):
+    from transformers import TrainingArguments
+
+    # HF Trainer in the same case: built, then train() fails inside deepspeed.initialize (DeepSpeed asks MPI), and
+    # ACCELERATE_USE_DEEPSPEED=true stays behind.
+    with environment_kept():
+        trainer = Trainer(model=tiny_regression(), args=TrainingArguments(
+            str(tmp_path / "hf"), deepspeed=DEEPSPEED_CONFIG, max_steps=2, report_to="none", disable_tqdm=True),
+            train_dataset=regression_data(8))
+        with pytest.raises(ModuleNotFoundError, match="mpi4py"):
+            trainer.train()
+        assert os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+    before = process_globals()
+    with pytest.raises(DistributedSetupError) as refused:
+        Loop(model=tiny_regression(), args=LoopArgs(str(tmp_path / "loop"), deepspeed=DEEPSPEED_CONFIG, max_steps=2),
+             train_dataset=regression_data(8))
+    message = str(refused.value)
+    assert message.startswith("DeepSpeed was asked for by deepspeed={'zero_optimization': {'stage': 2}")
+    assert "no launcher started this process (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set" in message
+    assert "`torchrun --nproc_per_node N train.py`" in message and "python -m loopkit torchrun" in message
+    assert ("os.environ.update(MASTER_ADDR='localhost', MASTER_PORT='29500', RANK='0', LOCAL_RANK='0', "
+            "WORLD_SIZE='1')") in message
+    assert process_globals() == before
+    assert "ACCELERATE_USE_DEEPSPEED" not in os.environ
+
+
+def test_fsdp_without_a_launcher_is_refused_by_field_and_value_leaving_the_environment_as_found(tmp_path,
+                                                                                               no_launcher):
+    before = process_globals()
+    with pytest.raises(DistributedSetupError) as refused:
+        Loop(model=tiny_regression(), args=LoopArgs(str(tmp_path), fsdp="full_shard"))
+    message = str(refused.value)
+    assert message.startswith("FSDP was asked for by fsdp='full_shard', but Accelerate runs distributed_type=NO")
+    assert "drop the FSDP configuration (fsdp=..., fsdp_plugin=...)" in message
+    assert "ACCELERATE_USE_FSDP" not in message  # not asked by the environment: no variable to unset
+    assert process_globals() == before
+
+
+def test_a_variable_left_by_trainers_fsdp_attempt_is_named_with_its_fix(tmp_path, no_launcher):
+    from transformers import TrainingArguments
+
+    with environment_kept():
+        # HF Trainer refuses FSDP without a launcher, after its Accelerator exported ACCELERATE_USE_FSDP=true.
+        with pytest.raises(ValueError, match="Using fsdp only works in distributed training"):
+            Trainer(model=tiny_regression(), args=TrainingArguments(str(tmp_path / "hf"), fsdp=True,
+                                                                     report_to="none"))
+        assert os.environ["ACCELERATE_USE_FSDP"] == "true"
+        before = process_globals()
+        with pytest.raises(DistributedSetupError) as refused:
+            Loop(model=tiny_regression(), args=LoopArgs(str(tmp_path / "loop")))
+        message = str(refused.value)
+        assert message.startswith("FSDP was asked for by os.environ['ACCELERATE_USE_FSDP']='true', but")
+        assert "remove it: del os.environ['ACCELERATE_USE_FSDP']" in message
+        assert process_globals() == before  # the variable stays the user's to remove
+        del os.environ["ACCELERATE_USE_FSDP"]  # the fix the message names
+        loop = Loop(model=tiny_regression(), args=LoopArgs(str(tmp_path / "loop"), max_steps=1, disable_tqdm=True,
+                                                           save_strategy="no"), train_dataset=regression_data(4))
+        assert loop.train().global_step == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A quiet train(): log_level="error" (above WARNING) prints neither bars, nor logs, nor the run summary
+# ---------------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def verbosity_kept():
+    """transformers' verbosity as it was: a Loop's log_level stays set until the next Loop takes it back."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def evaluated_run(tmp_path, **fields) -> Loop:
+    loop = Loop(model=tiny_regression(), train_dataset=regression_data(16), eval_dataset=regression_data(8, seed=1),
+                args=LoopArgs(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, logging_steps=1,
+                              eval_strategy="steps", eval_steps=2, save_steps=2, **fields))
+    loop.train()
+    loop.evaluate()
+    return loop
+
+
+@IGNORE_PIN_MEMORY_WARNING
+@pytest.mark.parametrize("disable_tqdm", [False, True])
+def test_log_level_error_keeps_train_quiet_and_the_summary_prints_without_it(tmp_path, capfd, disable_tqdm):
+    with verbosity_kept():
+        evaluated_run(tmp_path / "shown", disable_tqdm=disable_tqdm)
+        shown = capfd.readouterr()
+        loop = evaluated_run(tmp_path / "quiet", disable_tqdm=disable_tqdm, log_level="error")
+        quiet = capfd.readouterr()
+    assert "{'loss': " in shown.out  # each log printed, by the bars (tqdm.write) or the printer, as under Trainer
+    assert f"loopkit run report: completed  ({tmp_path / 'shown'})" in shown.out
+    assert ("it/s]" in shown.err) != disable_tqdm  # tqdm's bars
+    assert (quiet.out, quiet.err) == ("", "")
+    # Nothing lost but the printing: the logs, the report's files and the report.
+    assert [entry["step"] for entry in loop.state.log_history if "loss" in entry] == [1, 2, 3, 4]
+    assert loop.report["status"] == "completed" and (tmp_path / "quiet" / "run_report.md").is_file()
+    assert [type(cb).__name__ for cb in loop.callback_handler.callbacks] == ["DefaultFlowCallback"]
+
+
+def test_a_search_with_log_level_error_prints_nothing_per_trial(tmp_path, capfd):
+    optuna = pytest.importorskip("optuna", reason="optuna is optional (pip install optuna)")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # optuna's own line per trial (as under Trainer)
+    with verbosity_kept():
+        loop = Loop(model_init=lambda: tiny_regression(), train_dataset=regression_data(16),
+                    eval_dataset=regression_data(8, seed=1),
+                    args=LoopArgs(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
+                                  eval_strategy="steps", eval_steps=2, save_strategy="no", log_level="error"))
+        best = loop.hyperparameter_search(n_trials=2, direction="minimize",
+                                          hp_space=lambda trial: {"learning_rate": trial.suggest_float(
+                                              "learning_rate", 1e-3, 1e-1, log=True)})
+        printed = capfd.readouterr()
+    assert best.run_id in ("0", "1") and (tmp_path / "run-1" / "run_report.json").is_file()
+    assert (printed.out, printed.err) == ("", "")

@@ -70,9 +70,8 @@ def run(kind: str, name: str) -> dict:
     """Build (and, if built, train) a Loop; what it showed."""
     threads = set(threading.enumerate())
     with tempfile.TemporaryDirectory() as out:
-        args = build(kind, name, out)
-        try:
-            loop = Loop(model=tiny_regression(), args=args, train_dataset=regression_data(16))
+        try:  # LoopArgs refuses what TrainingArguments refuses when built (tf32 without a GPU)
+            loop = Loop(model=tiny_regression(), args=build(kind, name, out), train_dataset=regression_data(16))
         except (LoopConfigError, RuntimeError, ValueError) as error:
             return {"refused": f"{type(error).__name__}: {error}", "process": process_view(kind)}
         shown = {"refused": None, "mixed_precision": loop.accelerator.mixed_precision,

@@ -29,6 +29,7 @@ from transformers.utils import is_torch_bf16_gpu_available, is_torch_tf32_availa
 
 import loopkit.args
 import loopkit.process
+from loopkit.args import refusals
 import loopkit.stages.setup
 from loopkit import Loop, LoopArgs
 
@@ -83,6 +84,11 @@ ROWS = [
                                  "save_strategy": "steps", "eval_steps": 0.2,
                                  "save_steps": 0.3}, {}, {"eval_dataset": regression_data(4)}),
     ("dataloader_prefetch_factor without workers", {"dataloader_prefetch_factor": 2}, {}, {}),
+    ("logging_steps=2.5", {"logging_steps": 2.5}, {}, {}),
+    ("eval_steps=2.5", {"eval_strategy": "steps", "eval_steps": 2.5}, {}, {"eval_dataset": regression_data(4)}),
+    ("save_steps=2.5", {"save_strategy": "steps", "save_steps": 2.5}, {}, {}),
+    ("optim unknown", {"optim": "adamw_but_not"}, {}, {}),
+    ("accelerator_config a class", {"accelerator_config": dict}, {}, {}),
     ("load_best_model_at_end without a metric", {"load_best_model_at_end": True, "eval_strategy": "epoch",
                                                  "save_strategy": "epoch"}, {"metric_for_best_model": None},
      {"eval_dataset": regression_data(4)}),
@@ -124,6 +130,8 @@ ROWS += [row for check, row in MACHINE_ROWS.items() if LACKS[check]]
 
 # The checks whose every `raise` a row must reach (on this machine).
 CHECKS = [loopkit.args.LoopArgs.__post_init__, loopkit.args.check_args, loopkit.args.check_training_options,
+          refusals.refuse_as_training_arguments, refusals.check_enum_values, refusals.check_step_values,
+          refusals.check_precision_pairs, refusals.check_schedule_values,
           loopkit.args.check_best_model_schedule, loopkit.args.check_inputs, loopkit.args.check_unsupported_fields,
           loopkit.stages.setup.SetupStage.build, loopkit.stages.setup.take_accumulation_steps,
           loopkit.process.fresh_accelerate_state] + [check for check, lacking in LACKS.items() if lacking]
@@ -252,3 +260,24 @@ def test_trainers_own_errors_are_found(outcomes):
     found = [row for row, (theirs, _) in outcomes.items() if theirs is not None and raised_by_transformers(theirs)]
     assert len(found) >= 10, found
     print(f"\n{len(found)} of {len(outcomes)} bad inputs are refused by Trainer too: {found}", file=sys.stderr)
+
+
+# What TrainingArguments refuses when it is built, LoopArgs refuses when it is built (with Trainer's type and words),
+# and what it accepts then, LoopArgs accepts; except what TrainingArguments refuses when it builds Accelerate's state,
+# which LoopArgs does not build: the Loop refuses that (the rows above; loopkit/args/refusals.py).
+REFUSED_WHEN_THE_LOOP_BUILDS_THE_STATE = {"use_configured_state without a state"}
+
+
+@pytest.mark.parametrize("row_id", [row[0] for row in ROWS if not row[2]])
+def test_loop_args_refuse_what_training_arguments_refuse_when_built(tmp_path, row_id):
+    fields = next(row[1] for row in ROWS if row[0] == row_id)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    _, theirs = attempt(lambda: TrainingArguments(output_dir=str(tmp_path / "hf"), **fields_for(fields)))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    _, ours = attempt(lambda: LoopArgs(output_dir=str(tmp_path / "loop"), **fields_for(fields)))
+    if theirs is None or row_id in REFUSED_WHEN_THE_LOOP_BUILDS_THE_STATE:
+        assert ours is None, f"TrainingArguments accepts it when built, LoopArgs refuses: {ours}"
+        return
+    assert raised_by_transformers(theirs), theirs
+    assert isinstance(ours, type(theirs)), f"{type(ours).__name__} is not {type(theirs).__name__}: {ours}"
+    assert enum_values(str(theirs)).strip() in str(ours) and "Fix:" in str(ours), f"{theirs}\nnot in\n{ours}"

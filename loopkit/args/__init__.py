@@ -9,6 +9,8 @@ names, so the rest of loopkit never asks which one it got.
 The package, one module per job:
 - `loop_args.py`: the `LoopArgs` dataclass, its derivations (`TrainingArguments.__post_init__`'s) and its check of
   unknown keywords;
+- `refusals.py`: what `TrainingArguments.__post_init__` refuses, refused when a `LoopArgs` is built (and again by
+  `check_args`);
 - `checks.py`: `check_args` and `check_inputs`, and the tables of supported, inert and engine fields, choices and
   fixes they read.
 Every name is importable from `loopkit.args` too, as when it was one module.
@@ -18,9 +20,11 @@ Every name is importable from `loopkit.args` too, as when it was one module.
 from ..errors import (LoopConfigError, MetricNotFoundError, RuntimeConfigError, UnknownArgumentError,  # noqa: F401
                       config_error, nearest, plain, trainer_error)
 from ..optimizers import check_optim  # noqa: F401
-from .checks import (ACCELERATE_ENGINE_FIELDS, ENUM_OF_FIELD, FIXES, INERT_FIELDS, SUPPORTED_CHOICES,  # noqa: F401
-                     SUPPORTED_FIELDS, TRL_LOOPS, ArgsClassDeclaration, check_args, check_bf16, check_declared_fields,
-                     check_inputs, check_intervals, check_tf32, check_training_options, check_unsupported_fields,
-                     enum_refusal, refusal, trainer_field_names, transformers_quiet, unsupported_field_error)
+from .checks import (ACCELERATE_ENGINE_FIELDS, FIXES, INERT_FIELDS, SUPPORTED_CHOICES,  # noqa: F401
+                     SUPPORTED_FIELDS, TRL_LOOPS, ArgsClassDeclaration, check_args, check_debug_options,
+                     check_declared_fields, check_inputs, check_intervals, check_unsupported_fields, refusal,
+                     trainer_field_names, transformers_quiet, unsupported_field_error)
+from .refusals import (ENUM_OF_FIELD, check_bf16, check_tf32, check_training_options, enum_refusal,  # noqa: F401
+                       refuse_as_training_arguments)
 from .loop_args import (DICT_FIELDS, LOOP_ARGS_FIELDS, SEQ2SEQ_FIELDS, LoopArgs,  # noqa: F401
                         check_best_model_schedule, reject_unknown_keywords, report_to_list, unknown_argument_error)

@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import LoopConfigError, RuntimeConfigError, config_error, plain, trainer_error
 from ..optimizers import check_optim
 from .loop_args import LOOP_ARGS_FIELDS, SEQ2SEQ_FIELDS, LoopArgs, check_best_model_schedule
+from .refusals import enum_refusal, refuse_as_training_arguments
 
 # TrainingArguments fields that may take any value under loopkit, because HF Trainer does not change how it trains
 # with them, or because TrainingArguments applies them itself when it is built (so they act under Loop too; with
@@ -272,27 +273,9 @@ def check_args(args, loop_class=None) -> None:
             fix = FIXES.get(name, f"choose one of those for {name}")
             raise refusal(enum_refusal(name, value), name, value, f"loopkit supports {', '.join(map(repr, choices))}",
                           fix)
-    if args.bf16 and args.fp16:
-        raise trainer_error("At most one of fp16 and bf16 can be True, but not both", "fp16", True,
-                            "bf16=True is set too, and a run has one mixed-precision mode",
-                            "set only one of bf16 and fp16")
+    refuse_as_training_arguments(args)  # what TrainingArguments refuses, also for a field changed after it was built
     check_intervals(args)
-    check_training_options(args)
-    if args.warmup_steps < 0:
-        raise trainer_error(f"Got warmup_steps = {args.warmup_steps}, Expected value warmup_steps >= 0",
-                            "warmup_steps", args.warmup_steps, "it cannot be negative",
-                            "set warmup_steps >= 0 (a value below 1 is a fraction of max_steps)")
-    if args.dataloader_prefetch_factor is not None and args.dataloader_num_workers == 0:
-        raise trainer_error("--dataloader_prefetch_factor can only be set when data is loaded in a different "
-                            "process, i.e. when --dataloader_num_workers > 0.", "dataloader_prefetch_factor",
-                            args.dataloader_prefetch_factor, "it only applies to worker processes, and "
-                            "dataloader_num_workers=0", "set dataloader_num_workers > 0 or leave "
-                            "dataloader_prefetch_factor=None")
-    scheduler = plain(args.lr_scheduler_type)
-    if scheduler in ("reduce_lr_on_plateau", "greedy") and plain(args.eval_strategy) == "no":
-        raise trainer_error(f"lr_scheduler_type {scheduler} requires an eval strategy", "lr_scheduler_type",
-                            scheduler, "it steps on the evaluation metric, and eval_strategy='no'",
-                            "set eval_strategy='steps' or 'epoch' (and pass an eval_dataset)")
+    check_debug_options(args)
     if args.metric_for_best_model is None and (args.load_best_model_at_end or plain(args.save_strategy) == "best"):
         field_name, value = (("load_best_model_at_end", True) if args.load_best_model_at_end else
                              ("save_strategy", "best"))
@@ -300,8 +283,6 @@ def check_args(args, loop_class=None) -> None:
                             "`args.load_best_model_at_end` is set to `True`.", field_name, value,
                             "choosing the best checkpoint needs a metric to compare",
                             "set metric_for_best_model, e.g. 'loss' or 'accuracy'")
-    check_tf32(args)
-    check_bf16(args)
     check_best_model_schedule(args)
     check_optim(args)
     if dataclasses.is_dataclass(args):
@@ -309,15 +290,14 @@ def check_args(args, loop_class=None) -> None:
 
 
 def check_intervals(args) -> None:
-    """A 'steps' strategy needs a positive interval (TrainingArguments refuses 0 for logging, with its words)."""
+    """A 'steps' strategy needs a positive interval (TrainingArguments refuses only logging_steps=0, which
+    `refuse_as_training_arguments` has refused in its words before this runs)."""
     for name, strategy in (("logging_steps", "logging_strategy"), ("save_steps", "save_strategy"),
                            ("eval_steps", "eval_strategy")):
         value = getattr(args, name)
         if plain(getattr(args, strategy)) == "steps" and (value is None or value <= 0):
-            trainer_message = (f"logging strategy {args.logging_strategy} requires non-zero --logging_steps"
-                               if name == "logging_steps" and value == 0 else None)
-            raise refusal(trainer_message, name, value, f"{strategy}='steps' needs a positive interval",
-                          f"set {name} > 0 (or a fraction of max_steps below 1)")
+            raise config_error(name, value, f"{strategy}='steps' needs a positive interval",
+                               f"set {name} > 0 (or a fraction of max_steps below 1)")
 
 
 def refusal(trainer_message: str | None, field_name: str, value: Any, problem: str, fix: str) -> LoopConfigError:
@@ -328,70 +308,9 @@ def refusal(trainer_message: str | None, field_name: str, value: Any, problem: s
     return trainer_error(trainer_message, field_name, value, problem, fix)
 
 
-# The str-enums TrainingArguments turns these fields into: a value outside them is refused in the enum's words.
-ENUM_OF_FIELD = {"lr_scheduler_type": ("transformers.trainer_utils", "SchedulerType"),
-                 "logging_strategy": ("transformers.trainer_utils", "IntervalStrategy"),
-                 "eval_strategy": ("transformers.trainer_utils", "IntervalStrategy"),
-                 "save_strategy": ("transformers.trainer_utils", "SaveStrategy"),
-                 "hub_strategy": ("transformers.trainer_utils", "HubStrategy"),
-                 "debug": ("transformers.debug_utils", "DebugOption")}
-
-
-def enum_refusal(name: str, value: Any) -> str | None:
-    """TrainingArguments' message for a value its enum for `name` lacks (None if the enum has it)."""
-    if name not in ENUM_OF_FIELD:
-        return None
-    module, enum_name = ENUM_OF_FIELD[name]
-    try:
-        getattr(importlib.import_module(module), enum_name)(value)
-    except ValueError as error:
-        return str(error)
-    return None
-
-
-def check_bf16(args) -> None:
-    """`bf16` / `bf16_full_eval` need a device with bfloat16 (a GPU that has it, a TPU), or `use_cpu=True`, as
-    `TrainingArguments` checks when it is built (issue 45: `LoopArgs(bf16=True)` on a CPU accepted it)."""
-    if not (args.bf16 or args.bf16_full_eval) or args.use_cpu:
-        return
-    from transformers.utils import is_torch_bf16_gpu_available, is_torch_cuda_available, is_torch_xla_available
-
-    if is_torch_bf16_gpu_available() or is_torch_xla_available():
-        return
-    message = "Your setup doesn't support bf16/gpu. You need to assign use_cpu if you want to train the model on CPU."
-    field_name = "bf16" if args.bf16 else "bf16_full_eval"
-    if is_torch_cuda_available():
-        message += " You need Ampere+ GPU with cuda>=11.0."
-    raise trainer_error(message, field_name, True, "bfloat16 needs a device that has it (an Ampere or newer GPU, a "
-                        "TPU), or the CPU chosen explicitly, and this machine has no such device",
-                        f"set use_cpu=True to run {field_name} on the CPU (bfloat16 autocast), or leave "
-                        f"{field_name}=False")
-
-
-def check_tf32(args) -> None:
-    """`tf32=True` needs TF32 matmuls (an Ampere or newer CUDA GPU), as `TrainingArguments` checks when it is built."""
-    if not args.tf32:
-        return
-    from transformers.utils import is_torch_tf32_available
-
-    if not is_torch_tf32_available():
-        raise trainer_error("--tf32 requires Ampere or a newer GPU arch, cuda>=11 and torch>=1.7", "tf32", True,
-                            "TF32 is a mode of Ampere and newer CUDA GPUs, and torch sees none",
-                            "leave tf32=None (or False) on this machine")
-
-
-def check_training_options(args) -> None:
-    """The values of the training options TrainingArguments validates when it is built (checked again here, for
-    `LoopArgs` and for fields changed afterwards), and the debug options loopkit does not run."""
-    steps = args.torch_empty_cache_steps
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise trainer_error(f"`torch_empty_cache_steps` must be an integer bigger than 0, got {steps}.",
-                            "torch_empty_cache_steps", steps, "it is the interval, in optimizer steps, at which the "
-                            "device cache is emptied", "set a positive integer, or None")
-    if args.bf16_full_eval and args.fp16_full_eval:
-        raise trainer_error("At most one of fp16 and bf16 can be True for full eval, but not both", "fp16_full_eval",
-                            True, "bf16_full_eval=True is set too, and evaluation casts the model to one dtype",
-                            "set only one of bf16_full_eval and fp16_full_eval")
+def check_debug_options(args) -> None:
+    """The debug option loopkit does not run (an unknown one is refused as TrainingArguments refuses it:
+    loopkit/args/refusals.py)."""
     for option in (plain(o) for o in args.debug):
         if option == "tpu_metrics_debug":
             # Checked on the user's machine now: without torch_xla there are no XLA metrics to print at all.
@@ -399,9 +318,6 @@ def check_training_options(args) -> None:
                        if importlib.util.find_spec("torch_xla") is None else
                        "loopkit does not print torch_xla's metrics (not implemented)")
             raise config_error("debug", option, problem, "use debug='underflow_overflow' or leave debug empty")
-        if option != "underflow_overflow":
-            raise refusal(enum_refusal("debug", option), "debug", option, "it is not a debug option",
-                          "use debug='underflow_overflow' or leave debug empty")
 
 
 def check_inputs(args, *, model, model_init, train_dataset, eval_dataset, compute_metrics, optimizers,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UnknownArgumentError, nearest, plain, trainer_error
+from .refusals import refuse_as_training_arguments
 
 
 @dataclass
@@ -219,6 +220,7 @@ class LoopArgs:
             self.debug = self.debug.split()
         elif self.debug is None:
             self.debug = []
+        refuse_as_training_arguments(self)  # what TrainingArguments refuses when it is built (refusals.py)
 
     # Derived values with TrainingArguments' names, so the loop reads both kinds of args the same way.
     @property

@@ -41,9 +41,10 @@ import torch
 from ..args import LoopArgs, config_error
 from ..checkpoint.lineage import checkpoints_by_recency
 from ..compilation import should_watch
-from ..distributed import (active_engine, agreed_checkpoint, check_engines_active, check_launch,
-                           deepspeed_on_cpu_processes, engine_plugins, fill_deepspeed_config, launched_world_size,
-                           requested_engines, shard_on_cpu_processes, warn_if_restarts_share_a_store)
+from ..distributed import (active_engine, agreed_checkpoint, check_deepspeed_launch, check_engines_active,
+                           check_launch, deepspeed_on_cpu_processes, engine_plugins, engine_requests,
+                           fill_deepspeed_config, launched_world_size, requested_engines, shard_on_cpu_processes,
+                           warn_if_restarts_share_a_store)
 from ..parallelism import (accelerator_parallelism, attach_on_cpu_processes, check_parallelism, check_resume,
                            cuda_processes, local_gather, ranks_share_batches)
 from ..trainer import log_messages
@@ -213,6 +214,8 @@ class SetupStage(Stage):
         from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin
 
         args = self.run.args
+        requests = engine_requests(args, self.fsdp_plugin, self.deepspeed_plugin)  # where FSDP / DeepSpeed was asked
+        check_deepspeed_launch(requests)  # no launcher: refused now, not inside train() (distributed.py)
         # Nothing of a previous run's Accelerate state (loopkit/process.py); LoopArgs, unlike TrainingArguments, built
         # none, and keep the user's with accelerator_config={"use_configured_state": True}.
         loop_args = isinstance(args, LoopArgs)
@@ -246,7 +249,7 @@ class SetupStage(Stage):
         shard_on_cpu_processes(accelerator, plugins, requested)  # FSDP2 on gloo processes (distributed.py)
         if on_cpu_processes:  # the device mesh on gloo processes (loopkit/parallelism.py)
             attach_on_cpu_processes(accelerator, parallelism)
-        check_engines_active(accelerator, requested)  # an engine Accelerate dropped silently: refuse instead
+        check_engines_active(accelerator, requested, requests)  # an engine Accelerate dropped silently: refuse instead
         fill_deepspeed_config(accelerator, args)  # a launcher's or plugin's "auto" values, as HF Trainer fills them
         check_precision_runs(accelerator)
         return accelerator

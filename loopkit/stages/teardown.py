@@ -10,7 +10,8 @@ Contract:
   "completed", "stopped_early" (a callback set `should_training_stop`), "interrupted" or "failed", with the status
   line of the run report, for `python -m loopkit report` to rebuild a report that says what the run's own said.
 * `write_run_report(status, counters, train_metrics)` writes the run report (loopkit/report/: JSON summary, time
-  by phase, slow steps, a console summary: milliseconds); a failed or interrupted run gets its report too.
+  by phase, slow steps, a console summary: milliseconds, not printed when `log_level` keeps the run quiet:
+  loopkit/trainer/log_messages.py `quiet`); a failed or interrupted run gets its report too.
   Everything is written before it returns, so nothing of the run's is still being written when `train()` returns or
   raises. The charts are drawn on demand (`python -m loopkit report RUN_DIR`, or inline by `loop.report` in a
   notebook): about a second of matplotlib, most of a short run. `TeardownStage(charts=True)` draws them into the
@@ -85,7 +86,8 @@ class TeardownStage(Stage):
         then tells a run that never reached its end (killed) from one that did."""
         accelerator = self.context.accelerator
         # Only the main process of a CPU run says it (decided once: Accelerate builds its state at every ask).
-        self.watching_starvation = accelerator.is_main_process and accelerator.device.type == "cpu"
+        self.watching_starvation = accelerator.is_main_process and accelerator.device.type == "cpu" and not \
+            log_messages.quiet(args, accelerator)  # a quiet run (log_level="error") keeps it for its report
         if accelerator.is_main_process:
             try:
                 write_run_status(args.output_dir, self.status_record("running", "running"))
@@ -135,7 +137,8 @@ class TeardownStage(Stage):
         try:
             end, status = self.end_of_run(status)
             report = build_report(run, context, status, end, counters, train_metrics, charts=self.charts)
-            self.last_report = write_report(report, run.args.output_dir)
+            self.last_report = write_report(report, run.args.output_dir,
+                                            echo=not log_messages.quiet(run.args, context.accelerator))
             write_run_status(run.args.output_dir, self.status_record(end, status))
         except Exception as exc:
             warnings.warn(f"Could not write the run report: {type(exc).__name__}: {exc}")

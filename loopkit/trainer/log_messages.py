@@ -7,6 +7,9 @@ Like Trainer, every process logs; the verbosity set at construction decides what
 (`log_level` on the process that logs, `log_level_replica` elsewhere, `log_on_each_node` choosing which processes
 log: `start`). Nothing here is on the per-step path.
 
+The same field keeps a run quiet (`quiet`): asked above WARNING (`log_level="error"`), `train()` shows no progress
+display and prints no run summary.
+
 Not one of these messages carries an argument's value other than the sizes, paths and scores named in it, so no
 secret (`hub_token`) reaches a log.
 """
@@ -29,12 +32,27 @@ def process_log_level(args, accelerator) -> int:
     """`TrainingArguments.get_process_log_level`: `log_level` on a process that logs (the main process of each node
     with `log_on_each_node`, else of process 0), `log_level_replica` on the others; "passive" keeps the current
     verbosity. `LoopArgs` has no such fields: Trainer's defaults ("passive", "warning", True)."""
+    level = asked_log_level(args, accelerator)
+    return hf_logging.get_verbosity() if level == -1 else level
+
+
+def asked_log_level(args, accelerator) -> int:
+    """The level the arguments ask of this process (`process_log_level`), -1 for "passive"."""
     levels = {**hf_logging.get_log_levels_dict(), "passive": -1}
     logs_here = (accelerator.local_process_index == 0 if getattr(args, "log_on_each_node", True)
                  else accelerator.process_index == 0)
     main, replica = getattr(args, "log_level", "passive"), getattr(args, "log_level_replica", "warning")
-    level = levels[main if logs_here else replica]
-    return hf_logging.get_verbosity() if level == -1 else level
+    return levels[main if logs_here else replica]
+
+
+def quiet(args, accelerator) -> bool:
+    """Whether the arguments ask this process for a log level above WARNING (`log_level="error"` or "critical"):
+    then `train()` prints nothing of its own, neither the progress display (tqdm bars, the notebook table, the
+    printed logs of `disable_tqdm=True`) nor the run summary; the logs still reach `report_to`, `state.log_history`
+    and the run report's files. Asked, not inherited: "passive" (the default) prints as before whatever
+    transformers' verbosity is, as Trainer prints its bars or logs then. (`disable_tqdm=True` alone prints each log
+    as a line instead of bars, as under Trainer.)"""
+    return asked_log_level(args, accelerator) > hf_logging.WARNING
 
 
 def start(args, accelerator, args_given: bool, train_dataset) -> None:

@@ -29,9 +29,12 @@ def in_notebook() -> bool:
     return not (databricks and databricks < "11.0")
 
 
-def default_progress_callback(args):
+def default_progress_callback(args, quiet: bool = False):
     """HF's choice for the last default callback: the printer with `disable_tqdm`, the notebook display in a notebook
-    (HF's class), else tqdm bars (HF's classes, or loopkit's stand-ins for them: loopkit/default_callbacks.py)."""
+    (HF's class), else tqdm bars (HF's classes, or loopkit's stand-ins for them: loopkit/default_callbacks.py).
+    None for a `quiet` run (`log_level` above WARNING: loopkit/trainer/log_messages.py `quiet`)."""
+    if quiet:
+        return None
     if args.disable_tqdm:
         return default_callback("PrinterCallback")
     if in_notebook():
