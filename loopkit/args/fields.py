@@ -140,10 +140,12 @@ def only_class(tree: ast.Module) -> ast.ClassDef:
 def training_arguments_fields(declaration: ast.ClassDef) -> list[tuple[str, str, dataclasses.Field | None]]:
     """Each field of `TrainingArguments` (`training_arguments_class`), in its order: its name, its annotation (as
     written) and a `dataclasses.Field` with its default and metadata, or None where the source does not say them in
-    a way this reads (`loopkit/args/loop_args.py` then takes the field from the imported class)."""
+    a way this reads (`loopkit/args/loop_args.py` then takes the field from the imported class). Private (`_name`)
+    fields are transformers' own state, not options, and are left out."""
     computed = computed_defaults(declaration)
     return [(node.target.id, ast.unparse(node.annotation), field_of(node.value, computed))
-            for node in declaration.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)]
+            for node in declaration.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+            and not node.target.id.startswith("_")]
 
 
 def dict_fields(declaration: ast.ClassDef) -> tuple[str, ...]:
