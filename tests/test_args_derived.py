@@ -127,6 +127,20 @@ def test_a_field_outside_the_tables_changed_after_construction_is_refused_by_the
         Loop(tiny_regression(), args=args, train_dataset=regression_data(8))
 
 
+def test_without_the_source_the_fields_come_from_the_imported_class(monkeypatch):
+    """An installation that ships compiled files only: the same fields and defaults, from the imported class."""
+    from loopkit.args import loop_args
+
+    def no_source():
+        raise FileNotFoundError("training_args.py")
+
+    monkeypatch.setattr(loop_args, "training_arguments_source", no_source)
+    args_class, dict_fields = loop_args.installed_loop_args()
+    assert dict_fields == DICT_FIELDS
+    ours = [(f.name, declared_default(f), f.metadata.get("help")) for f in dataclasses.fields(args_class)]
+    assert ours == [(f.name, declared_default(f), f.metadata.get("help")) for f in dataclasses.fields(LoopArgs)]
+
+
 def test_loop_args_pickles_copies_and_hides_its_token(tmp_path):
     args = LoopArgs(output_dir=str(tmp_path), learning_rate=1e-3, hub_token="secret-token", report_to="none")
     for twin in (pickle.loads(pickle.dumps(args)), copy.deepcopy(args), copy.copy(args)):

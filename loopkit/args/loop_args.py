@@ -223,8 +223,15 @@ def unknown_argument_error(name: str, value: Any, names: frozenset[str]) -> Unkn
 
 
 def installed_loop_args() -> tuple[type, tuple[str, ...]]:
-    """`LoopArgs` and `DICT_FIELDS` of the installed transformers."""
-    declaration = training_arguments_class(training_arguments_source())
+    """`LoopArgs` and `DICT_FIELDS` of the installed transformers: from its source, or from the imported class where
+    an installation ships no source (compiled files only)."""
+    try:
+        declaration = training_arguments_class(training_arguments_source())
+    except OSError:
+        from transformers import TrainingArguments
+
+        names = [f.name for f in dataclasses.fields(TrainingArguments) if not f.name.startswith("_")]
+        return loop_args_class([(name, "Any", None) for name in names]), tuple(TrainingArguments._VALID_DICT_FIELDS)
     return loop_args_class(training_arguments_fields(declaration)), dict_fields(declaration)
 
 
