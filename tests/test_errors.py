@@ -256,7 +256,7 @@ def test_loop_args_serializes_like_training_arguments(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # A plausible non-default value for every TrainingArguments field that loopkit neither supports nor deems inert.
 # A transformers upgrade that adds a field fails `test_every_field_is_supported_inert_or_refused` until the new
-# field is classified here or in loopkit/args/ (a LoopArgs field, or a table of loopkit/args/checks.py).
+# field is classified here or in a table of loopkit/args/fields.py (meanwhile it is refused when changed).
 # (None is left today: use_liger_kernel, liger_kernel_config and parallelism_config, the last ones, are supported.)
 NON_DEFAULT: dict = {}
 
@@ -372,22 +372,7 @@ def test_optim_refusals_follow_the_users_machine(tmp_path, monkeypatch, optim, n
 # ---------------------------------------------------------------------------------------------------------------
 # LoopArgs has every TrainingArguments field of the installed transformers (issue 34 item 4)
 # ---------------------------------------------------------------------------------------------------------------
-def declared_default(f):
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
-
-
-def test_loop_args_declares_every_training_arguments_field_with_its_default():
-    theirs = {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init and not f.name.startswith("_")}
-    ours = {f.name: f for f in dataclasses.fields(LoopArgs)}
-    assert set(theirs) - set(ours) == set(), f"TrainingArguments fields LoopArgs lacks: {set(theirs) - set(ours)}"
-    assert set(ours) - set(theirs) == set(), f"LoopArgs fields TrainingArguments lacks: {set(ours) - set(theirs)}"
-    differ = {name: (declared_default(ours[name]), declared_default(f)) for name, f in theirs.items()
-              if comparable(declared_default(ours[name])) != comparable(declared_default(f))}
-    assert not differ, f"declared defaults (LoopArgs, TrainingArguments) differ: {differ}"
-
-
+# (The fields and declared defaults themselves: tests/test_args_derived.py, which reads them from the source.)
 @pytest.mark.parametrize("fsdp, fsdp_config", [
     ("full_shard", None),
     (True, {"transformer_layer_cls_to_wrap": "LlamaDecoderLayer", "state_dict_type": "SHARDED_STATE_DICT"}),

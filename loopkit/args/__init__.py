@@ -2,17 +2,18 @@
 ask for nothing loopkit ignores.
 
 `Loop` accepts either a real `transformers.TrainingArguments` (the one-word migration from `Trainer`) or `LoopArgs`,
-a light dataclass with every field of `TrainingArguments` (transformers 5.24), with the same names and defaults
-(tests/test_errors.py compares them with the installed transformers). Both are read through the same attribute
-names, so the rest of loopkit never asks which one it got.
+a light dataclass with every field of the installed `TrainingArguments`, its names and defaults read from
+transformers' source (tests/test_args_derived.py compares them with the imported class). Both are read through the
+same attribute names, so the rest of loopkit never asks which one it got.
 
 The package, one module per job:
+- `fields.py`: the fields of the installed `TrainingArguments`, read from its source, and loopkit's review of them
+  (the tables of supported, inert and engine fields; a field in none of them is refused when it is changed);
 - `loop_args.py`: the `LoopArgs` dataclass, its derivations (`TrainingArguments.__post_init__`'s) and its check of
   unknown keywords;
 - `refusals.py`: what `TrainingArguments.__post_init__` refuses, refused when a `LoopArgs` is built (and again by
   `check_args`);
-- `checks.py`: `check_args` and `check_inputs`, and the tables of supported, inert and engine fields, choices and
-  fixes they read.
+- `checks.py`: `check_args` and `check_inputs`, and the tables of choices and fixes they read.
 Every name is importable from `loopkit.args` too, as when it was one module.
 """
 
@@ -20,10 +21,11 @@ Every name is importable from `loopkit.args` too, as when it was one module.
 from ..errors import (LoopConfigError, MetricNotFoundError, RuntimeConfigError, UnknownArgumentError,  # noqa: F401
                       config_error, nearest, plain, trainer_error)
 from ..optimizers import check_optim  # noqa: F401
-from .checks import (ACCELERATE_ENGINE_FIELDS, FIXES, INERT_FIELDS, SUPPORTED_CHOICES,  # noqa: F401
-                     SUPPORTED_FIELDS, TRL_LOOPS, ArgsClassDeclaration, check_args, check_debug_options,
-                     check_declared_fields, check_inputs, check_intervals, check_unsupported_fields, refusal,
-                     trainer_field_names, transformers_quiet, unsupported_field_error)
+from .checks import (FIXES, SUPPORTED_CHOICES, TRL_LOOPS, ArgsClassDeclaration, check_args,  # noqa: F401
+                     check_debug_options, check_declared_fields, check_inputs, check_intervals,
+                     check_unsupported_fields, refusal, trainer_field_names, transformers_quiet)
+from .fields import (ACCELERATE_ENGINE_FIELDS, INERT_FIELDS, SUPPORTED_FIELDS, check_reviewed_fields,  # noqa: F401
+                     unsupported_field_error)
 from .refusals import (ENUM_OF_FIELD, check_bf16, check_tf32, check_training_options, enum_refusal,  # noqa: F401
                        refuse_as_training_arguments)
 from .loop_args import (DICT_FIELDS, LOOP_ARGS_FIELDS, SEQ2SEQ_FIELDS, LoopArgs,  # noqa: F401

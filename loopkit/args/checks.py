@@ -13,26 +13,14 @@ from typing import Any
 
 from ..errors import LoopConfigError, RuntimeConfigError, config_error, plain, trainer_error
 from ..optimizers import check_optim
+from .fields import (ACCELERATE_ENGINE_FIELDS, INERT_FIELDS, SUPPORTED_FIELDS, check_reviewed_fields,
+                     unsupported_field_error)
 from .loop_args import LOOP_ARGS_FIELDS, SEQ2SEQ_FIELDS, LoopArgs, check_best_model_schedule
 from .refusals import enum_refusal, refuse_as_training_arguments
 
-# TrainingArguments fields that may take any value under loopkit, because HF Trainer does not change how it trains
-# with them, or because TrainingArguments applies them itself when it is built (so they act under Loop too; with
-# `LoopArgs`, the `Loop` applies them when it is built: loopkit/process.py, loopkit/stages/setup.py). A field belongs
-# here only for such a reason; anything else is supported or refused when changed.
-INERT_FIELDS = frozenset({
-    # read by scripts (examples/run_*.py), never by Trainer
-    "do_train", "do_eval", "do_predict", "resume_from_checkpoint",
-    # read by HF's own integration callbacks (trackio), which loopkit builds from the same args
-    "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
-    # applied by TrainingArguments.__post_init__ (the process group through its `device`, and TF32 backends)
-    "local_rank", "ddp_timeout", "ddp_backend", "tf32",
-})
-# FSDP and DeepSpeed: `TrainingArguments` turns these into Accelerate plugins (`fsdp_plugin_args`, `deepspeed_plugin`),
-# which the setup stage hands to the `Accelerator` and then checks are active (loopkit/distributed.py).
-ACCELERATE_ENGINE_FIELDS = frozenset({"fsdp", "fsdp_config", "deepspeed"})
+# The tables of the fields loopkit supports, the inert ones and the engine ones: loopkit/args/fields.py.
 # Plumbing-like fields that do change a run (`dataloader_in_order`, `dataloader_multiprocessing_context`,
-# `accelerator_config`, `debug`, `save_on_each_node`) are LoopArgs fields: supported, never inert.
+# `accelerator_config`, `debug`, `save_on_each_node`) are supported, never inert.
 
 # `optim` is checked by loopkit/optimizers.py (refusals name the package or device the user's machine lacks).
 SUPPORTED_CHOICES = {
@@ -55,8 +43,6 @@ FIXES = {
     "train_sampling_strategy": "use one of those, or return your sampler from a DataStage subclass's "
                                "train_sampler(dataset) and pass Loop(..., data=YourDataStage())",
 }
-# The fields loopkit runs itself; a `TrainingArguments` is checked against a reference built from their values.
-SUPPORTED_FIELDS = LOOP_ARGS_FIELDS - INERT_FIELDS - ACCELERATE_ENGINE_FIELDS
 
 
 # A config subclass's own fields that its `__post_init__` derives from another one when left None, and refuses
@@ -64,26 +50,19 @@ SUPPORTED_FIELDS = LOOP_ARGS_FIELDS - INERT_FIELDS - ACCELERATE_ENGINE_FIELDS
 DERIVED_OWN_FIELDS = {"generation_batch_size"}
 
 
-def unsupported_field_error(name: str, value: Any, default: Any) -> LoopConfigError:
-    fix = FIXES.get(name, f"leave {name} at its default ({default!r}), or train with transformers.Trainer")
-    # A field a later transformers adds, until it is reviewed. (What a user's machine lacks is checked on it when
-    # the refusal is made, as for `debug` below and `optim` in loopkit/optimizers.py.)
-    return config_error(name, value, "loopkit does not support this TrainingArguments field, and will not ignore it "
-                        "silently", fix)
-
-
 def check_unsupported_fields(args) -> None:
     """Every `TrainingArguments` field outside the supported and inert sets must have the value a `TrainingArguments`
     built with the same supported values has (so values `__post_init__` derives from supported fields count as
     defaults). A script's subclass may add fields of its own (`@dataclass class ScriptArgs(TrainingArguments)`):
-    Trainer never reads them, and neither does this check; the reference keeps their values. A `LoopArgs`
-    has only fields loopkit runs or that are inert.
+    Trainer never reads them, and neither does this check; the reference keeps their values. A `LoopArgs`' field
+    outside those sets (one a newer transformers added) must keep its declared default (`check_reviewed_fields`).
 
     The reference is built without touching Accelerate's state: building a `TrainingArguments` resets it, which would
     throw away a state the user configured (`use_configured_state`)."""
     from ..process import accelerate_state_kept
 
-    if isinstance(args, LoopArgs):  # every field of its own is run or inert
+    if isinstance(args, LoopArgs):
+        check_reviewed_fields(args)  # its __post_init__ checked them too; a field may have changed since
         return
     fields = [f for f in dataclasses.fields(args) if not f.name.startswith("_")]
     own = {f.name for f in fields} - trainer_field_names(args)

@@ -1,7 +1,8 @@
-"""`LoopArgs`: a light dataclass with every field of `transformers.TrainingArguments` (transformers 5.24), with the
-same names and defaults (tests/test_errors.py compares them with the installed transformers), and the derivations
-of `TrainingArguments.__post_init__`. An unknown keyword names the nearest field. What loopkit refuses of any args
-(`check_args`, the tables of supported and inert fields) is in loopkit/args/checks.py."""
+"""`LoopArgs`: a light dataclass with every field of the installed `transformers.TrainingArguments`, its names,
+annotations, defaults and help read from transformers' own source when this module is imported (loopkit/args/fields.py:
+the source is parsed, not imported), and the derivations of `TrainingArguments.__post_init__`. A field that a newer
+transformers adds is a `LoopArgs` field at once, and refused by name unless loopkit's tables list it. An unknown
+keyword names the nearest field. What loopkit refuses of any args (`check_args`) is in loopkit/args/checks.py."""
 
 from __future__ import annotations
 
@@ -11,17 +12,19 @@ import functools
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UnknownArgumentError, nearest, plain, trainer_error
+from .fields import check_reviewed_fields, dict_fields, training_arguments_class, training_arguments_fields, \
+    training_arguments_source
 from .refusals import refuse_as_training_arguments
 
 
-@dataclass
-class LoopArgs:
-    """Every `TrainingArguments` field, with transformers 5.24's names and defaults. A field loopkit does not
-    implement is refused when it is changed (`check_args`), never ignored.
+class LoopArgsMethods:
+    """Every field of the installed `TrainingArguments`, with its names and defaults (read from transformers' source:
+    loopkit/args/fields.py). A field loopkit does not implement is refused when it is changed (`check_args`; a field
+    its tables do not list, already when the `LoopArgs` is built), never ignored.
 
     After `__post_init__` the derived values match `TrainingArguments`' own `__post_init__`: `eval_steps` falls back
     to `logging_steps`, `metric_for_best_model` becomes "loss" when `load_best_model_at_end` is on (or the scheduler is
@@ -33,140 +36,12 @@ class LoopArgs:
     become the Accelerate plugins TrainingArguments builds from them (`fsdp_plugin_args`, `deepspeed_plugin`).
     """
 
-    output_dir: str | None = None
-    # batch and schedule
-    per_device_train_batch_size: int = 8
-    per_device_eval_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    num_train_epochs: float = 3.0
-    max_steps: int = -1
-    # optimizer and scheduler
-    learning_rate: float = 5e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    optim: str = "adamw_torch_fused"
-    optim_args: str | None = None  # "key=value,..." for the optimizer (loopkit/optimizers.py)
-    optim_target_modules: str | list | None = None  # GaLore / APOLLO: the Linear modules they project
-    max_grad_norm: float = 1.0
-    lr_scheduler_type: str = "linear"
-    lr_scheduler_kwargs: dict | None = None
-    warmup_steps: float = 0
-    average_tokens_across_devices: bool = True
-    # logging
-    logging_strategy: str = "steps"
-    logging_steps: float = 500
-    logging_first_step: bool = False
-    logging_nan_inf_filter: bool = True
-    log_level: str = "passive"  # transformers' verbosity on the process(es) that log, set when the Loop is built
-    log_level_replica: str = "warning"  # ... on the other processes
-    log_on_each_node: bool = True  # the main process of each node logs (False: process 0 only)
-    report_to: Any = "none"
-    run_name: str | None = None
-    disable_tqdm: bool | None = None
-    # evaluation
-    eval_strategy: str = "no"
-    eval_steps: float | None = None
-    eval_delay: float = 0
-    eval_on_start: bool = False
-    eval_accumulation_steps: int | None = None
-    eval_do_concat_batches: bool = True
-    prediction_loss_only: bool = False
-    batch_eval_metrics: bool = False
-    include_for_metrics: list = field(default_factory=list)
-    # checkpoints and the best model
-    save_strategy: str = "steps"
-    save_steps: float = 500
-    save_total_limit: int | None = None
-    save_only_model: bool = False
-    load_best_model_at_end: bool = False
-    metric_for_best_model: str | None = None
-    greater_is_better: bool | None = None
-    ignore_data_skip: bool = False
-    restore_callback_states_from_checkpoint: bool = False
-    # reproducibility and hardware
-    seed: int = 42
-    data_seed: int | None = None
-    full_determinism: bool = False
-    bf16: bool = False
-    fp16: bool = False
-    use_cpu: bool = False
-    use_cache: bool = False
-    tf32: bool | None = None  # TF32 matmuls on Ampere+ GPUs (None: torch's setting is left as it is)
-    # data
-    dataloader_num_workers: int = 0
-    dataloader_pin_memory: bool = True
-    dataloader_drop_last: bool = False
-    dataloader_persistent_workers: bool = False
-    dataloader_prefetch_factor: int | None = None
-    remove_unused_columns: bool = True
-    label_names: list | None = None
-    train_sampling_strategy: str = "random"
-    length_column_name: str = "length"  # group_by_length: the datasets column holding each sample's length
-    dataloader_multiprocessing_context: str | None = None
-    dataloader_in_order: bool = True
-    # Accelerate and DDP (loopkit/stages/setup.py); None: HF's rule / torch's default
-    accelerator_config: Any = None  # dict, JSON file path or transformers' AcceleratorConfig
-    ddp_find_unused_parameters: bool | None = None
-    ddp_bucket_cap_mb: int | None = None
-    ddp_broadcast_buffers: bool | None = None
-    ddp_static_graph: bool | None = None
-    ddp_backend: str | None = None  # the process group's backend (None: Accelerate's choice for the device)
-    ddp_timeout: int = 1800  # seconds, for the process group
-    local_rank: int = -1  # read by old launch scripts (torch.distributed.launch); the launcher's LOCAL_RANK rules
-    # FSDP and DeepSpeed (loopkit/distributed.py)
-    fsdp: str | bool | None = None
-    fsdp_config: dict | str | None = None
-    deepspeed: dict | str | None = None
-    auto_find_batch_size: bool = False
-    # checkpoints on preemption and on multi-node runs
-    save_on_each_node: bool = False
-    enable_jit_checkpoint: bool = False
-    # model transforms
-    gradient_checkpointing: bool | None = None
-    gradient_checkpointing_kwargs: dict | None = None
-    activation_checkpointing: bool | None = None
-    activation_checkpointing_kwargs: dict | None = None
-    torch_compile: bool = False
-    torch_compile_backend: str | None = None
-    torch_compile_mode: str | None = None
-    # Liger's Triton kernels, applied at train() as Trainer applies them (loopkit/stages/setup.py)
-    use_liger_kernel: bool = False
-    liger_kernel_config: dict | None = None
-    # Accelerate's ParallelismConfig (data-parallel replicate / shard, tensor parallel), handed to the Accelerator
-    parallelism_config: Any = None
-    # training options (loopkit/stages/step.py, schedule.py, stages/setup.py, memory.py)
-    label_smoothing_factor: float = 0.0
-    include_num_input_tokens_seen: str | bool = "no"  # True / False become "all" / "no", as TrainingArguments does
-    neftune_noise_alpha: float | None = None
-    torch_empty_cache_steps: int | None = None
-    bf16_full_eval: bool = False
-    fp16_full_eval: bool = False
-    eval_use_gather_object: bool = False
-    skip_memory_metrics: bool = True
-    debug: str | list = ""  # "underflow_overflow" (space-separated options), a list after __post_init__
-    # pushing to the Hugging Face Hub at saves (loopkit/trainer/hub.py)
-    push_to_hub: bool = False
-    hub_token: str | None = field(default=None, repr=False)  # a secret: never printed (to_dict masks it too)
-    hub_private_repo: bool | None = None
-    hub_model_id: str | None = None
-    hub_strategy: str = "every_save"
-    hub_always_push: bool = False
-    hub_revision: str | None = None
-    # read by HF's trackio integration callback (report_to="trackio")
-    project: str = "huggingface"
-    trackio_space_id: str | None = None
-    trackio_bucket_id: str | None = None
-    trackio_static_space_id: str | None = None
-    # read by scripts (examples/run_*.py), never by Trainer
-    do_train: bool = False
-    do_eval: bool = False
-    do_predict: bool = False
-    resume_from_checkpoint: str | None = None
+    trainer_fields = frozenset()  # the TrainingArguments fields the class was built with (`loop_args_class`)
 
     def __post_init__(self):
-        """The derivations of `TrainingArguments.__post_init__` (5.24), in its order."""
+        """The derivations of `TrainingArguments.__post_init__` (5.24), in its order, after refusing a changed field
+        that loopkit's tables do not list."""
+        check_reviewed_fields(self)
         if self.output_dir is None:
             self.output_dir = "trainer_output"
         for name in DICT_FIELDS:  # a JSON string from a command line, as TrainingArguments accepts
@@ -294,29 +169,51 @@ def report_to_list(report_to) -> list:
     return report_to if isinstance(report_to, list) else [report_to]
 
 
-def reject_unknown_keywords(init):
-    """Wrap `LoopArgs.__init__`: an unknown keyword names the nearest field (a misspelling) or, for a
-    `TrainingArguments` field loopkit does not support, the way out."""
+def loop_args_class(fields: list[tuple[str, str, dataclasses.Field | None]]) -> type:
+    """The `LoopArgs` dataclass of these `TrainingArguments` fields (`training_arguments_fields`), with
+    `LoopArgsMethods`' behaviour. A field whose source was not understood is taken from the imported class."""
+    names = frozenset(name for name, _, _ in fields)
+    namespace: dict[str, Any] = {"__module__": __name__, "__qualname__": "LoopArgs", "__doc__": LoopArgsMethods.__doc__,
+                                 "__annotations__": {name: annotation for name, annotation, _ in fields},
+                                 "trainer_fields": names}
+    for name, _, declared in fields:
+        namespace[name] = declared or imported_field(name)
+        if name.endswith("_token"):  # a secret: never printed (to_dict masks it too)
+            namespace[name].repr = False
+    cls = dataclass(type("LoopArgs", (LoopArgsMethods,), namespace))
+    cls.__init__ = reject_unknown_keywords(cls.__init__, names)
+    return cls
+
+
+def imported_field(name: str) -> dataclasses.Field:
+    """The field as the imported `TrainingArguments` declares it. Only for a default that loopkit/args/fields.py cannot
+    read from the source: importing `transformers.training_args` costs seconds (tests/test_args_derived.py checks that
+    no field of the installed transformers needs it)."""
+    from transformers import TrainingArguments
+
+    f = TrainingArguments.__dataclass_fields__[name]
+    return dataclasses.field(default=f.default, default_factory=f.default_factory, init=f.init, repr=f.repr,
+                             metadata=dict(f.metadata))
+
+
+def reject_unknown_keywords(init, names: frozenset[str]):
+    """Wrap `LoopArgs.__init__`: an unknown keyword names the nearest field (a misspelling) or the way out."""
 
     @functools.wraps(init)
     def checked_init(self, *args, **kwargs):
         for name in kwargs:
-            if name not in LOOP_ARGS_FIELDS:
-                raise unknown_argument_error(name, kwargs[name])
+            if name not in names:
+                raise unknown_argument_error(name, kwargs[name], names)
         init(self, *args, **kwargs)
 
     return checked_init
 
 
-def unknown_argument_error(name: str, value: Any) -> UnknownArgumentError:
-    """LoopArgs has every `TrainingArguments` field, so an unknown name is a misspelling, a field of another
-    transformers version, or a `Seq2SeqTrainingArguments` field."""
-    guesses = nearest(name, LOOP_ARGS_FIELDS, n=2)
-    if name in installed_trainer_field_names():  # a field of a newer transformers than LoopArgs declares
-        fix = (f"{name} is a field of the installed transformers' TrainingArguments that LoopArgs does not declare "
-               f"(loopkit does not run it yet, and will not ignore it): leave it out, or pass "
-               f"transformers.TrainingArguments to Loop, which refuses {name} by name when it is changed")
-    elif guesses:
+def unknown_argument_error(name: str, value: Any, names: frozenset[str]) -> UnknownArgumentError:
+    """LoopArgs has every field of the installed `TrainingArguments` (`names`), so an unknown name is a misspelling, a
+    field of another transformers version, or a `Seq2SeqTrainingArguments` field."""
+    guesses = nearest(name, names, n=2)
+    if guesses:
         fix = f"did you mean {' or '.join(guesses)}? Write LoopArgs({guesses[0]}={value!r})"
     elif name in SEQ2SEQ_FIELDS:
         fix = (f"{name} is a Seq2SeqTrainingArguments field: pass transformers.Seq2SeqTrainingArguments("
@@ -327,24 +224,26 @@ def unknown_argument_error(name: str, value: Any) -> UnknownArgumentError:
     return UnknownArgumentError(f"{name}={value!r}: LoopArgs has no field {name!r}. Fix: {fix}.")
 
 
-def installed_trainer_field_names() -> set[str]:
-    """The fields of the installed transformers' `TrainingArguments` (imported here, on an error's path only:
-    building a `LoopArgs` imports no transformers)."""
-    from transformers import TrainingArguments
+def installed_loop_args() -> tuple[type, tuple[str, ...]]:
+    """`LoopArgs` and `DICT_FIELDS` of the installed transformers: from its source, or from the imported class where
+    an installation ships no source (compiled files only)."""
+    try:
+        declaration = training_arguments_class(training_arguments_source())
+    except OSError:
+        from transformers import TrainingArguments
 
-    return {f.name for f in dataclasses.fields(TrainingArguments)}
+        names = [f.name for f in dataclasses.fields(TrainingArguments) if not f.name.startswith("_")]
+        return loop_args_class([(name, "Any", None) for name in names]), tuple(TrainingArguments._VALID_DICT_FIELDS)
+    return loop_args_class(training_arguments_fields(declaration)), dict_fields(declaration)
 
 
-DICT_FIELDS = ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs",
-               "accelerator_config", "fsdp_config", "deepspeed")
-
+LoopArgs, DICT_FIELDS = installed_loop_args()
 # `Seq2SeqTrainingArguments`' own fields. The generation ones are read by the generating evaluation stage
 # (`Seq2SeqLoop`'s, loopkit/stages/seq2seq.py), and any other evaluation stage refuses predict_with_generate=True
 # when it is bound; `sortish_sampler` is read by no Trainer of transformers 5.24.
 SEQ2SEQ_FIELDS = frozenset({"predict_with_generate", "generation_max_length", "generation_num_beams",
                             "generation_config", "sortish_sampler"})
 LOOP_ARGS_FIELDS = frozenset(f.name for f in dataclasses.fields(LoopArgs))
-LoopArgs.__init__ = reject_unknown_keywords(LoopArgs.__init__)
 
 
 def check_best_model_schedule(args) -> None:
