@@ -25,10 +25,10 @@ def hf_floating_point_ops(inputs, main_input: str, num_non_embedding_params: int
 
 
 def non_embedding_parameters(model) -> int:
-    """`model.num_parameters(exclude_embeddings=True)`, with a parameter DeepSpeed ZeRO-3 has partitioned counted at
-    its full size (`ds_numel`): before the first forward each rank holds an empty placeholder, and counting those
-    gives 0 (HF Trainer counts after the first forward and gets only the parameters ZeRO-3 keeps whole: both wrong,
-    docs/differences.md). 0 for a model without `num_parameters`, as HF's estimate."""
+    """The model's non-embedding parameters as `num_parameters` counts them, with a parameter DeepSpeed ZeRO-3 has
+    partitioned counted at its full size (`ds_numel`): before the first forward each rank holds an empty
+    placeholder, and counting those gives 0 (HF Trainer counts after the first forward and gets only the parameters
+    ZeRO-3 keeps whole: both wrong, docs/differences.md). 0 for a model without `num_parameters`, as HF's estimate."""
     if not hasattr(model, "num_parameters"):
         return 0
     if not any(hasattr(parameter, "ds_numel") for parameter in model.parameters()):
