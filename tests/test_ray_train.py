@@ -6,8 +6,9 @@ the function each worker runs). docs/distributed.md, "Ray Train", says what a us
   under FSDP2 (TrainingArguments' fsdp fields) with `DCPStorage()` and `DCPStorage(async_save=True)`. Every run
   makes 4 Ray reports (a save every 2 of 8 steps); each report's metrics name the step of the checkpoint it carries
   (its trainer_state.json) and the loss HF Trainer's report of that step carries, and the checkpoint holds that
-  step's weights: `torch.equal` to Trainer's under DDP (asynchronous saves too), within 1e-5 relative under FSDP2
-  (sharded; Trainer on CPU processes does not shard: Accelerate keeps them MULTI_CPU). Final weights likewise.
+  step's weights, `torch.equal` to Trainer's under DDP (asynchronous saves too) and under FSDP2 (sharded; Trainer on
+  CPU processes does not shard: Accelerate keeps them MULTI_CPU), where only the logged gradient norm differs (summed
+  from the shards), within 2e-4 relative. Final weights and every step's loss likewise.
 * Ray's fault tolerance: `FailureConfig(max_failures=1)`, worker 1 SIGKILLed at the end of step 7 in the first
   attempt; Ray restarts both workers, the script resumes from `ray.train.get_checkpoint()` (Ray's copy) with
   `resume_from_checkpoint`, and the run ends with the uninterrupted run's weights (`torch.equal`) and its losses at
@@ -38,7 +39,9 @@ import ray_worker  # noqa: E402
 
 REPORTS = [2, 4, 6, 8]  # the saved steps: one Ray report each
 KILL_STEP = 7
-FSDP2_RTOL = 1e-5  # FSDP2's reduce-scatter and sharded norm against DDP's all-reduce (measured: below 1e-6)
+# FSDP2's gradient norm is summed from the shards, DDP's from whole gradients (measured: 7.4e-6, 3.3e-5 and 8.1e-5
+# relative apart at steps 2, 4 and 8); no step is clipped at these norms (below 1), so losses and weights are the same
+FSDP2_NORM_RTOL = 2e-4
 RUNS = {  # name: (runner, storage, fsdp)
     "trainer": ("hf", "-", False),
     "ddp": ("loop", "hf", False),
@@ -118,14 +121,10 @@ def run_results(results: str, name: str, attempt: int = 0) -> tuple[dict, dict]:
         return load_file(f"{prefix}.safetensors"), json.load(f)
 
 
-def assert_weights(actual: dict, expected: dict, rtol: float, what: str) -> None:
+def assert_equal_weights(actual: dict, expected: dict, what: str) -> None:
     assert actual.keys() == expected.keys(), what
     for key, tensor in expected.items():
-        if rtol == 0:
-            assert torch.equal(actual[key], tensor), f"{what}: {key} differs"
-        else:
-            scale = tensor.abs().max().clamp_min(1e-12)
-            assert (actual[key] - tensor).abs().max() <= rtol * scale, f"{what}: {key} differs"
+        assert torch.equal(actual[key], tensor), f"{what}: {key} differs"
 
 
 @pytest.fixture(scope="module")
@@ -143,21 +142,20 @@ def ray_runs(ray_session):
 @pytest.mark.parametrize("name", [name for name in RUNS if name != "trainer"])
 def test_each_ray_report_carries_its_own_steps_checkpoint_as_under_trainer(ray_runs, name):
     by_run, results = ray_runs
-    rtol = FSDP2_RTOL if RUNS[name][2] else 0
+    norm_rtol = FSDP2_NORM_RTOL if RUNS[name][2] else 0
     trainer_final, trainer_record = run_results(results, "trainer")
     final, record = run_results(results, name)
     for report, trainer_report in zip(by_run[name], by_run["trainer"], strict=True):
-        metrics = report["metrics"]
+        metrics, expected = report["metrics"], trainer_report["metrics"]
         # the metrics of a report are those of its checkpoint's step, as Trainer's are
-        assert report["step"] == metrics["step"] == trainer_report["step"] == trainer_report["metrics"]["step"]
-        assert metrics["loss"] == pytest.approx(trainer_report["metrics"]["loss"], rel=rtol, abs=0)
-        assert_weights(report["weights"], trainer_report["weights"], rtol, f"{name}'s report of step {report['step']}")
+        assert report["step"] == metrics["step"] == trainer_report["step"] == expected["step"]
+        assert metrics["loss"] == expected["loss"] and metrics["learning_rate"] == expected["learning_rate"]
+        assert metrics["grad_norm"] == pytest.approx(expected["grad_norm"], rel=norm_rtol, abs=0)
+        assert_equal_weights(report["weights"], trainer_report["weights"], f"{name}'s report of step {report['step']}")
     assert [r["step"] for r in by_run[name]] == REPORTS
-    assert_weights(final, trainer_final, rtol, f"{name}'s final weights")
-    expected = losses(trainer_record["log_history"])
-    assert list(losses(record["log_history"])) == list(expected) == list(range(1, 9))
-    for step, loss in losses(record["log_history"]).items():
-        assert loss == pytest.approx(expected[step], rel=rtol, abs=0), f"{name}: the loss of step {step}"
+    assert_equal_weights(final, trainer_final, f"{name}'s final weights")
+    assert losses(record["log_history"]) == losses(trainer_record["log_history"])
+    assert list(losses(record["log_history"])) == list(range(1, 9))
 
 
 def test_fsdp2_under_ray_shards_the_checkpoints(ray_runs):
@@ -185,7 +183,7 @@ def test_a_worker_killed_mid_run_resumes_from_rays_latest_checkpoint_exactly(ray
     # the checkpoint resumed was the newest Ray held
     assert [r["step"] for r in reported(result)] == REPORTS
     uninterrupted_final, uninterrupted = run_results(ray_runs[1], name)
-    assert_weights(final, uninterrupted_final, 0, "the resumed run's final weights")
+    assert_equal_weights(final, uninterrupted_final, "the resumed run's final weights")
     after = losses(record["log_history"], after=resumed_step)
     assert list(after) == list(range(resumed_step + 1, 9))
     assert after == losses(uninterrupted["log_history"], after=resumed_step)
