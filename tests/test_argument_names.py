@@ -68,7 +68,8 @@ def parameters_of(obj) -> set[str]:
 
 def other_api_parameters() -> set[str]:
     """Parameters of the other APIs the docs and messages write `name=` for: loopkit's public API and stages, HF's
-    Trainer, configs, collators, callbacks and optimizers, torch's and accelerate's, TRL's configs and trainers."""
+    Trainer, configs, collators, callbacks and optimizers, torch's and accelerate's, TRL's configs and trainers, Ray
+    Train's trainer and configs."""
     import accelerate
     import torch
     import transformers
@@ -99,6 +100,11 @@ def other_api_parameters() -> set[str]:
 
         owners += [trl.SFTTrainer, trl.SFTConfig, trl.DPOTrainer, trl.DPOConfig, trl.RewardTrainer,
                    trl.RewardConfig, trl.GRPOTrainer, trl.GRPOConfig]
+    if importlib.util.find_spec("ray") is not None:  # docs/distributed.md's Ray Train section (the `ray` extra)
+        import ray.train
+        from ray.train.torch import TorchTrainer
+
+        owners += [TorchTrainer, ray.train.ScalingConfig, ray.train.RunConfig, ray.train.FailureConfig]
     return set().union(*(parameters_of(owner) for owner in owners))
 
 

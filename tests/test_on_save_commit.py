@@ -2,7 +2,9 @@
 storage, synchronous and asynchronous: a callback that opens, at `on_save`, the newest checkpoint folder (as HF's
 callbacks find it: Ray Train's `RayTrainReportCallback` reads `get_last_checkpoint(output_dir)`) finds the one it is
 told of and reads it whole, with the weights of its step; a SIGKILL during a save leaves no `on_save` for the lost
-checkpoint (docs/events.md, "When on_save fires")."""
+checkpoint (docs/events.md, "When on_save fires"). The same on 2 ranks (DDP, gloo) with asynchronous DCP saves: every
+rank opens, at each `on_save`, the complete checkpoint it is told of, and a SIGKILL of rank 0 during a save leaves
+no `on_save` for the lost checkpoint on either rank."""
 
 import json
 import os
@@ -71,6 +73,43 @@ def test_a_checkpoint_killed_mid_save_gets_no_on_save(tmp_path, forked, storage)
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = [json.loads(line) for line in record_path.read_text().splitlines()]
     check_records(resumed, [4, 8, 12])
+
+
+def launch_two_ranks(forked, out, *arguments):
+    """on_save_child.py OUT dcp-async ARGUMENTS on 2 DDP ranks (CPU, gloo), forked with torchrun's worker
+    environment (helpers.ForkServer.launch)."""
+    from test_distributed import child_env
+
+    return forked.launch([CHILD, str(out), "dcp-async", *arguments], 2, "on_save_child.py dcp-async on 2 ranks",
+                         env=child_env(cpu_mode=True)).wait()
+
+
+def rank_records(out) -> list[list]:
+    return [[json.loads(line) for line in (out / f"on_save_rank{rank}.jsonl").read_text().splitlines()]
+            for rank in (0, 1)]
+
+
+def test_two_ranks_each_open_the_complete_async_checkpoint_at_on_save(tmp_path, forked):
+    """Every rank's `on_save` finds the checkpoint it names renamed into place and whole (DCP's shards of both ranks,
+    read back as one state), at the same step on both ranks (Ray Train's report is a collective there)."""
+    result = launch_two_ranks(forked, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:]
+    for records in rank_records(tmp_path):
+        check_records(records, [4, 8, 12])
+        # with several processes a save is announced once every process waited for it: at the next save, or the end
+        assert [r["late"] for r in records] == [True, True, False], records
+
+
+def test_two_ranks_killed_mid_async_save_get_no_on_save_for_it(tmp_path, forked):
+    result = launch_two_ranks(forked, tmp_path, "8")
+    assert result.returncode != 0 and "rank 0" in result.stdout and "SIGKILL" in result.stdout, result.stdout[-3000:]
+    for records in rank_records(tmp_path):
+        check_records(records, [4])  # neither rank announced checkpoint-8, which never existed
+    assert not (tmp_path / "checkpoint-8").exists() and (tmp_path / ".tmp-checkpoint-8").exists()
+    result = launch_two_ranks(forked, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:]
+    for records in rank_records(tmp_path):
+        check_records(records, [4, 8, 12])
 
 
 def test_the_events_page_example_runs():

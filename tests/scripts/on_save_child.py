@@ -5,8 +5,9 @@ fully. tests/test_on_save_commit.py runs it in process (`train`) and as a killed
 Usage: python on_save_child.py OUTPUT_DIR STORAGE [KILL_STEP]
 
 STORAGE: "hf", "hf-async", "dcp" or "dcp-async". Every `on_save` appends one JSON line to OUTPUT_DIR/on_save.jsonl
-(flushed and fsynced as it happens, so a killed run's record is complete). KILL_STEP: a SIGKILL while checkpoint-
-KILL_STEP is being written (on the writer, before its rename), once training has run a step past it (where an
+(flushed and fsynced as it happens, so a killed run's record is complete); launched on several processes (DDP, gloo),
+each rank to OUTPUT_DIR/on_save_rank<r>.jsonl. KILL_STEP: a SIGKILL while checkpoint-
+KILL_STEP is being written (on the writer, before its rename; with several processes on rank 0, which renames), once training has run a step past it (where an
 `on_save` fired when the save began would already be recorded). The run resumes from the newest checkpoint in
 OUTPUT_DIR if there is one.
 """
@@ -117,7 +118,9 @@ def train(out: str, storage: str, watch: OpenAtSave, resume=None) -> Loop:
 
 def main():
     out, storage = sys.argv[1], sys.argv[2]
-    watch = OpenAtSave(storage, os.path.join(out, "on_save.jsonl"))
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    record = "on_save.jsonl" if ranks == 1 else f"on_save_rank{os.environ['RANK']}.jsonl"
+    watch = OpenAtSave(storage, os.path.join(out, record))
     if len(sys.argv) > 3:
         kill_while_writing(int(sys.argv[3]), watch)
     resume = True if ckpt.last_checkpoint(out) else None
