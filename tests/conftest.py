@@ -62,6 +62,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if is_listed(item.nodeid, ids):
             item.add_marker(pytest.mark.slow)
+    items[:] = longest_files_first(items)
+
+
+# The slow tier's files that take longest, longest first (`--durations`, docs/testing.md). The Makefile runs the tests
+# on pytest-xdist workers that take one file at a time, in this collection order (`--no-loadscope-reorder`): when a
+# long file started last, the other worker sat idle until it ended. The other files follow, those with most tests
+# first (xdist's own order).
+LONGEST_FILES = ("test_elastic.py", "test_trl_dpo.py", "test_deepspeed.py", "test_dcp_storage.py", "test_fsdp.py",
+                 "test_kill_and_preempt.py", "test_hf_async_fsdp2.py", "test_trl_sft.py", "test_trl_grpo.py",
+                 "test_distributed.py", "test_parallelism.py", "test_reshard_resume.py", "test_interrupt.py",
+                 "test_rng_order.py", "test_benchmarks_smoke.py", "test_bench_trl.py", "test_demo.py",
+                 "test_trl_reward.py", "test_one_file_storage.py")
+
+
+def longest_files_first(items: list) -> list:
+    """`items` with the files of LONGEST_FILES first, in that order, then the others by their number of tests."""
+    counts = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+
+    def rank(item):
+        name = item.path.name
+        listed = LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
+        return listed, -counts[name], str(item.path)
+
+    return sorted(items, key=rank)
 
 
 # ---------------------------------------------------------------------------------------------------------------

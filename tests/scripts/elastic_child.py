@@ -11,7 +11,8 @@ optimizer step STEP: `step` (at on_step_end, before that step's save), `save` (i
 this rank's RNG file written, the folder not yet renamed), `saved` (right after the rename, before on_save) or `substep`
 (inside the accumulation window of step STEP, after its first micro-batch). `sigterm` sends SIGTERM to rank RANK's
 torchrun agent (the job's launcher) at on_step_end of STEP instead; `stall` (STEP 0) keeps rank RANK from joining
-the process group for 3 x DDP_TIMEOUT_S, as a hung rendezvous would. Rank 0 writes OUTPUT_DIR/final.safetensors at
+the process group for 3 x DDP_TIMEOUT_S, as a hung rendezvous would (the other rank's init gives up at its
+ddp_timeout, STALLED_ATTEMPT_TIMEOUT_S in that attempt). Rank 0 writes OUTPUT_DIR/final.safetensors at
 the end and each rank OUTPUT_DIR/rank<r>.json (the steps it ran in each attempt, its exit code if preempted).
 """
 
@@ -38,6 +39,9 @@ STORAGES = {"hf": HFStorage, "dcp-async": lambda: DCPStorage(async_save=True)}
 
 MAX_STEPS, SAVE_STEPS = 8, 2
 DDP_TIMEOUT_S = 60  # ddp_timeout: the process group's timeout, its init's included
+# The stalled job's first attempt: its only wait is the init that the stalled rank never joins, so a shorter
+# ddp_timeout ends it sooner (the suite's time) and proves the same restart; its later attempts use DDP_TIMEOUT_S.
+STALLED_ATTEMPT_TIMEOUT_S = 15
 RANK, ATTEMPT = int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
@@ -109,12 +113,14 @@ class Steps(TrainerCallback):
 def main() -> None:
     out, storage, spec = sys.argv[1], sys.argv[2], (sys.argv[3] if len(sys.argv) > 3 else None)
     steps, kill = Steps(), Kill(spec)
+    stalled_attempt = ATTEMPT == 0 and spec is not None and spec.endswith(":stall")
     if kill.armed and kill.moment == "stall":
         time.sleep(3 * DDP_TIMEOUT_S)
     args = LoopArgs(output_dir=os.path.join(out, "run"), max_steps=MAX_STEPS, per_device_train_batch_size=2,
                     gradient_accumulation_steps=2, learning_rate=3e-3, warmup_steps=2, weight_decay=0.01,
                     logging_steps=1, save_steps=SAVE_STEPS, optim="adamw_torch", disable_tqdm=True, seed=7,
-                    report_to="none", ddp_timeout=DDP_TIMEOUT_S)
+                    report_to="none",
+                    ddp_timeout=STALLED_ATTEMPT_TIMEOUT_S if stalled_attempt else DDP_TIMEOUT_S)
     loop = Loop(model=tiny_llama(), args=args, train_dataset=lm_data(64), callbacks=[kill, steps],
                 storage=STORAGES[storage]())
     record = {"attempt": ATTEMPT, "steps": steps.steps}
