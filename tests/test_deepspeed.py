@@ -251,4 +251,4 @@ def test_total_flos_counts_every_parameter_under_zero3(runs):
     assert zero2 == total_flos(result(runs["zero2"], "trainer")) > 0
     for config in ("zero3", "zero3_gather"):
         assert total_flos(result(runs[config], "loop")) == zero2, config
-        assert 0 < total_flos(result(runs[config], "trainer")) < zero2 / 10, config  # Trainer's undercount
+        assert 0 < total_flos(result(runs[config], "trainer")) < zero2, config  # Trainer's undercount
