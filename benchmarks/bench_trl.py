@@ -119,7 +119,7 @@ def build_trainer(workload: str, contender: str, settings: dict, output_dir: str
                   max_length=settings["max_length"], max_steps=settings["warmup_steps"] + settings["timed_steps"],
                   logging_steps=settings["logging_steps"], learning_rate=settings["learning_rate"],
                   seed=settings["seed"], report_to="none", disable_tqdm=True, save_strategy="no", use_cpu=True,
-                  dataloader_num_workers=0)
+                  dataloader_num_workers=0, bf16=False)  # fp32: TRL's configs default to bf16 autocast
     data = dataset(workload, settings["num_reviews"])
     kind = "dpo" if workload.startswith("dpo") else "sft"
     trainer_class = trainer_class_for(kind, contender)
