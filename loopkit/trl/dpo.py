@@ -22,6 +22,7 @@ from trl import DPOConfig, DPOTrainer
 
 from ..errors import config_error, plain
 from .base import TRLLoop
+from .fused import use_fast_lm_heads
 
 
 @dataclass
@@ -73,6 +74,7 @@ class DPOLoop(DPOTrainer, TRLLoop):
             config = inspect.signature(DPOTrainer.__init__).bind(self, *args, **kwargs).arguments.get("args")
             refuse_unused_loss_fields(config)
         super().__init__(*args, **kwargs)
+        use_fast_lm_heads(self, dpo_head_outputs(self.use_weighting))  # TRL's head, less work (loopkit/trl/fused.py)
 
     __init__.__signature__ = inspect.signature(DPOTrainer.__init__)  # DPOTrainer's arguments, as help() shows them
 
@@ -111,6 +113,11 @@ class DPOLoop(DPOTrainer, TRLLoop):
             yield
         finally:
             self.precompute_ref_logps = precompute
+
+
+def dpo_head_outputs(use_weighting: bool) -> tuple:
+    """The fields DPOTrainer asks its policy's fused LM head for (its __init__); the reference's: log-probs only."""
+    return ("log_probs", "entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if use_weighting else ())
 
 
 def preference_pairs(policy_output, inputs: dict) -> PreferencePairs:

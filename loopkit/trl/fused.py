@@ -108,10 +108,10 @@ def fold_chunk(logits, targets, outputs, stats: dict, is_top1) -> None:
     exps = torch.exp(logits - row_max[:, None])
     sums = exps.sum(-1)
     torch.add(row_max, torch.log(sums), out=stats["log_z"])
+    if "log_sum_sq_probs" in outputs:
+        torch.sub(torch.log((exps * exps).sum(-1)), 2 * torch.log(sums), out=stats["sum_sq"])
     if "entropy" in outputs:  # H = log Z - E_p[z]
         torch.sub(stats["log_z"], exps.mul_(logits).sum(-1) / sums, out=stats["entropy"])
-    if "log_sum_sq_probs" in outputs:
-        torch.sub(torch.log(exps.mul_(exps).sum(-1)), 2 * torch.log(sums), out=stats["sum_sq"])
     logits.sub_(stats["log_z"][:, None]).exp_()
 
 
