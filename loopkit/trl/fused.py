@@ -42,8 +42,9 @@ class LogProbsAndMetrics(torch.autograd.Function):
     `softmax(hidden @ weight.T + bias)`. Differentiable in the log-probs and the entropy."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, outputs: tuple, keep_bytes: int):
+    def forward(ctx, hidden, weight, bias, targets, outputs: tuple, keep_bytes: int, positions=None):
         ctx.set_materialize_grads(False)
+        ctx.positions = positions
         count, vocab = hidden.shape[0], weight.shape[0]
         keep = count * vocab * 4 <= keep_bytes
         probs = torch.empty((count, vocab), dtype=torch.float32, device=hidden.device) if keep else None
@@ -84,10 +85,25 @@ class LogProbsAndMetrics(torch.autograd.Function):
             if grads[0] is not None:
                 torch.mm(grad_logits, weight, out=grads[0][part])
             if grads[1] is not None:
-                grads[1].addmm_(grad_logits.T, hidden[part])
+                spread = ctx.positions if end - start == count else None  # one sum over the batch, as TRL's
+                weight_grad_product(grads[1], grad_logits, hidden[part], spread)
             if grads[2] is not None:
                 grads[2] += grad_logits.sum(0)
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
+
+
+def weight_grad_product(grad_weight, grad_logits, hidden, positions) -> None:
+    """grad_weight += grad_logits.T @ hidden, summed over every position of the batch as TRL's head sums it (the
+    unscored ones as zero rows): the same sum in the same order, so the weights TRL's run reaches are reached to the
+    bit, where a sum over the scored rows alone rounds differently (a preference metric such as `rewards/chosen`, a
+    small difference of large log-probs, shows it)."""
+    if positions is None:
+        grad_weight.addmm_(grad_logits.T, hidden)
+        return
+    rows, total = positions
+    spread_grad = grad_logits.new_zeros((total, grad_logits.shape[1])).index_copy_(0, rows, grad_logits)
+    spread_hidden = hidden.new_zeros((total, hidden.shape[1])).index_copy_(0, rows, hidden)
+    grad_weight.addmm_(spread_grad.T, spread_hidden)
 
 
 def project(hidden, weight, bias, out):
@@ -133,10 +149,12 @@ def logits_grad(probs, hidden, weight, bias, targets, log_z, entropy, grad_log_p
     return probs
 
 
-def log_probs_and_metrics(hidden, weight, bias, targets, outputs: tuple, keep_bytes: int = KEEP_PROBS_BYTES):
+def log_probs_and_metrics(hidden, weight, bias, targets, outputs: tuple, keep_bytes: int = KEEP_PROBS_BYTES,
+                          positions=None):
     """`LogProbsAndMetrics` over N scored tokens: the five per-token fields of `FusedCausalLMOutput` (None where
-    not in `outputs`)."""
-    return LogProbsAndMetrics.apply(hidden, weight, bias, targets, tuple(outputs), keep_bytes)
+    not in `outputs`). `positions`: (the scored tokens' rows among all the batch's positions, their number), for
+    the weight's gradient summed as TRL's head sums it."""
+    return LogProbsAndMetrics.apply(hidden, weight, bias, targets, tuple(outputs), keep_bytes, positions)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -185,7 +203,9 @@ def use_fast_lm_head(model, outputs: tuple) -> None:
             targets = shift_labels
         hidden, targets = hidden.to(head.weight), targets.to(head.weight.device)  # as TRL's head: the head's device
         mask = targets != -100
-        scored = log_probs_and_metrics(hidden[mask], head.weight, head.bias, targets[mask], outputs)
+        rows = mask.reshape(-1).nonzero().squeeze(1)
+        scored = log_probs_and_metrics(hidden.reshape(-1, hidden.shape[-1])[rows], head.weight, head.bias,
+                                       targets.reshape(-1)[rows], outputs, positions=(rows, mask.numel()))
         # `masked_scatter` keeps the output connected to the model even when no label counts (TRL's head does too)
         fields = [None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in scored]
         log_probs = fields[0]
