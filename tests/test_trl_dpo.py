@@ -192,7 +192,7 @@ def test_loopkits_lm_head_scores_the_completions_with_trls_numbers(loss, monkeyp
     scored = []
     original = fused.log_probs_and_metrics
     monkeypatch.setattr(fused, "log_probs_and_metrics",
-                        lambda hidden, *rest: scored.append(rest[-1]) or original(hidden, *rest))
+                        lambda hidden, *rest, **options: scored.append(rest[3]) or original(hidden, *rest, **options))
     with tempfile.TemporaryDirectory() as folder:
         trainer = train(DPOTrainer, os.path.join(folder, "trl"), review_pairs(12), max_steps=3, **loss)
         assert scored == []

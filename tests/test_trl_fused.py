@@ -90,7 +90,8 @@ def test_model_forward_scores_label_tokens_only_and_keeps_trls_contract(monkeypa
     scored = []
     original = fused.log_probs_and_metrics
     monkeypatch.setattr(fused, "log_probs_and_metrics",
-                        lambda hidden, *rest: scored.append(hidden.shape[0]) or original(hidden, *rest))
+                        lambda hidden, *rest, **options: scored.append(hidden.shape[0])
+                        or original(hidden, *rest, **options))
     ids = torch.randint(0, 500, (3, 9))
     labels = ids.clone()
     labels[0, :5] = -100  # a prompt
@@ -109,7 +110,7 @@ def test_uncovered_models_and_calls_go_to_trls_head(monkeypatch):
     from trl.trainer.utils import add_fused_lm_head
 
     calls = []
-    monkeypatch.setattr(fused, "log_probs_and_metrics", lambda *args: calls.append(1))
+    monkeypatch.setattr(fused, "log_probs_and_metrics", lambda *args, **options: calls.append(1))
     capped = tiny_llama()
     capped.config.final_logit_softcapping = 30.0  # a head that is more than a linear layer: left as TRL set it
     add_fused_lm_head(capped)

@@ -249,7 +249,8 @@ def test_loopkits_lm_head_scores_the_label_tokens_with_trls_numbers(packing, mon
     scored = []
     original = fused.log_probs_and_metrics
     monkeypatch.setattr(fused, "log_probs_and_metrics",
-                        lambda hidden, *rest: scored.append(hidden.shape[0]) or original(hidden, *rest))
+                        lambda hidden, *rest, **options: scored.append(hidden.shape[0])
+                        or original(hidden, *rest, **options))
     with tempfile.TemporaryDirectory() as tmp:
         trl_run = run(SFTTrainer, os.path.join(tmp, "trl"), packing=packing)
         assert scored == []

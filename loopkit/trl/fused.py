@@ -52,9 +52,11 @@ class LogProbsAndMetrics(torch.autograd.Function):
                  for name in ("log_z", "target", "entropy", "sum_sq", "mean")}
         is_top1 = torch.empty(count, dtype=torch.bool, device=hidden.device)
         rows = max(1, CHUNK_LOGITS // vocab)
+        if probs is not None:  # one product for the batch, as TRL's head makes it
+            project(hidden, weight, bias, probs)
         for start in range(0, count, rows):
             end = min(start + rows, count)
-            logits = project(hidden[start:end], weight, bias, None if probs is None else probs[start:end])
+            logits = project(hidden[start:end], weight, bias, None) if probs is None else probs[start:end]
             fold_chunk(logits, targets[start:end], outputs, {k: v[start:end] for k, v in stats.items()},
                        is_top1[start:end])
         ctx.save_for_backward(hidden, weight, bias, targets, stats["log_z"], stats["entropy"], probs)
