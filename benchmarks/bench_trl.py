@@ -1,6 +1,7 @@
 """Benchmark 11, TRL: TRL's `SFTTrainer` and `DPOTrainer` against loopkit's `SFTLoop` and `DPOLoop` on the same work.
 
-Three workloads, each a small Llama from a config (MiniLM's 30,522-token vocabulary) trained fp32, seed 0, on real
+Three workloads, each a small Llama from a config (MiniLM's 30,522-token vocabulary) trained fp32 (`bf16=False`:
+TRL's configs default to bf16 autocast; their gradient checkpointing is kept), seed 0, on real
 Rotten Tomatoes reviews with MiniLM's WordPiece tokenizer (eos `[SEP]`), the same TRL config for both contenders:
 
 * `sft`: SFT on the reviews as plain text (`{"text": ...}`), padded batches;
@@ -11,7 +12,8 @@ Rotten Tomatoes reviews with MiniLM's WordPiece tokenizer (eos `[SEP]`), the sam
   reference model (a copy of the initial policy).
 
 Contenders: TRL's trainer (`trl`), and loopkit's (`loopkit`: `loopkit.trl.SFTLoop` / `DPOLoop`, TRL's class over
-loopkit's loop: TRL's data preparation, collator and loss, loopkit's run). Each run is a fresh process; rounds
+loopkit's loop: TRL's data preparation, collator and loss, loopkit's run, and loopkit's fused LM head under TRL's
+loss, loopkit/trl/fused.py). Each run is a fresh process; rounds
 alternate the contenders (trl, loopkit, trl, loopkit, ...), one process at a time, so the machine's drift hits both
 alike. Per run:
 
@@ -119,7 +121,7 @@ def build_trainer(workload: str, contender: str, settings: dict, output_dir: str
                   max_length=settings["max_length"], max_steps=settings["warmup_steps"] + settings["timed_steps"],
                   logging_steps=settings["logging_steps"], learning_rate=settings["learning_rate"],
                   seed=settings["seed"], report_to="none", disable_tqdm=True, save_strategy="no", use_cpu=True,
-                  dataloader_num_workers=0)
+                  dataloader_num_workers=0, bf16=False)  # fp32: TRL's configs default to bf16 autocast
     data = dataset(workload, settings["num_reviews"])
     kind = "dpo" if workload.startswith("dpo") else "sft"
     trainer_class = trainer_class_for(kind, contender)

@@ -37,6 +37,8 @@ OTHER_PARAMETERS = {
     "gradient_accumulation_kwargs": "a key of accelerator_config (Accelerate's GradientAccumulationPlugin keywords)",
     "tp_plan": "from_pretrained's keyword (tensor parallelism)",
     "skip_logits": "a model's forward keyword that Trainer passes under Liger (docs/arguments.md)",
+    "fused_lm_head": "the forward keyword of TRL's fused LM head (trl.trainer.utils.add_fused_lm_head), which "
+                     "loopkit/trl/fused.py wraps",
     "scale_wrt_gas": "Accelerator.backward's keyword for DeepSpeed (taken through **kwargs)",
     "loss_scale": "the field of docs/arguments.md's own TrainingArguments subclass (MyArgs)",
     **{key: "a key of the result lines tests/scripts/elastic_jobs.py prints (quoted in docs/distributed.md)"

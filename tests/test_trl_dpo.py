@@ -191,6 +191,26 @@ def test_reference_kinds_same_logs_and_weights(reference, form, extra):
         assert_parity(trainer, loop)
 
 
+@pytest.mark.parametrize("loss", [{}, dict(use_weighting=True)], ids=["sigmoid", "wpo-weighting"])
+def test_loopkits_lm_head_scores_the_completions_with_trls_numbers(loss, monkeypatch):
+    """DPOLoop's fused LM head (loopkit/trl/fused.py) scores the completion tokens only, for the policy (log-probs,
+    entropy, mean logit, top-1; WPO's log(sum p^2) with `use_weighting`) and the reference (log-probs): DPOTrainer's
+    logs and weights, and loopkit's head ran twice per training step (TRL's trainer never reaches it)."""
+    from loopkit.trl import fused
+
+    scored = []
+    original = fused.log_probs_and_metrics
+    monkeypatch.setattr(fused, "log_probs_and_metrics",
+                        lambda hidden, *rest, **options: scored.append(rest[3]) or original(hidden, *rest, **options))
+    with tempfile.TemporaryDirectory() as folder:
+        trainer = train(DPOTrainer, os.path.join(folder, "trl"), review_pairs(12), max_steps=3, **loss)
+        assert scored == []
+        loop = train(DPOLoop, os.path.join(folder, "loopkit"), review_pairs(12), max_steps=3, **loss)
+    assert_parity(trainer, loop)
+    policy = ("log_probs", "entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if loss else ())
+    assert scored == [policy, ("log_probs",)] * 3
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Exact resume
 # ---------------------------------------------------------------------------------------------------------------

@@ -239,6 +239,30 @@ def test_packing_keeps_seq_lengths_so_packed_samples_do_not_attend_across_bounda
     assert_same_run(trl_run, loop_run, "packing")
 
 
+@pytest.mark.parametrize("packing", [False, True], ids=["plain", "packed"])
+def test_loopkits_lm_head_scores_the_label_tokens_with_trls_numbers(packing, monkeypatch):
+    """SFTLoop's fused LM head (loopkit/trl/fused.py) computes the log-probs, entropy and top-1 of the tokens whose
+    label counts, where TRL's head on a CPU scores every position: SFTTrainer's logs and weights, and loopkit's head
+    ran on every training micro-batch (TRL's trainer never reaches it)."""
+    from loopkit.trl import fused
+
+    scored = []
+    original = fused.log_probs_and_metrics
+    monkeypatch.setattr(fused, "log_probs_and_metrics",
+                        lambda hidden, *rest, **options: scored.append(hidden.shape[0])
+                        or original(hidden, *rest, **options))
+    with tempfile.TemporaryDirectory() as tmp:
+        trl_run = run(SFTTrainer, os.path.join(tmp, "trl"), packing=packing)
+        assert scored == []
+        loop_run = run(SFTLoop, os.path.join(tmp, "loopkit"), packing=packing)
+    assert_same_run(trl_run, loop_run, "packed" if packing else "plain")
+    batches = loop_run["batches"]
+    assert len(scored) == len(batches) == 4
+    for count, batch in zip(scored, batches):
+        positions = batch["rows"] * (batch["length"] - 1)  # TRL's CPU head: logits for each of these
+        assert 0 < count <= positions if packing else 0 < count < positions, (count, batch)
+
+
 def test_lora_adapter_from_peft_config():
     from peft import LoraConfig
 

@@ -25,6 +25,7 @@ from trl import DPOConfig, DPOTrainer
 from ..errors import config_error, plain
 from ..trainer.overridable import HFMethods
 from .base import LoopKeywords, TRLLoop, TRLStepStage
+from .fused import use_fast_lm_heads
 
 
 @dataclass
@@ -108,6 +109,7 @@ class DPOLoop(LoopKeywords, DPOTrainer, TRLLoop):
             trl_kwargs = {name: value for name, value in kwargs.items() if name in trl_signature.parameters}
             refuse_unused_loss_fields(trl_signature.bind(self, *args, **trl_kwargs).arguments.get("args"))
         super().__init__(*args, **kwargs)
+        use_fast_lm_heads(self, dpo_head_outputs(self.use_weighting))  # TRL's head, less work (loopkit/trl/fused.py)
         self.step.trl_loss = DPOTrainer.compute_loss.__get__(self)
         self.step.trl_pairs = self.scored_pairs
 
@@ -138,6 +140,11 @@ class DPOLoop(LoopKeywords, DPOTrainer, TRLLoop):
             yield
         finally:
             self.precompute_ref_logps = precompute
+
+
+def dpo_head_outputs(use_weighting: bool) -> tuple:
+    """The fields DPOTrainer asks its policy's fused LM head for (its __init__); the reference's: log-probs only."""
+    return ("log_probs", "entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if use_weighting else ())
 
 
 def preference_pairs(policy_output, inputs: dict) -> PreferencePairs:
