@@ -163,7 +163,12 @@ def log_probs_and_metrics(hidden, weight, bias, targets, outputs: tuple, keep_by
 # The model's forward
 # ---------------------------------------------------------------------------------------------------------------------
 def covered_model(model) -> bool:
-    """Whether the model's head is one this module computes (module docstring); TRL's head does the rest."""
+    """Whether the model's head is one this module computes (module docstring); TRL's head does the rest, also for a
+    model an engine has wrapped already (DPO's reference under DeepSpeed is a `DeepSpeedEngine`)."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return False
     text_config = model.config.get_text_config()
     if text_config is not model.config:  # a vision-language model
         return False
