@@ -1,12 +1,13 @@
 """loopkit's TRL loops under the sharding engines and with loopkit's own keyword arguments.
 
 Engines: on 2 CPU processes (gloo, forked ranks with torchrun's environment), `SFTLoop`, `DPOLoop` (an explicit
-reference model, which TRL prepares with `prepare_fsdp` / `prepare_deepspeed`) and `RewardLoop` under FSDP2
-(`fsdp="full_shard"`, `fsdp_config={"version": 2}`) and under DeepSpeed ZeRO-2, each against TRL's own trainer
-under the same engine, in the same processes: every key TRL logs within 1e-5 relative and the final (gathered)
-weights within 1e-5. One launch per engine runs all three pairs; this file is that launch's script too
-(`python tests/test_trl_engines.py OUT ENGINE` under a 2-process launch; ENGINE: fsdp, zero2, or zero3, which the
-test does not run: docs/trl.md, "Engines").
+reference model, which TRL prepares with `prepare_fsdp` / `prepare_deepspeed`), `RewardLoop` and `GRPOLoop`
+(generation on the engine's model, a reference model) under FSDP2 (`fsdp="full_shard"`,
+`fsdp_config={"version": 2}`) and under DeepSpeed ZeRO-2, each against TRL's own trainer under the same engine, in
+the same processes: every key TRL logs within 1e-5 relative, GRPO's rollouts equal, and the final (gathered)
+weights within 1e-5. One launch per engine runs all four pairs; this file is that launch's script too
+(`python tests/test_trl_engines.py OUT ENGINE [sft,dpo,reward,grpo]` under a 2-process launch; ENGINE: fsdp, zero2,
+or zero3, which the test does not run: docs/trl.md, "Engines").
 
 TRL's trainers are `Trainer`s, which do not run these engines on CPU processes as they stand (Accelerate 1.15 drops
 FSDP on MULTI_CPU, and hands DeepSpeed no gloo backend): TRL's side here is set up as a GPU launch would set it up,
@@ -32,8 +33,8 @@ sys.path.insert(0, os.path.join(TESTS, "scripts"))
 
 RTOL = 1e-5
 ENGINES = ("fsdp", "zero2")  # FSDP2; DeepSpeed ZeRO-2
-TRAINERS = ("sft", "dpo", "reward")
-STEPS = 3
+TRAINERS = ("sft", "dpo", "reward", "grpo")
+STEPS = {"sft": 3, "dpo": 3, "reward": 3, "grpo": 2}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -109,8 +110,28 @@ def train_reward(trainer_class, folder: str, fields: dict):
     return trl_reward_child.train(trainer_class, folder, trl_reward_child.preference_pairs(12), **fields)
 
 
+def train_grpo(trainer_class, folder: str, fields: dict):
+    """GRPO at its smallest (test_trl_grpo's setup): 2 prompts x 2 generations of up to 8 tokens per step over the
+    2 ranks, two rule rewards, beta > 0 (a reference model, which TRL prepares for the engine). The reward calls'
+    record (prompts, completions, rewards) is kept on the trainer as `rollout_record`."""
+    import test_trl_grpo as grpo
+    from accelerate import PartialState
+
+    model_path = f"{folder}-base"  # TRL loads the reference model from a path
+    state = PartialState()  # the process group: transformers saves on rank 0 only once there is one
+    if state.is_main_process:
+        grpo.base_model(model_path)
+    state.wait_for_everyone()
+    record = []
+    trainer = trainer_class(model=model_path, reward_funcs=grpo.rewards(record), train_dataset=grpo.prompts(4),
+                            processing_class=grpo.tokenizer(), args=grpo.config(folder, beta=0.04, **fields))
+    trainer.train()
+    trainer.rollout_record = record
+    return trainer
+
+
 RUNS = {"sft": ("SFTTrainer", "SFTLoop", train_sft), "dpo": ("DPOTrainer", "DPOLoop", train_dpo),
-        "reward": ("RewardTrainer", "RewardLoop", train_reward)}
+        "reward": ("RewardTrainer", "RewardLoop", train_reward), "grpo": ("GRPOTrainer", "GRPOLoop", train_grpo)}
 
 
 def whole_weights(trainer) -> dict:
@@ -147,30 +168,31 @@ def engine_evidence(trainer) -> dict:
     return evidence
 
 
-def launch_main(out: str, engine: str) -> None:
+def launch_main(out: str, engine: str, kinds: tuple = TRAINERS) -> None:
     import trl
     from safetensors.torch import save_file
 
     import loopkit.trl
 
     rank = int(os.environ["RANK"])
-    for kind in TRAINERS:
+    for kind in kinds:
         trl_name, loop_name, train = RUNS[kind]
         for name, cls in ((trl_name, on_cpu_processes(getattr(trl, trl_name), engine)),
                           (loop_name, getattr(loopkit.trl, loop_name))):
             gloo_state_for(engine)
-            trainer = train(cls, os.path.join(out, name), dict(max_steps=STEPS, per_device_train_batch_size=2,
+            trainer = train(cls, os.path.join(out, name), dict(max_steps=STEPS[kind], per_device_train_batch_size=2,
                                                                **engine_fields(engine)))
             weights = whole_weights(trainer)
             if rank == 0:
                 save_file(weights, os.path.join(out, f"{name}.safetensors"))
             with open(os.path.join(out, f"{name}_rank{rank}.json"), "w") as f:
-                json.dump({"logs": trainer.state.log_history, **engine_evidence(trainer)}, f)
+                json.dump({"logs": trainer.state.log_history, "rollouts": getattr(trainer, "rollout_record", None),
+                           **engine_evidence(trainer)}, f)
             trainer.accelerator.wait_for_everyone()
 
 
 if __name__ == "__main__":
-    launch_main(sys.argv[1], sys.argv[2])
+    launch_main(sys.argv[1], sys.argv[2], *([tuple(sys.argv[3].split(","))] if len(sys.argv) > 3 else []))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -223,6 +245,7 @@ def engine_runs(tmp_path_factory, forked):
 ENGINE_EVIDENCE = {"fsdp": {"distributed_type": "DistributedType.FSDP", "processes": 2, "sharded_weight": True},
                    "zero2": {"distributed_type": "DistributedType.DEEPSPEED", "processes": 2,
                                  "sharded_weight": False, "zero_stage": 2}}
+WITH_REFERENCE = ("dpo", "grpo")  # DPO's explicit reference model; GRPO's, loaded by TRL as beta > 0
 REFERENCE_EVIDENCE = {"fsdp": {"reference": "FSDPLlamaForCausalLM", "reference_sharded": True},
                       "zero2": {"reference": "DeepSpeedEngine", "reference_sharded": False}}
 
@@ -230,28 +253,35 @@ REFERENCE_EVIDENCE = {"fsdp": {"reference": "FSDPLlamaForCausalLM", "reference_s
 @pytest.mark.parametrize("engine", ENGINES)
 def test_trl_loops_equal_trls_trainers_under_the_same_engine(engine, engine_runs):
     """SFT (prompt-completion), DPO (sigmoid, an explicit reference model that TRL shards or wraps for the engine)
-    and reward modelling, 3 steps of 2 ranks x 2 samples: loopkit's loop and TRL's trainer ran under the engine
-    (the evidence), and every logged key of both ranks and the final weights agree within 1e-5."""
+    and reward modelling, 3 steps of 2 ranks x 2 samples, and GRPO (`model.generate` on the sharded or wrapped
+    policy, two rule rewards, a reference model as beta > 0), 2 steps of 2 ranks x 2 completions: loopkit's loop
+    and TRL's trainer ran under the engine (the evidence), GRPO's rollouts are equal on each rank, and every logged
+    key of both ranks and the final weights agree within 1e-5."""
     from safetensors.torch import load_file
     from test_trl_sft import compare_weights
 
     folder = engine_runs[engine]
+    rollouts = {}
     for kind in TRAINERS:
         trl_name, loop_name, _ = RUNS[kind]
         for rank in (0, 1):
             theirs, ours = (json.load(open(os.path.join(folder, f"{name}_rank{rank}.json")))
                             for name in (trl_name, loop_name))
-            expected = {**ENGINE_EVIDENCE[engine], **(REFERENCE_EVIDENCE[engine] if kind == "dpo" else {})}
+            expected = {**ENGINE_EVIDENCE[engine], **(REFERENCE_EVIDENCE[engine] if kind in WITH_REFERENCE else {})}
             for evidence in (theirs, ours):
                 assert {key: evidence.get(key) for key in expected} == expected, (kind, rank, evidence)
+            if kind == "grpo":  # each rank's prompts, completions and rewards, reward call by reward call
+                assert len(theirs["rollouts"]) == 2 * STEPS[kind] and ours["rollouts"] == theirs["rollouts"]
+                rollouts[rank] = theirs["rollouts"]
             steps = [entry for entry in theirs["logs"] if "loss" in entry]
-            assert len(steps) == STEPS and len({entry["loss"] for entry in steps}) == STEPS  # it trained
+            assert len(steps) == STEPS[kind] and len({entry["loss"] for entry in steps}) == STEPS[kind]  # it trained
             assert all(entry["grad_norm"] > 0 for entry in steps)
             worst = worst_log_difference(ours["logs"], theirs["logs"], f"{engine} {kind} rank {rank}")
         weights = compare_weights(load_file(os.path.join(folder, f"{loop_name}.safetensors")),
                                   load_file(os.path.join(folder, f"{trl_name}.safetensors")), kind)
         print(f"\n{engine} {kind}: {len(theirs['logs'][0])} keys logged; largest relative difference: logs "
               f"{worst:.3g}, weights {weights:.3g}")
+    assert rollouts[0] != rollouts[1]  # each rank generated for its own prompts
 
 
 # -- loopkit's own keywords ----------------------------------------------------------------------------------
