@@ -72,15 +72,19 @@ def refuse_as_training_arguments(args) -> None:
 
 
 def check_enum_values(args) -> None:
-    """A value outside TrainingArguments' enum for its field. Defaults are known good (no import for them); an
-    `optim` loopkit knows is in the enum; `debug` is checked option by option."""
+    """A value outside TrainingArguments' enum for its field. Defaults, the values loopkit supports
+    (`SUPPORTED_CHOICES`) and an `optim` loopkit knows are in the enum, so building `LoopArgs` with them imports no
+    `transformers.trainer*` module (tests/test_stand_in_callbacks.py); `debug` is checked option by option."""
+    from .checks import SUPPORTED_CHOICES  # checks.py imports this module
+
     defaults = {f.name: f.default for f in dataclasses.fields(args) if f.default is not dataclasses.MISSING} \
         if dataclasses.is_dataclass(args) else {}
     for name in ENUM_OF_FIELD:
         value = getattr(args, name)
         for one in (value.split() if isinstance(value, str) else value) if name == "debug" else [value]:
             one = plain(one)
-            if one == plain(defaults.get(name)) or (name == "optim" and one in KNOWN_OPTIMS):
+            if one == plain(defaults.get(name)) or one in SUPPORTED_CHOICES.get(name, ()) or \
+                    (name == "optim" and one in KNOWN_OPTIMS):
                 continue
             message = enum_refusal(name, one)
             if message is not None:
