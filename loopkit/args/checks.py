@@ -13,8 +13,8 @@ from typing import Any
 
 from ..errors import LoopConfigError, RuntimeConfigError, config_error, plain, trainer_error
 from ..optimizers import check_optim
-from .fields import (ACCELERATE_ENGINE_FIELDS, INERT_FIELDS, SUPPORTED_FIELDS, check_reviewed_fields,
-                     unsupported_field_error)
+from .fields import (ACCELERATE_ENGINE_FIELDS, INERT_FIELDS, SUPPORTED_CHOICES, SUPPORTED_FIELDS,
+                     check_reviewed_fields, unsupported_field_error)
 from .loop_args import LOOP_ARGS_FIELDS, SEQ2SEQ_FIELDS, LoopArgs, check_best_model_schedule
 from .refusals import enum_refusal, refuse_as_training_arguments
 
@@ -22,20 +22,8 @@ from .refusals import enum_refusal, refuse_as_training_arguments
 # Plumbing-like fields that do change a run (`dataloader_in_order`, `dataloader_multiprocessing_context`,
 # `accelerator_config`, `debug`, `save_on_each_node`) are supported, never inert.
 
-# `optim` is checked by loopkit/optimizers.py (refusals name the package or device the user's machine lacks).
-SUPPORTED_CHOICES = {
-    # transformers' schedulers (reduce_lr_on_plateau and greedy step on eval metrics); a scheduler type added later
-    # is refused until it is reviewed.
-    "lr_scheduler_type": ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
-                          "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "greedy",
-                          "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"),
-    "train_sampling_strategy": ("random", "sequential", "group_by_length"),
-    "include_num_input_tokens_seen": ("no", "all", "non_padding"),
-    "logging_strategy": ("no", "steps", "epoch"),
-    "eval_strategy": ("no", "steps", "epoch"),
-    "save_strategy": ("no", "steps", "epoch", "best"),
-    "hub_strategy": ("end", "every_save", "checkpoint", "all_checkpoints"),
-}
+# `optim` is checked by loopkit/optimizers.py (refusals name the package or device the user's machine lacks); the
+# other fields that take one of a few values: SUPPORTED_CHOICES, in loopkit/args/fields.py.
 # The way out, for the refused values users ask for most; otherwise the fix is "leave it at its default".
 FIXES = {
     "lr_scheduler_type": "choose one of those, or build the scheduler yourself: pass optimizers=(optimizer, "

@@ -222,3 +222,19 @@ def literal_metadata(metadata: ast.expr | None) -> dict:
         return {}
     entries = {literal(k): literal(v) for k, v in zip(metadata.keys, metadata.values) if k is not None}
     return {k: v for k, v in entries.items() if k is not NOT_GIVEN and v is not NOT_GIVEN}
+
+
+# The values loopkit supports of the fields that take one of a few (the rest are refused by name: checks.py).
+SUPPORTED_CHOICES = {
+    # transformers' schedulers (reduce_lr_on_plateau and greedy step on eval metrics); a scheduler type added later
+    # is refused until it is reviewed.
+    "lr_scheduler_type": ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                          "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "greedy",
+                          "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"),
+    "train_sampling_strategy": ("random", "sequential", "group_by_length"),
+    "include_num_input_tokens_seen": ("no", "all", "non_padding"),
+    "logging_strategy": ("no", "steps", "epoch"),
+    "eval_strategy": ("no", "steps", "epoch"),
+    "save_strategy": ("no", "steps", "epoch", "best"),
+    "hub_strategy": ("end", "every_save", "checkpoint", "all_checkpoints"),
+}

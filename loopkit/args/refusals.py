@@ -31,6 +31,7 @@ from typing import Any
 
 from ..errors import plain, trainer_error
 from ..optimizers import KNOWN_OPTIMS
+from .fields import SUPPORTED_CHOICES
 
 # The str-enums TrainingArguments turns these fields into: a value outside them is refused in the enum's words.
 ENUM_OF_FIELD = {"lr_scheduler_type": ("transformers.trainer_utils", "SchedulerType"),
@@ -75,8 +76,6 @@ def check_enum_values(args) -> None:
     """A value outside TrainingArguments' enum for its field. Defaults, the values loopkit supports
     (`SUPPORTED_CHOICES`) and an `optim` loopkit knows are in the enum, so building `LoopArgs` with them imports no
     `transformers.trainer*` module (tests/test_stand_in_callbacks.py); `debug` is checked option by option."""
-    from .checks import SUPPORTED_CHOICES  # checks.py imports this module
-
     defaults = {f.name: f.default for f in dataclasses.fields(args) if f.default is not dataclasses.MISSING} \
         if dataclasses.is_dataclass(args) else {}
     for name in ENUM_OF_FIELD:
