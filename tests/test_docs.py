@@ -51,6 +51,20 @@ def python_blocks(page: str) -> list[str]:
     return [code for language, code, _ in fenced_blocks(page) if language == "python"]
 
 
+def python_block(page: str, marker: str) -> str:
+    """The one Python block of `page` that contains `marker` (a test that runs it fails if there are more or none)."""
+    blocks = [code for code in python_blocks(page) if marker in code]
+    assert len(blocks) == 1, f"{page}: {len(blocks)} Python blocks contain {marker!r}, one expected"
+    return blocks[0]
+
+
+def run_python_block(page: str, marker: str, namespace: dict | None = None) -> dict:
+    """Run `python_block(page, marker)` as printed (in the current folder); returns the names it defined."""
+    namespace = {} if namespace is None else namespace
+    exec(compile(python_block(page, marker), page, "exec"), namespace)
+    return namespace
+
+
 def test_every_python_block_is_run_by_these_tests():
     counts = {page: len(python_blocks(page)) for page in DOC_PAGES if python_blocks(page)}
     assert counts == PYTHON_BLOCKS_RUN_HERE, "a page's Python examples changed: run the new ones in tests/test_docs.py"

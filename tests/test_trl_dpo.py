@@ -417,9 +417,9 @@ def test_example_script_trains_with_its_own_loss_at_a_tiny_size(capsys):
 
 def test_docs_preference_loss_block_trains_with_its_own_loss(tmp_path, monkeypatch):
     """docs/trl.md's SimPOStep block, run as printed: its loss is the SimPO loss of the log-probs, not TRL's."""
-    from test_docs import python_blocks
+    from test_docs import python_block
 
-    (block,) = [code for code in python_blocks("docs/trl.md") if "class SimPOStep(DPOStep)" in code]
+    block = python_block("docs/trl.md", "class SimPOStep(DPOStep)")
     monkeypatch.chdir(tmp_path)
     seen = []
     namespace = {}

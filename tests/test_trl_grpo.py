@@ -252,14 +252,10 @@ def test_example_script_runs_at_a_tiny_size():
 
 def test_the_docs_example_runs(tmp_path, monkeypatch):
     """docs/trl.md's GRPO block: a reward function and a RolloutDataStage subclass, two steps."""
-    from test_docs import python_blocks
+    from test_docs import run_python_block
 
-    blocks = [code for code in python_blocks("docs/trl.md") if "GRPOLoop(" in code]
-    assert len(blocks) == 1
     monkeypatch.chdir(tmp_path)
-    namespace = {}
-    exec(compile(blocks[0], "docs/trl.md", "exec"), namespace)
-    loop = namespace["loop"]
+    loop = run_python_block("docs/trl.md", "GRPOLoop(")["loop"]
     assert type(loop.data).__name__ == "ClippedAdvantages" and loop.state.global_step == 2
     assert "rewards/has_y/mean" in loop.state.log_history[0]
 

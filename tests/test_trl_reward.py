@@ -369,9 +369,9 @@ def test_a_reward_loss_on_the_loop_or_a_step_of_another_kind_is_refused():
 def test_the_docs_hinge_variant_trains_on_the_hinge_loss_checked_by_hand(tmp_path, monkeypatch):
     """docs/trl.md's reward variant, run as printed (from `pairs`, `model`, `tokenizer`), logs the losses of
     HingeRewardStep above, whose loss, update and eval_loss the hand computation checks."""
-    from test_docs import python_blocks
+    from test_docs import python_block
 
-    (block,) = [code for code in python_blocks("docs/trl.md") if "class HingeRewardStep(RewardStep)" in code]
+    block = python_block("docs/trl.md", "class HingeRewardStep(RewardStep)")
     monkeypatch.chdir(tmp_path)
     pairs = child.preference_pairs(8)
     tokenizer = child.reward_tokenizer()

@@ -402,14 +402,10 @@ def test_two_processes_log_what_sfttrainer_logs_on_two_processes(tmp_path, forke
 # ---------------------------------------------------------------------------------------------------------------
 def test_the_docs_example_runs(tmp_path, monkeypatch):
     """docs/trl.md's SFT block: prompt-completion reviews, two steps."""
-    from test_docs import python_blocks
+    from test_docs import run_python_block
 
-    blocks = [code for code in python_blocks("docs/trl.md") if "loop = SFTLoop(" in code]
-    assert len(blocks) == 1
     monkeypatch.chdir(tmp_path)
-    namespace = {}
-    exec(compile(blocks[0], "docs/trl.md", "exec"), namespace)
-    loop = namespace["loop"]
+    loop = run_python_block("docs/trl.md", "loop = SFTLoop(")["loop"]
     assert type(loop) is SFTLoop and loop.state.global_step == 2
     assert {"entropy", "mean_token_accuracy", "num_tokens"} <= set(loop.state.log_history[0])
 
