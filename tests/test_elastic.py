@@ -192,8 +192,10 @@ def test_sigterm_to_the_launcher_saves_exits_143_within_two_steps_and_resumes_ex
     assert [r["exit_code"] for r in ranks] == [143, 143]
     stop = ranks[0]["steps"][-1]
     assert [r["steps"][-1] for r in ranks] == [stop, stop]  # every rank stopped after the same step
-    for r in ranks:  # the documented bound: at most two optimizer steps after the signal reached the process
-        assert 3 <= r["signal_after_step"] and stop <= r["signal_after_step"] + 2, r
+    # Rank 0 sends the signal at the end of step 3. The other rank finished at least step 2, because step 3's
+    # all-reduce needed it, but it may still be inside step 3 when the signal arrives.
+    for rank, r in enumerate(ranks):  # the documented bound: at most two optimizer steps after the signal arrived
+        assert (3 if rank == 0 else 2) <= r["signal_after_step"] and stop <= r["signal_after_step"] + 2, r
     newest = checkpoint_dirs(os.path.join(out, "run"))[-1]
     assert os.path.basename(newest) == f"checkpoint-{stop}" and HFStorage().checkpoint_problem(newest) is None
     print(f"SIGTERM to the launcher after step 3; it reached the ranks after steps "
