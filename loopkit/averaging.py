@@ -190,6 +190,15 @@ def saved_weights(state: dict) -> dict | None:
     return weights
 
 
+def averaged_weights(checkpoint: str, num_processes: int = 1, process_index: int = 0) -> dict | None:
+    """The averaged weights a checkpoint folder holds, by parameter name (CPU tensors; None when it was saved before
+    the first update), as the process `process_index` of `num_processes` wrote them: to deploy the average."""
+    from .checkpoint.stage_tensors import read_stage_tensors, tensors_back
+
+    own, tensors = read_stage_tensors(checkpoint, num_processes, process_index)
+    return saved_weights(tensors_back(own, tensors).get(AVERAGING_KEY, {}))
+
+
 def check_averaging(averaging) -> None:
     """`Loop(averaging=...)`: an `EMA`, an `SWA` (or another `WeightAveraging`), or None."""
     if averaging is not None and not isinstance(averaging, WeightAveraging):
