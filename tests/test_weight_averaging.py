@@ -234,3 +234,19 @@ def test_the_update_does_not_sync_the_host(monkeypatch):
             ema.on_step_end(loop.args, state, loop.control)
         monkeypatch.undo()
         assert ema.updates == 3
+
+
+def test_an_evaluation_that_raises_during_training_leaves_the_training_weights_in_the_model():
+    def fails_at_step_4(prediction, calls=[]):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("metric failed")
+        return {}
+
+    with tempfile.TemporaryDirectory() as out:
+        watch = TrainingWeights()
+        loop = regression_loop(out, EMA(decay=0.6), [watch], compute_metrics=fails_at_step_4)
+        with pytest.raises(RuntimeError, match="metric failed"):
+            loop.train()
+        assert max(watch.after_step) == 4
+        assert_weights(dict(loop.model.named_parameters()), watch.after_step[4], "the model", exact=True)
