@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from helpers import regression_data, tiny_llama, lm_data, tiny_regression
+from helpers import lm_data, regression_data, tiny_llama, tiny_regression, wait_for
 from loopkit import EMA, SWA, Loop, LoopArgs, LoopConfigError
 from loopkit.averaging import averaged_weights
 
@@ -250,3 +250,36 @@ def test_an_evaluation_that_raises_during_training_leaves_the_training_weights_i
             loop.train()
         assert max(watch.after_step) == 4
         assert_weights(dict(loop.model.named_parameters()), watch.after_step[4], "the model", exact=True)
+
+
+def test_ddp_ranks_keep_the_same_average_and_resume_it_bit_for_bit(forked):
+    """2 gloo processes (what `torchrun --nproc_per_node 2` starts, forked: helpers.ForkServer.launch), each running
+    tests/scripts/averaging_child.py: an EMA run uninterrupted, and the same run stopped after its step-4 checkpoint
+    and resumed from it. Each rank checkpoints its own copy of the average (loopkit_tensors_<rank>.safetensors)."""
+    with tempfile.TemporaryDirectory() as out:
+        script = os.path.join(os.path.dirname(__file__), "scripts", "averaging_child.py")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+        env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+                   PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        launch = forked.launch([script, out], 2, "the 2-process averaging launch", env=env)
+        output = wait_for(launch, "the 2-process averaging launch")
+        assert launch.returncode == 0, output[-3000:]
+        for step in (4, 8):
+            whole, resumed = (os.path.join(out, run, f"checkpoint-{step}") for run in ("whole", "resumed"))
+            assert {"loopkit_tensors_0.safetensors", "loopkit_tensors_1.safetensors"} <= set(os.listdir(whole))
+            assert_weights(load_file(os.path.join(resumed, "model.safetensors")),
+                           load_file(os.path.join(whole, "model.safetensors")), f"step {step} model", exact=True)
+            averages = [averaged_weights(folder, 2, rank) for folder in (whole, resumed) for rank in (0, 1)]
+            for other in averages[1:]:
+                assert_weights(other, averages[0], f"step {step}: each rank's average, whole and resumed", exact=True)
+            assert not torch.equal(averages[0]["linear.weight"],
+                                   load_file(os.path.join(whole, "model.safetensors"))["linear.weight"])
+        finals = [load_file(os.path.join(out, f"{run}_rank{rank}.safetensors")) for run in ("whole", "resumed")
+                  for rank in (0, 1)]
+        for final in finals:
+            assert_weights(final, averaged_weights(os.path.join(out, "whole", "checkpoint-8"), 2, 0),
+                           "the model after train(): the final average", exact=True)
+        # Resumed by another number of processes, the average is refused (each process checkpointed its own).
+        with pytest.raises(RuntimeError, match="another number of processes"):
+            regression_loop(os.path.join(out, "one"), EMA(decay=0.75)).train(
+                resume_from_checkpoint=os.path.join(out, "whole", "checkpoint-4"))
