@@ -283,3 +283,11 @@ def test_ddp_ranks_keep_the_same_average_and_resume_it_bit_for_bit(forked):
         with pytest.raises(RuntimeError, match="another number of processes"):
             regression_loop(os.path.join(out, "one"), EMA(decay=0.75)).train(
                 resume_from_checkpoint=os.path.join(out, "whole", "checkpoint-4"))
+
+
+def test_the_docs_example_returns_the_best_checkpoints_average():
+    """docs/weight-averaging.md's example (it asserts the model returned holds checkpoint-4's average)."""
+    from test_docs import run_python_block
+
+    namespace = run_python_block("docs/weight-averaging.md", "averaged_weights(best)")
+    assert namespace["loop"].state.best_global_step == 4
