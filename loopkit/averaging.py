@@ -60,6 +60,12 @@ class WeightAveraging(Stage):
         self.depth = 0  # nested evaluations (a callback's evaluate() inside one): the outermost one swaps
         self.swapped = False
 
+    def bind(self, run, context) -> "WeightAveraging":
+        if self.run is not None and self.run is not run:  # its events and checkpoints would mix two runs
+            raise config_error("averaging", self, "this object already serves another Loop",
+                               f"pass a new one to each Loop ({type(self).__name__}(...))")
+        return super().bind(run, context)
+
     def update_weight(self, updates: int) -> float:
         """The share of the current weights in the average after update number `updates` + 1 (0 < share < 1)."""
         raise NotImplementedError

@@ -209,10 +209,14 @@ def test_bad_values_are_refused_at_construction_naming_field_value_and_fix(make,
     assert str(refused.value).startswith(f"{field}={value!r}: ") and "Fix: " in str(refused.value)
 
 
-def test_averaging_takes_only_a_weight_averaging():
+def test_averaging_takes_only_a_weight_averaging_and_one_per_loop():
     with tempfile.TemporaryDirectory() as out:
         with pytest.raises(LoopConfigError, match=r"averaging=0\.999: .* Fix: pass loopkit\.EMA\(decay=0\.999\)"):
             regression_loop(out, 0.999)
+        ema = EMA(decay=0.9)
+        regression_loop(out, ema)
+        with pytest.raises(LoopConfigError, match=r"averaging=EMA\(decay=0\.9, .*another Loop\. Fix: pass a new one"):
+            regression_loop(out, ema)
 
 
 def test_the_update_does_not_sync_the_host(monkeypatch):
