@@ -5,6 +5,7 @@ resume bit for bit, the model's weights when train() returns, the refusals, and 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 import pytest
@@ -15,6 +16,9 @@ from transformers import TrainerCallback
 from helpers import lm_data, regression_data, tiny_llama, tiny_regression, wait_for
 from loopkit import EMA, SWA, Loop, LoopArgs, LoopConfigError
 from loopkit.averaging import averaged_weights
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+from averaging_child import StopAt  # noqa: E402  (the DDP child's: a run stopped after a step)
 
 STEPS, SAVE_EVERY = 8, 4
 
@@ -132,15 +136,6 @@ def test_a_best_model_chosen_before_the_first_update_keeps_its_training_weights(
         ema = dict(expected_ema(watch.after_step, 0.6, start_step=4))
         assert sorted(ema) == [5, 6, 7, 8]
         assert_weights(watch.evaluated[8], ema[8], "evaluated at step 8")
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 @pytest.mark.parametrize("make", [lambda: EMA(decay=0.75, every_n_steps=2), lambda: SWA(start_step=2)],
