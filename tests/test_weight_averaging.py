@@ -161,6 +161,14 @@ def test_resume_gives_the_uninterrupted_training_and_averaged_weights_bit_for_bi
         assert evaluations[0] == evaluations[1] and len(evaluations[0]) == STEPS // 2
 
 
+def test_a_checkpoint_with_an_average_resumed_without_averaging_says_so():
+    with tempfile.TemporaryDirectory() as out:
+        regression_loop(out, EMA(decay=0.9), max_steps=SAVE_EVERY, eval_strategy="no").train()
+        with pytest.warns(UserWarning, match="holds averaged weights, and this Loop has no averaging=: .* Pass the"):
+            regression_loop(out, None, max_steps=SAVE_EVERY + 1, eval_strategy="no", save_strategy="no").train(
+                resume_from_checkpoint=os.path.join(out, f"checkpoint-{SAVE_EVERY}"))
+
+
 def test_swa_is_the_mean_of_the_training_weights_since_its_start():
     with tempfile.TemporaryDirectory() as out:
         watch = TrainingWeights()
