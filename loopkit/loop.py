@@ -228,7 +228,8 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
             self.averaging.load_state_dict(saved.get(AVERAGING_KEY, {}))
         elif saved.get(AVERAGING_KEY, {}).get("updates"):
             warnings.warn(f"{checkpoint} holds averaged weights, and this Loop has no averaging=: they are left "
-                          f"there, and the model trains on. Pass the run's averaging (averaging=EMA(...)) to continue it.")
+                          f"there, and the model trains on. Pass the run's averaging (averaging=EMA(...)) to go on "
+                          f"with it.")
         self.schedule.start(running_loss_state(saved), saved.get("schedule", saved.get("evaluation", {})))
 
     def run_epoch(self, epoch, plan, resume, ignore_keys_for_eval):

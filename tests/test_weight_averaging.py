@@ -201,7 +201,8 @@ def test_accumulation_updates_once_per_optimizer_step_and_only_the_trained_param
 
 
 @pytest.mark.parametrize("make, field, value", [
-    (lambda: EMA(decay=1.0), "decay", 1.0), (lambda: EMA(decay=0), "decay", 0), (lambda: EMA(decay=-0.5), "decay", -0.5),
+    (lambda: EMA(decay=1.0), "decay", 1.0), (lambda: EMA(decay=0), "decay", 0),
+    (lambda: EMA(decay=-0.5), "decay", -0.5),
     (lambda: EMA(decay="0.99"), "decay", "0.99"), (lambda: EMA(decay=True), "decay", True),
     (lambda: EMA(start_step=-1), "start_step", -1), (lambda: SWA(every_n_steps=0), "every_n_steps", 0),
     (lambda: SWA(start_step=1.5), "start_step", 1.5),
