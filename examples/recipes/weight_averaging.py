@@ -5,6 +5,10 @@ Each checkpoint holds the weights being trained (`model.safetensors`) and the av
 (`loopkit.averaging.averaged_weights(checkpoint)`); with `load_best_model_at_end` the model `train()` returns holds
 the best checkpoint's average. The recipe then evaluates the best checkpoint's trained weights too, for comparison,
 and puts the average back. docs/weight-averaging.md has the details (resume, cost, what is averaged).
+
+At the default size (1,024 reviews, 2 epochs, 128 steps, EMA decay 0.98) one run here chose checkpoint-128: accuracy
+0.789 and loss 0.438 with its average, 0.785 and 0.426 with the weights being trained then (one seed, 256
+validation reviews: a difference of one review in accuracy, not evidence either way).
 """
 
 from __future__ import annotations
