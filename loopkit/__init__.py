@@ -26,6 +26,8 @@ _EXPORTS = {
     "ChunkedLossStep": "loopkit.stages.chunked_loss",
     "EvalStage": "loopkit.stages.evaluation",
     "TeardownStage": "loopkit.stages.teardown",
+    "EMA": "loopkit.averaging",
+    "SWA": "loopkit.averaging",
     "Seq2SeqLoop": "loopkit.seq2seq_loop",
     "Seq2SeqEvalStage": "loopkit.stages.seq2seq",
     "EVENTS": "loopkit.events",

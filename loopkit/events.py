@@ -13,7 +13,11 @@ pop / remove: see loopkit/default_callbacks.py). The handler's own `on_<event>` 
 
 Stages receive events too: a stage that defines an `on_*` method is called before the callbacks for that event.
 
-loopkit adds two events HF lacks:
+loopkit adds events HF lacks (a callback without the method, such as an unmodified `TrainerCallback`, is simply
+not called for them: the handler lists only the `on_*` methods a listener has):
+* `on_evaluate_begin` / `on_evaluate_end`, `on_predict_begin` / `on_predict_end`: first and last thing in each
+  `evaluate()` (each evaluation set of a dict) and `predict()`; the end events fire even when the evaluation raises, so
+  a listener that changed the model for it (weight averaging: loopkit/averaging.py) puts it back.
 * `on_gradients_ready(args, state, control, **kwargs)`: after the last backward of an optimizer step, gradients
   accumulated and unscaled (fp16), **before** clipping. Per-layer gradient monitoring belongs here; HF's
   `on_pre_optimizer_step` only sees clipped gradients.
@@ -34,7 +38,8 @@ HF_EVENTS = (
     "on_optimizer_step", "on_step_end", "on_log", "on_prediction_step", "on_evaluate", "on_save", "on_epoch_end",
     "on_train_end", "on_predict", "on_push_begin",
 )
-LOOPKIT_EVENTS = ("on_gradients_ready", "on_train_failed")
+LOOPKIT_EVENTS = ("on_gradients_ready", "on_train_failed", "on_evaluate_begin", "on_evaluate_end", "on_predict_begin",
+                  "on_predict_end")
 EVENTS = HF_EVENTS + LOOPKIT_EVENTS
 
 # The handler's own flag resets, done before any callback runs (HF's CallbackHandler); `methodcaller`s, so a reset

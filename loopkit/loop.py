@@ -19,6 +19,7 @@ import time
 import warnings
 
 from .args import ArgsClassDeclaration, LoopArgs, check_args, check_inputs
+from .averaging import AVERAGING_KEY, check_averaging
 from .checkpoint import CHECKPOINT_PREFIX, warn_if_checkpoint_args_differ
 from .columns import find_labels
 from .distributed import release_earlier_run
@@ -54,6 +55,8 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
     `metrics=[...]` adds streaming evaluation metrics (`loopkit.metrics`), computed batch by batch on the device;
     `observers=[...]` receives each step's result and adds keys to the training logs (`loopkit.observers`).
     `storage=` picks how checkpoints are stored (`loopkit.storage`: `HFStorage()`, the default, or `DCPStorage()`).
+    `averaging=` keeps an average of the weights (`loopkit.averaging`: `EMA(decay=0.999)` or `SWA()`), evaluated
+    during training, checkpointed, and the model's weights when `train()` returns.
     """
 
     # Non-finite losses and gradients are read back (one host sync) every this many optimizer steps; preemption is
@@ -69,9 +72,11 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
                  callbacks=None, optimizers=(None, None), optimizer_cls_and_kwargs=None,
                  preprocess_logits_for_metrics=None, *, metrics=None, observers=None, setup: SetupStage | None = None,
                  data: DataStage | None = None, step: StepStage | None = None,
-                 evaluation: EvalStage | None = None, teardown: TeardownStage | None = None, storage=None):
+                 evaluation: EvalStage | None = None, teardown: TeardownStage | None = None, storage=None,
+                 averaging=None):
         args_given, args = args is not None, args if args is not None else LoopArgs()
         take_accumulation_steps(args)  # accelerator_config's num_steps, as Trainer takes it
+        check_averaging(averaging)
         check_args(args, type(self))  # with the fields the class reads (`args_class`: loopkit/args/checks.py)
         check_inputs(args, model=model, model_init=model_init, train_dataset=train_dataset, eval_dataset=eval_dataset,
                      compute_metrics=compute_metrics, optimizers=optimizers,
@@ -91,6 +96,7 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
         self.teardown = teardown or classes["teardown"]()
         for stage in self.stages:
             stage.bind(run, context)
+        self.averaging = averaging.bind(run, context) if averaging is not None else None
         bind_overrides(self, classes)
         self.setup.begin(model)  # every RNG seeded first, as in Trainer.__init__
         self.create_accelerator_and_postprocess()
@@ -102,7 +108,7 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
         self.data.check_eval_labels()  # before any training: metric_for_best_model needs labelled evaluations
         # events: flow, integrations, the user's, then this (HF's order); none when log_level keeps the run quiet
         progress = default_progress_callback(args, log_messages.quiet(args, context.accelerator))
-        context.events = EventHandler(default_callbacks(args, callbacks, progress), self.stages, run)
+        context.events = EventHandler(default_callbacks(args, callbacks, progress), self.listening_stages, run)
         # As in Trainer.__init__: an evaluate() before train() logs (and reports) on the main process only.
         run.state = LoopState(is_local_process_zero=context.accelerator.is_local_main_process,
                               is_world_process_zero=context.accelerator.is_main_process)
@@ -119,6 +125,11 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
     @property
     def stages(self):
         return (self.setup, self.data, self.step, self.evaluation, self.teardown)
+
+    @property
+    def listening_stages(self):
+        """What hears events before the callbacks: the stages, then the weight averaging."""
+        return self.stages + ((self.averaging,) if self.averaging is not None else ())
 
     def fire(self, event: str, **extra):
         """Fire `event` on stages and callbacks; the returned control becomes `self.control` (HF's protocol)."""
@@ -213,6 +224,12 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
         self.initial_global_step = state.global_step
         for name, stage in zip(STAGES, self.stages):
             stage.load_state_dict(saved.get(name, {}))
+        if self.averaging is not None:
+            self.averaging.load_state_dict(saved.get(AVERAGING_KEY, {}))
+        elif saved.get(AVERAGING_KEY, {}).get("updates"):
+            warnings.warn(f"{checkpoint} holds averaged weights, and this Loop has no averaging=: they are left "
+                          f"there, and the model trains on. Pass the run's averaging (averaging=EMA(...)) to go on "
+                          f"with it.")
         self.schedule.start(running_loss_state(saved), saved.get("schedule", saved.get("evaluation", {})))
 
     def run_epoch(self, epoch, plan, resume, ignore_keys_for_eval):
@@ -275,6 +292,8 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
         """Each stage's own checkpointed state by stage name, the schedule's, and the run record (elapsed time and
         phases so far, for the run report): `loopkit_state.json`."""
         states = {name: stage.state_dict() for name, stage in zip(STAGES, self.stages)}
+        if self.averaging is not None:
+            states[AVERAGING_KEY] = self.averaging.state_dict()
         states["running_loss"] = self.schedule.running_loss.state_dict()
         states["schedule"] = self.schedule.state_dict()
         states[RUN_RECORD_KEY] = run_record(self.context.clock, self.run)

@@ -26,7 +26,8 @@ README_MAX_BYTES = 12 * 1024  # a landing page: the reference material lives in 
 # (docs/stages.md's blocks 4 and 5, the step observers, run in tests/test_observers.py)
 PYTHON_BLOCKS_RUN_HERE = {"README.md": 1, "docs/stages.md": 5, "docs/evaluation.md": 4, "docs/arguments.md": 1,
                           "docs/events.md": 1,  # events.md: run in tests/test_on_save_commit.py
-                          "docs/trl.md": 5}  # trl.md: tests/test_trl_{sft,dpo,reward,grpo}.py, test_config_refusal.py
+                          "docs/trl.md": 5,
+                          "docs/weight-averaging.md": 1}  # run in tests/test_weight_averaging.py  # trl.md: tests/test_trl_{sft,dpo,reward,grpo}.py, test_config_refusal.py
 NOT_PYTHON = {"bash", "text"}
 NOT_RUN_MARK = re.compile(r"<!-- not run: (\S.*?) -->")
 FENCE = re.compile(r"^```(\S*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)

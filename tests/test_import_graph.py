@@ -37,7 +37,7 @@ LAYERS = {
         "loopkit.checkpoint.*", "loopkit.storage.*",
     ],
     "run core": [  # the run's state and services, its stages, what happens between steps, the run report
-        "loopkit.run_state", "loopkit.stages.*", "loopkit.schedule", "loopkit.report.*",
+        "loopkit.run_state", "loopkit.stages.*", "loopkit.averaging", "loopkit.schedule", "loopkit.report.*",
     ],
     "Trainer's surface": [  # what makes a Loop answer as transformers.Trainer does, beside the run
         "loopkit.trainer.overridable", "loopkit.trainer.methods", "loopkit.trainer.hub", "loopkit.trainer.search",

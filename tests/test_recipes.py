@@ -366,3 +366,26 @@ def test_spike_step_is_skipped_and_leaves_the_weights_unchanged(tmp_path):
     recipe.main(tiny=True, output_dir=str(tmp_path / "control"), max_steps=6, callbacks=[watched],
                 step=recipe.WithInjectedSpikes((5,), factor=math.inf))
     assert watched.changed[5]
+
+
+# 13 --------------------------------------------------------------------------------------------------------------
+def test_weight_averaging_returns_the_best_checkpoints_average_judged_on_the_average(tmp_path):
+    import weight_averaging as recipe
+    from safetensors.torch import load_file
+
+    from loopkit.averaging import averaged_weights
+
+    loop, report = recipe.main(tiny=True, output_dir=str(tmp_path))
+    best = report["best"]
+    average, trained = averaged_weights(best), load_file(os.path.join(best, "model.safetensors"))
+    # The model returned holds the best checkpoint's average, which differs from that step's trained weights.
+    assert all(torch.equal(p, average[n]) for n, p in loop.model.named_parameters())
+    assert any(not torch.equal(average[n], trained[n]) for n in average)
+    # The evaluation logged at the best step was the average's (evaluated again here), not the trained weights';
+    # and the best step is the one with the best logged accuracy (the first of equals).
+    logged = {h["step"]: h for h in loop.state.log_history if "eval_accuracy" in h}
+    best_step = int(best.rsplit("-", 1)[1])
+    assert report["averaged"]["eval_loss"] == pytest.approx(logged[best_step]["eval_loss"], rel=1e-5)
+    assert report["trained"]["eval_loss"] != pytest.approx(logged[best_step]["eval_loss"], rel=1e-5)
+    accuracies = [h["eval_accuracy"] for h in logged.values()]
+    assert best_step == min(s for s, h in logged.items() if h["eval_accuracy"] == max(accuracies))

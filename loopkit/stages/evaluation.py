@@ -2,7 +2,8 @@
 
 Contract:
 * `evaluate`, `predict`, `evaluation_loop`, `prediction_step`: HF's signatures and metric keys; `evaluate` logs its
-  metrics (`context.log`) and fires `on_evaluate`, `predict` fires `on_predict`.
+  metrics (`context.log`) and fires `on_evaluate`, `predict` fires `on_predict`; each is framed by loopkit's
+  `on_evaluate_begin` / `on_evaluate_end` (`on_predict_begin` / `on_predict_end`), the end one fired even on an error.
 * The loss is summed on the device as it streams (`LossSum`: memory does not grow with the eval set); logits and
   labels are kept only when `compute_metrics` needs them or for `predict` (`PredictionStore`). Streaming metrics
   (`Loop(metrics=[...])`, `loopkit.metrics`) see every batch's logits on the device and keep only running sums.
@@ -156,22 +157,31 @@ class EvalStage(Stage):
                 metrics.update(self.evaluate(dataset if override else name, ignore_keys,
                                              f"{metric_key_prefix}_{name}"))
             return metrics
-        context.memory.start("eval")
-        dataloader = context.get_eval_dataloader(eval_dataset)
-        # Without compute_metrics no predictions are kept (streaming metrics still see every batch's logits).
-        output = self.timed_loop(dataloader, "Evaluation", True if run.compute_metrics is None else None,
-                                 ignore_keys, metric_key_prefix)
-        context.log(output.metrics)
-        context.events.fire("on_evaluate", metrics=output.metrics)
-        context.memory.stop_and_update_metrics("eval", output.metrics)  # HF: in the returned metrics, not the log
+        context.events.fire("on_evaluate_begin")
+        try:  # the end event even when evaluation raises: a listener that changed the model puts it back
+            context.memory.start("eval")
+            dataloader = context.get_eval_dataloader(eval_dataset)
+            # Without compute_metrics no predictions are kept (streaming metrics still see every batch's logits).
+            output = self.timed_loop(dataloader, "Evaluation", True if run.compute_metrics is None else None,
+                                     ignore_keys, metric_key_prefix)
+            context.log(output.metrics)
+            context.events.fire("on_evaluate", metrics=output.metrics)
+            context.memory.stop_and_update_metrics("eval", output.metrics)  # HF: in the returned metrics only
+        finally:
+            context.events.fire("on_evaluate_end")
         return output.metrics
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
-        self.context.memory.start("test")
-        dataloader = self.context.get_test_dataloader(test_dataset)
-        output = self.timed_loop(dataloader, "Prediction", None, ignore_keys, metric_key_prefix)
-        self.context.events.fire("on_predict", metrics=output.metrics)
-        self.context.memory.stop_and_update_metrics("test", output.metrics)
+        context = self.context
+        context.events.fire("on_predict_begin")
+        try:
+            context.memory.start("test")
+            dataloader = context.get_test_dataloader(test_dataset)
+            output = self.timed_loop(dataloader, "Prediction", None, ignore_keys, metric_key_prefix)
+            context.events.fire("on_predict", metrics=output.metrics)
+            context.memory.stop_and_update_metrics("test", output.metrics)
+        finally:
+            context.events.fire("on_predict_end")
         return PredictionOutput(output.predictions, output.label_ids, output.metrics)
 
     def timed_loop(self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix):

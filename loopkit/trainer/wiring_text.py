@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from .overridable import OWNERS
 
-# EVENTS in the order a run meets them: loopkit's on_gradients_ready inside the step, on_train_failed at the end.
+# EVENTS in the order a run meets them: loopkit's on_gradients_ready inside the step, on_evaluate_begin / _end and
+# on_predict_begin / _end around HF's evaluation and prediction events, on_train_failed at the end.
 FIRING_ORDER = ("on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "on_substep_end",
                 "on_gradients_ready", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_log",
-                "on_prediction_step", "on_evaluate", "on_save", "on_epoch_end", "on_train_end", "on_train_failed",
-                "on_predict", "on_push_begin")
+                "on_evaluate_begin", "on_prediction_step", "on_evaluate", "on_evaluate_end", "on_save", "on_epoch_end",
+                "on_train_end", "on_train_failed", "on_predict_begin", "on_predict", "on_predict_end", "on_push_begin")
 EVENT_WIDTH = max(len(event) for event in FIRING_ORDER) + 2
 METHOD_WIDTH = max(len(name) for name in OWNERS) + 2
 
@@ -35,6 +36,8 @@ def listener_text(method, event: str, stage_names: dict) -> str:
 
 def event_lines(loop) -> list[str]:
     stage_names = {id(stage): name for name, stage in zip(loop.stage_classes, loop.stages)}
+    if getattr(loop, "averaging", None) is not None:
+        stage_names[id(loop.averaging)] = "averaging"
     observers = [type(observer).__name__ for observer in loop.schedule.observers]
     lines = ["Events, in the order a run meets them (stages first, then callbacks, each in the order it runs):"]
     for event in FIRING_ORDER:
