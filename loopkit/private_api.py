@@ -17,69 +17,69 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PrivateAttribute:
-    owner: str  # the class or module that has it
-    name: str
+    owner: str  # the class or module that has them
+    names: tuple  # the private names (attributes, methods, modules) loopkit uses there
     why: str  # what loopkit needs it for
     if_missing: str  # what loopkit does on a version without it
 
 
 PRIVATE_ATTRIBUTES = (
     # -- the data stage: worker processes and the loader's copies --
-    PrivateAttribute("torch.utils.data.DataLoader", "_iterator", "the persistent workers' iterator, to stop them",
+    PrivateAttribute("torch.utils.data.DataLoader", ("_iterator",), "the persistent workers' iterator, to stop them",
                      "the workers are left to torch, which stops them when the loader is collected"),
-    PrivateAttribute("torch.utils.data.dataloader._MultiProcessingDataLoaderIter", "_shutdown_workers",
+    PrivateAttribute("torch.utils.data.dataloader._MultiProcessingDataLoaderIter", ("_shutdown_workers",),
                      "stops the persistent workers when training ends (teardown), not at garbage collection",
                      "as for _iterator"),
     PrivateAttribute("torch.utils.data.dataloader._MultiProcessingDataLoaderIter",
-                     "_index_queues, _worker_result_queue", "the workers' queues, whose pipes torch leaves open after "
-                     "_shutdown_workers", "the pipes close when the garbage collector reaches the iterator"),
-    PrivateAttribute("accelerate.data_loader.DataLoaderShard", "_non_blocking",
+                     ("_index_queues", "_worker_result_queue"),
+                     "the workers' queues, whose pipes torch leaves open after _shutdown_workers",
+                     "the pipes close when the garbage collector reaches the iterator"),
+    PrivateAttribute("accelerate.data_loader.DataLoaderShard", ("_non_blocking",),
                      "the loader's own non-blocking copy setting, applied when loopkit moves the batches itself",
                      "blocking copies (the default)"),
     # -- the step stage: the direct (torch-only) engine path, Accelerate's flags --
-    PrivateAttribute("torch.optim.lr_scheduler.LRScheduler", "_opt_called (on the optimizer)",
+    PrivateAttribute("torch.optim.lr_scheduler.LRScheduler (on the optimizer)", ("_opt_called",),
                      "the direct path calls the inner optimizer's step, which the scheduler did not wrap: loopkit "
                      "records the call as the wrapper does", "torch warns once that the scheduler stepped first"),
-    PrivateAttribute("accelerate.state.GradientState", "_set_sync_gradients", "Accelerate's setter of "
-                     "sync_gradients (with its TPU step), which HF's loop calls every micro-batch",
-                     "sync_gradients is set directly (no TPU mark_step)"),
-    PrivateAttribute("accelerate.Accelerator", "_is_accelerate_prepared (on the model)",
+    PrivateAttribute("accelerate.state.GradientState", ("_set_sync_gradients",),
+                     "Accelerate's setter of sync_gradients (with its TPU step), which HF's loop calls every "
+                     "micro-batch", "sync_gradients is set directly (no TPU mark_step)"),
+    PrivateAttribute("accelerate.Accelerator (on the model)", ("_is_accelerate_prepared",),
                      "dropped so that a model an evaluation prepared bare is wrapped for training",
                      "nothing to drop: prepare wraps the model"),
-    PrivateAttribute("torch.optim (fused Adam / AdamW)", "grad_scale, found_inf", "GradScaler's protocol: a "
-                     "fused optimizer skips its step on device when found_inf is 1 (nonfinite='skip'/'stop')",
-                     "the test fails: the step would be applied; StepStage refuses a non-fused optimizer already"),
-    PrivateAttribute("accelerate.Accelerator", "_models, _optimizers, _schedulers, _dataloaders",
+    PrivateAttribute("torch.optim (fused Adam / AdamW)", ("grad_scale", "found_inf"),
+                     "GradScaler's protocol: a fused optimizer skips its step on device when found_inf is 1 "
+                     "(nonfinite='skip' / 'stop')", "the test fails: the step would be applied"),
+    PrivateAttribute("accelerate.Accelerator", ("_models", "_optimizers", "_schedulers", "_dataloaders"),
                      "whether an earlier train() left prepared objects (free_memory then)", "free_memory is skipped"),
     # -- Accelerate's process-wide state --
-    PrivateAttribute("accelerate.state (PartialState, AcceleratorState, GradientState)", "_shared_state, _reset_state",
+    PrivateAttribute("accelerate.state (PartialState, AcceleratorState, GradientState)",
+                     ("_shared_state", "_reset_state"),
                      "Accelerate's state per process: saved, restored and reset between runs in one process",
                      "the test fails: a second Loop in a process would inherit the first one's state"),
-    PrivateAttribute("accelerate.parallelism_config.ParallelismConfig", "_validate_accelerator, _set_size",
+    PrivateAttribute("accelerate.parallelism_config.ParallelismConfig", ("_validate_accelerator", "_set_size"),
                      "what Accelerator.__init__ does with the config, done once FSDP2 is set on CPU processes",
                      "the test fails: FSDP2 / tensor parallelism on CPU processes cannot be set up"),
     # -- torch --
-    PrivateAttribute("torch.optim.lr_scheduler.LRScheduler", "_last_lr",
-                     "a new parameter group's learning rate, so get_last_lr() covers it", "not extended"),
-    PrivateAttribute("torch.nn.Module", "_parameters", "a module's own parameters (not its children's), as HF's "
-                     "get_parameter_names reads them", "the test fails: the decay groups cannot be built"),
-    PrivateAttribute("torch._dynamo", "eval_frame.OptimizedModule, _orig_mod, callback.callback_handler",
+    PrivateAttribute("torch.optim.lr_scheduler.LRScheduler", ("_last_lr",),
+                     "a new parameter group's learning rate, so that get_last_lr() covers it", "not extended"),
+    PrivateAttribute("torch.nn.Module", ("_parameters",), "a module's own parameters (not its children's), as "
+                     "HF's get_parameter_names reads them", "the test fails: the decay groups cannot be built"),
+    PrivateAttribute("torch._dynamo (OptimizedModule, callback_handler)", ("_dynamo", "_orig_mod"),
                      "a compiled model's original module; the compilations counted in the run report",
                      "the test fails"),
-    PrivateAttribute("torch.serialization / torch.distributed.checkpoint._traverse", "_get_layout, set_element",
-                     "reading DCP metadata without pickle's arbitrary code; DCP's own nesting of flattened keys",
-                     "the test fails: DCP checkpoints cannot be read"),
+    PrivateAttribute("torch.serialization, torch.distributed.checkpoint (_traverse, filesystem, metadata)",
+                     ("_get_layout", "_traverse", "_StorageInfo", "_MEM_FORMAT_ENCODING"),
+                     "the globals DCP's pickled metadata names, allowed when loopkit reads it without running "
+                     "arbitrary code; DCP's own nesting of flattened keys", "the test fails: DCP folders cannot be read"),
     # -- transformers --
-    PrivateAttribute("transformers.GenerationConfig", "_from_model_config, _get_default_generation_params",
+    PrivateAttribute("transformers.GenerationConfig", ("_from_model_config", "_get_default_generation_params"),
                      "the generation lengths HF fills in after every generate()", "the test fails"),
-    PrivateAttribute("transformers.PretrainedConfig", "_attn_implementation", "named in the packing refusal",
+    PrivateAttribute("transformers.PretrainedConfig", ("_attn_implementation",), "named in the packing refusal",
                      "None is named"),
-    PrivateAttribute("transformers.PreTrainedModel", "_tp_size", "a tensor-parallel model's size (get_tp_size)",
-                     "the parallelism config's tp_size"),
-    PrivateAttribute("transformers.TrainingArguments", "_VALID_DICT_FIELDS",
-                     "the fields that take a JSON string for a dict (when the installation has no source)",
-                     "the test fails"),
-    PrivateAttribute("transformers.DataCollatorForLanguageModeling", "_generator_pid",
+    PrivateAttribute("transformers.TrainingArguments", ("_VALID_DICT_FIELDS",),
+                     "the fields that take a JSON string for a dict (also read from its source)", "the test fails"),
+    PrivateAttribute("transformers.DataCollatorForLanguageModeling", ("_generator_pid",),
                      "the process that owns a seeded collator's generator, kept with it", "nothing to keep"),
 )
 
@@ -220,6 +220,15 @@ def torch_layout_lookup():
     return torch.serialization._get_layout
 
 
+def dcp_private_classes() -> dict:
+    """(module, name) -> object, for the private globals DCP's pickled metadata names: its storage entry and the
+    memory formats' enum."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    return {("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+            ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): metadata._MEM_FORMAT_ENCODING}
+
+
 def dcp_set_element():
     """DCP's `set_element(root, path, value)`: a value put back at its place in a nested state dict."""
     from torch.distributed.checkpoint._traverse import set_element
@@ -239,16 +248,14 @@ def attention_implementation(config) -> str | None:
     return getattr(config, "_attn_implementation", None)
 
 
-def model_tp_size(model) -> int | None:
-    """A tensor-parallel model's size, as transformers sets it at loading (`tp_plan`), or None."""
-    return getattr(model, "_tp_size", None)
+TRAINING_ARGUMENTS_DICT_FIELDS = "_VALID_DICT_FIELDS"  # the class attribute, also read from its source (args/fields.py)
 
 
 def training_arguments_dict_fields() -> tuple:
     """`TrainingArguments`' fields that take a JSON string for a dict."""
     from transformers import TrainingArguments
 
-    return tuple(TrainingArguments._VALID_DICT_FIELDS)
+    return tuple(getattr(TrainingArguments, TRAINING_ARGUMENTS_DICT_FIELDS))
 
 
 COLLATOR_GENERATOR_ATTRIBUTES = ("generator", "_generator_pid")  # a seeded HF collator's generator and its owner
