@@ -29,7 +29,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .private_api import dcp_private_classes, dcp_set_element, torch_layout_lookup
+from .private_api import dcp_private_classes, dcp_set_element, dcp_storage_info_class, torch_layout_lookup
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -60,6 +60,7 @@ def _allowed_globals() -> dict:
 
 
 _ALLOWED = _allowed_globals()
+STORAGE_INFO = dcp_storage_info_class()
 
 
 # The objects whose state a pickle may set (BUILD): DCP's metadata dataclasses; not the enum, whose members are
@@ -117,7 +118,7 @@ def load_metadata(data: bytes, path: str) -> dcp_metadata.Metadata:
         raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata.")
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
-        if not isinstance(info, _StorageInfo) or not isinstance(name, str) or name in ("", ".", "..") \
+        if not isinstance(info, STORAGE_INFO) or not isinstance(name, str) or name in ("", ".", "..") \
                 or os.path.basename(name) != name or os.path.isabs(name):
             raise UnsafeCheckpointError(f"Refusing to load {path}: a storage entry names {name!r}, not a file of "
                                         f"its folder.")

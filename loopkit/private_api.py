@@ -71,7 +71,8 @@ PRIVATE_ATTRIBUTES = (
     PrivateAttribute("torch.serialization, torch.distributed.checkpoint (_traverse, filesystem, metadata)",
                      ("_get_layout", "_traverse", "_StorageInfo", "_MEM_FORMAT_ENCODING"),
                      "the globals DCP's pickled metadata names, allowed when loopkit reads it without running "
-                     "arbitrary code; DCP's own nesting of flattened keys", "the test fails: DCP folders cannot be read"),
+                     "arbitrary code; DCP's own nesting of flattened keys",
+                     "the test fails: DCP folders cannot be read"),
     # -- transformers --
     PrivateAttribute("transformers.GenerationConfig", ("_from_model_config", "_get_default_generation_params"),
                      "the generation lengths HF fills in after every generate()", "the test fails"),
@@ -220,12 +221,19 @@ def torch_layout_lookup():
     return torch.serialization._get_layout
 
 
+def dcp_storage_info_class():
+    """DCP's `_StorageInfo`: where a stored item lies (`relative_path`, `offset`, `length`)."""
+    from torch.distributed.checkpoint import filesystem
+
+    return filesystem._StorageInfo
+
+
 def dcp_private_classes() -> dict:
     """(module, name) -> object, for the private globals DCP's pickled metadata names: its storage entry and the
     memory formats' enum."""
-    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import metadata
 
-    return {("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+    return {("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_storage_info_class(),
             ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): metadata._MEM_FORMAT_ENCODING}
 
 

@@ -7,6 +7,7 @@ and source, and the queue clean-up on real multiprocessing queues (threads, no p
 """
 
 import ast
+import importlib
 import inspect
 import multiprocessing
 import pathlib
@@ -52,6 +53,8 @@ def private_names_used(tree) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             used.add(node.attr)
+        elif isinstance(node, ast.Name):
+            used.add(node.id)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             used.add(node.value)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -269,8 +272,14 @@ def test_dynamos_callback_handler_registers_and_removes_callbacks():
     assert trigger.name == "DYNAMO"
 
 
-def test_torchs_layout_lookup_and_dcps_set_element():
+def test_torchs_layout_lookup_and_dcps_set_element_and_pickled_classes():
+    import dataclasses
+
     assert private_api.torch_layout_lookup()("torch.strided") is torch.strided
+    info = private_api.dcp_storage_info_class()
+    assert {"relative_path", "offset", "length"} <= {f.name for f in dataclasses.fields(info)}
+    for (module, name), found in private_api.dcp_private_classes().items():
+        assert getattr(importlib.import_module(module), name) is found, (module, name)
     root = {"model": {}}
     private_api.dcp_set_element()(root, ("model", "layer", 0), 7)
     assert root == {"model": {"layer": [7]}}
