@@ -53,7 +53,7 @@ def private_names_used(tree) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             used.add(node.attr)
-        elif isinstance(node, ast.Name):
+        elif isinstance(node, ast.Name) and node.id.startswith("_"):  # an imported private class; not a local
             used.add(node.id)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             used.add(node.value)
@@ -66,8 +66,10 @@ def private_names_used(tree) -> set[str]:
 
 def test_the_scan_sees_each_kind_of_use():
     code = ("a._opt_called = True\ngetattr(b, '_non_blocking', False)\n"
-            "from torch.distributed.checkpoint._traverse import set_element\nimport torch._dynamo\nx = y._own\n")
-    assert private_names_used(ast.parse(code)) == {"_opt_called", "_non_blocking", "_traverse", "_dynamo"}
+            "from torch.distributed.checkpoint._traverse import set_element\nimport torch._dynamo\nx = y._own\n"
+            "isinstance(info, _StorageInfo)\nfound_inf = watch.observe()\n")  # a local of that name is no use
+    assert private_names_used(ast.parse(code)) == {"_opt_called", "_non_blocking", "_traverse", "_dynamo",
+                                                   "_StorageInfo"}
 
 
 # -- the data stage --

@@ -12,7 +12,7 @@ from ..data_order import ReadAhead
 
 
 class EndOfLoaderTracking:
-    """The end-of-loader half of `DataStage` (a mixin): keeps `tracked_loader`, the loader Accelerate holds active."""
+    """The end-of-loader part of `DataStage` (a mixin): keeps `tracked_loader`, the loader Accelerate holds active."""
 
     def track_end_of_loader(self, loader, reader: ReadAhead):
         """Make `loader` Accelerate's active loader for the epoch, as a prepared loader does when iterated itself

@@ -26,7 +26,7 @@ from ..row_packing import exact_flattening
 
 
 class DataLoaders:
-    """The loader-building half of `DataStage` (a mixin: the stage's `__init__` sets the attributes it keeps)."""
+    """The loader-building part of `DataStage` (a mixin: the stage's `__init__` sets the attributes it keeps)."""
 
     # -- collation and columns --
     def resolve_collator(self):

@@ -29,7 +29,7 @@ def set_epoch(loader, epoch: int) -> None:
 
 
 class EpochReading:
-    """The epoch-reading half of `DataStage` (a mixin): the epoch's `ReadAhead`, positioned for a resumed epoch."""
+    """The epoch-reading part of `DataStage` (a mixin): the epoch's `ReadAhead`, positioned for a resumed epoch."""
 
     def epoch_iterator(self, epoch: int, skip: int, resume: ResumePoint | None):
         """The epoch's micro-batches (a `ReadAhead`), positioned after the first `skip` (a resumed epoch; then the
