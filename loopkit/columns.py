@@ -23,6 +23,7 @@ from .batches import is_batch_encoding, without_columns
 from .data_order import collator_generators, generator_state
 from .errors import config_error, nearest
 from .models import base_model
+from .private_api import COLLATOR_GENERATOR_ATTRIBUTES
 
 
 def find_labels(model) -> list[str]:
@@ -145,7 +146,7 @@ def probe_copy(collator):
 def randomness_kept(collator):
     """Python's, NumPy's and torch's global RNGs, and the seeded generators of `collator` and the collators it
     wraps, as they were before the block (a collator that masks or shuffles draws from them)."""
-    owners = [(owner, {name: vars(owner)[name] for name in ("generator", "_generator_pid") if name in vars(owner)},
+    owners = [(owner, {name: vars(owner)[name] for name in COLLATOR_GENERATOR_ATTRIBUTES if name in vars(owner)},
                generator_state(owner)) for owner in collator_generators(collator)]
     python_state, numpy_state = random.getstate(), np.random.get_state()
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
@@ -156,7 +157,7 @@ def randomness_kept(collator):
             random.setstate(python_state)
             np.random.set_state(numpy_state)
             for owner, attributes, state in owners:
-                for name in ("generator", "_generator_pid"):
+                for name in COLLATOR_GENERATOR_ATTRIBUTES:
                     if name in attributes:
                         setattr(owner, name, attributes[name])
                     elif name in vars(owner):

@@ -25,9 +25,10 @@ class CompileWatch:
     """Counts compilations into `clock.compilations` and their seconds into `clock`'s "compile" phase."""
 
     def __init__(self, clock):
-        from torch._dynamo.callback import CallbackTrigger, callback_handler
+        from .private_api import dynamo_callbacks
 
-        self.clock, self.handler, self.dynamo = clock, callback_handler, CallbackTrigger.DYNAMO
+        self.clock = clock
+        self.handler, self.dynamo = dynamo_callbacks()
         self.started = None
         self.handler.register_start_callback(self.on_start)
         self.handler.register_end_callback(self.on_end)

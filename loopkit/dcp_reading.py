@@ -28,9 +28,10 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
+
+from .private_api import dcp_private_classes, dcp_set_element, dcp_storage_info_class, torch_layout_lookup
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 __all__ = ["UnsafeCheckpointError", "MetadataUnpickler", "load_metadata", "CheckedFileSystemReader",
            "WeightsOnlyLoadPlanner", "read_dcp"]
@@ -46,10 +47,11 @@ def _allowed_globals() -> dict:
     checkpoint was written) becomes a pure path: it is only recorded, never opened."""
     classes = {("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name) for name in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")}
-    classes[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+        "BytesStorageMetadata", "ChunkStorageMetadata")}
+    classes.update(dcp_private_classes())
     classes[("torch", "Size")] = torch.Size
-    classes[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a lookup in torch's layouts
+    layout = torch_layout_lookup()  # a lookup in torch's layouts, by the name the metadata's pickle gives
+    classes[(layout.__module__, layout.__name__)] = layout
     for module in ("pathlib", "pathlib._local"):  # Python 3.13 moved the classes to pathlib._local
         for name, pure in (("PosixPath", pathlib.PurePosixPath), ("PurePosixPath", pathlib.PurePosixPath),
                            ("WindowsPath", pathlib.PureWindowsPath), ("PureWindowsPath", pathlib.PureWindowsPath)):
@@ -58,6 +60,7 @@ def _allowed_globals() -> dict:
 
 
 _ALLOWED = _allowed_globals()
+STORAGE_INFO = dcp_storage_info_class()
 
 
 # The objects whose state a pickle may set (BUILD): DCP's metadata dataclasses; not the enum, whose members are
@@ -115,7 +118,7 @@ def load_metadata(data: bytes, path: str) -> dcp_metadata.Metadata:
         raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata.")
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
-        if not isinstance(info, _StorageInfo) or not isinstance(name, str) or name in ("", ".", "..") \
+        if not isinstance(info, STORAGE_INFO) or not isinstance(name, str) or name in ("", ".", "..") \
                 or os.path.basename(name) != name or os.path.isabs(name):
             raise UnsafeCheckpointError(f"Refusing to load {path}: a storage entry names {name!r}, not a file of "
                                         f"its folder.")
@@ -168,8 +171,7 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
                 f"and plain values from it (weights_only=True); re-create the checkpoint or resume from another one.")
             raise self.reader.refusal from exc
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element  # as DefaultLoadPlanner.load_bytes
-
+            set_element = dcp_set_element()  # as DefaultLoadPlanner.load_bytes
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded

@@ -36,6 +36,10 @@ from __future__ import annotations
 
 import os
 
+from .private_api import (accelerate_shared_states, compiled_module, holds_prepared_objects, original_module,
+                          reset_accelerate_state, set_original_module)
+
+
 class DistributedSetupError(RuntimeError):
     """The processes, or the engine Accelerate chose, are not what the launch asked for. The message says how to
     launch correctly."""
@@ -249,7 +253,6 @@ def shard_on_cpu_processes(accelerator, plugins: dict, requested: list[str]) -> 
     that branch sets: the distributed type (in both shared states, as Accelerate does), the plugin (built from the
     launcher's FSDP_* variables when FSDP was asked by `accelerate launch --use_fsdp`, as `Accelerator.__init__`
     builds it) and its mixed precision."""
-    from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     shared = accelerator.state  # Accelerate's AcceleratorState (shared by every Accelerator of the process)
@@ -260,7 +263,7 @@ def shard_on_cpu_processes(accelerator, plugins: dict, requested: list[str]) -> 
         plugin.set_mixed_precision(shared.mixed_precision)
     shared.fsdp_plugin = plugin
     shared.distributed_type = DistributedType.FSDP
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerate_shared_states()[0]["distributed_type"] = DistributedType.FSDP  # PartialState's
 
 
 def deepspeed_on_cpu_processes(args, deepspeed_plugin=None) -> None:
@@ -274,17 +277,17 @@ def deepspeed_on_cpu_processes(args, deepspeed_plugin=None) -> None:
     that `TrainingArguments` filled for the one process it saw ("auto" batch sizes) is filled again for this world
     size, as `TrainingArguments.__post_init__` fills it."""
     import torch
-    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.state import PartialState
 
     asked = (deepspeed_plugin is not None or getattr(args, "deepspeed_plugin", None) is not None
              or env_flag("ACCELERATE_USE_DEEPSPEED"))
     if not asked or launched_world_size() <= 1 or torch.accelerator.is_available():
         return
-    if PartialState._shared_state.get("backend") is not None:
+    if accelerate_shared_states()[0].get("backend") is not None:
         return
     from datetime import timedelta
 
-    AcceleratorState._reset_state(reset_partial_state=True)
+    reset_accelerate_state(gradient_state=False)
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # as Accelerator(deepspeed_plugin=...) sets it for its state
     PartialState(backend="gloo", timeout=timedelta(seconds=getattr(args, "ddp_timeout", 1800)))
     if getattr(args, "hf_deepspeed_config", None) is not None and getattr(args, "deepspeed", None):
@@ -336,11 +339,9 @@ def unwrap_model(accelerator, model, keep_torch_compile: bool = True):
         return accelerator.unwrap_model(model, keep_torch_compile=keep_torch_compile)
     import torch
 
-    compiled = model if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
-    if compiled is None and "_orig_mod" in model.__dict__:  # compiled regions: the top module compiled in place
-        compiled = model
+    compiled = compiled_module(model)  # a torch.compile wrapper, or compiled regions: the top module compiled in place
     if compiled is not None:
-        model = compiled.__dict__["_orig_mod"] if "_orig_mod" in compiled.__dict__ else compiled._orig_mod
+        model = original_module(compiled)
     wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
     if torch.distributed.is_available():
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -349,7 +350,7 @@ def unwrap_model(accelerator, model, keep_torch_compile: bool = True):
     while isinstance(model, wrappers):
         model = model.module
     if compiled is not None and keep_torch_compile:
-        compiled._orig_mod = model
+        set_original_module(compiled, model)
         return compiled
     return model
 
@@ -446,8 +447,7 @@ def release_earlier_run(accelerator) -> None:
     """HF's `accelerator.free_memory()` at the start of training, when an earlier `train()` / `evaluate()` left
     prepared objects to let go of. Its `gc.collect()` takes 0.1-0.6 s in a process that has imported transformers,
     for nothing on a first `train()`, where nothing was prepared yet."""
-    if accelerator.step or any(getattr(accelerator, name, None) for name in
-                               ("_models", "_optimizers", "_schedulers", "_dataloaders")):
+    if accelerator.step or holds_prepared_objects(accelerator):
         accelerator.free_memory()
 
 

@@ -25,6 +25,7 @@ import sys
 from functools import partial
 
 from .errors import config_error, plain
+from .private_api import own_parameter_names, scheduler_last_lrs
 
 PLAIN_TORCH = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop")
 BITSANDBYTES = ("adamw_bnb_8bit", "adamw_8bit", "ademamix", "ademamix_8bit", "lion_8bit", "lion_32bit",
@@ -209,7 +210,7 @@ def decay_parameter_names(module) -> list[str]:
             continue
         result += [f"{name}.{n}" for n in decay_parameter_names(child)
                    if not any(p.search(f"{name}.{n}".lower()) for p in NO_DECAY_PATTERNS)]
-    result += [k for k in module._parameters if not any(p.search(k.lower()) for p in NO_DECAY_PATTERNS)]
+    result += [k for k in own_parameter_names(module) if not any(p.search(k.lower()) for p in NO_DECAY_PATTERNS)]
     return result
 
 
@@ -366,5 +367,6 @@ def add_param_group(optimizer, scheduler, params, **group_options) -> None:
         scheduler.base_lrs.append(new["initial_lr"])
         factor = scheduler.lr_lambdas[-1](scheduler.last_epoch) if hasattr(scheduler, "lr_lambdas") else 1.0
         new["lr"] = new["initial_lr"] * factor
-        if hasattr(scheduler, "_last_lr"):
-            scheduler._last_lr.append(new["lr"])
+        last_lrs = scheduler_last_lrs(scheduler)
+        if last_lrs is not None:
+            last_lrs.append(new["lr"])

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from .distributed import env_flag
 from .errors import config_error
+from .private_api import set_parallel_size, validate_parallelism
 
 
 def check_parallelism(config, args, engines: list[str]) -> None:
@@ -107,12 +108,12 @@ def attach_on_cpu_processes(accelerator, config) -> None:
     shared.parallelism_config = config
     shared.device_mesh = config.get_device_mesh(accelerator.device.type)
     if accelerator.is_fsdp2:
-        config._validate_accelerator(accelerator)  # Accelerate's own check, which FSDP2 passes on any device
+        validate_parallelism(config, accelerator)  # Accelerate's own check, which FSDP2 passes on any device
         return
     # DDP replicas or tensor-parallel ranks: Accelerate's check knows neither on MULTI_CPU, so its size rule here.
     # (`prepare` wraps the replicas in DDP and leaves a tensor-parallel model as it is, on every distributed type.)
     if config.total_size == 1:
-        config._set_size("dp_replicate", accelerator.num_processes)
+        set_parallel_size(config, "dp_replicate", accelerator.num_processes)
     if config.total_size != accelerator.num_processes:
         raise ValueError(f"ParallelismConfig total_size ({config.total_size}) does not match num_processes "
                          f"({accelerator.num_processes}). Please adjust dp_replicate_size/dp_shard_size/tp_size/"

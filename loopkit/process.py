@@ -90,9 +90,9 @@ def take_back_latest_loop() -> None:
 
 
 def _accelerate_states() -> list[dict]:
-    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from .private_api import accelerate_shared_states
 
-    return [PartialState._shared_state, AcceleratorState._shared_state, GradientState._shared_state]
+    return accelerate_shared_states()
 
 
 def _restore_accelerate_states(saved: list[dict]) -> None:
@@ -146,12 +146,14 @@ def fresh_accelerate_state(args, *, args_build_no_state: bool, use_configured_st
     nothing of a previous run's (its mixed precision, its engine, its process group settings) carries over.
     `args_build_no_state`: the arguments did not build one when they were built (`LoopArgs`; a `TrainingArguments`
     does). `use_configured_state`: the user's state is to be kept (a `TrainingArguments` acts on it itself)."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.state import PartialState
 
     from .errors import trainer_error
+    from .private_api import accelerate_shared_states, reset_accelerate_state
 
+    partial, accelerator_state, _ = accelerate_shared_states()
     if use_configured_state:
-        if PartialState._shared_state == {}:
+        if partial == {}:
             raise trainer_error(
                 "Passing `'use_configured_state':True` to the AcceleratorConfig requires a pre-configured "
                 "`AcceleratorState` or `PartialState` to be defined before calling `TrainingArguments`. ",
@@ -159,10 +161,9 @@ def fresh_accelerate_state(args, *, args_build_no_state: bool, use_configured_st
                 "the Loop", "create it first (e.g. PartialState(backend='gloo') or Accelerator(...)), or drop "
                 "use_configured_state")
         return
-    if not args_build_no_state and not AcceleratorState._shared_state.get(LOOP_MARK):
+    if not args_build_no_state and not accelerator_state.get(LOOP_MARK):
         return  # the state this TrainingArguments built (or the user's own, made since): Trainer keeps it too
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     kwargs, deepspeed = partial_state_kwargs(args)
     flag = "ACCELERATE_USE_DEEPSPEED"
     previous = os.environ.get(flag)
@@ -189,6 +190,6 @@ def partial_state_kwargs(args) -> tuple[dict, bool]:
 
 def mark_loop_state() -> None:
     """Accelerate's state is now this Loop's (see LOOP_MARK)."""
-    from accelerate.state import AcceleratorState
+    from .private_api import accelerate_shared_states
 
-    AcceleratorState._shared_state[LOOP_MARK] = True
+    accelerate_shared_states()[1][LOOP_MARK] = True  # AcceleratorState's

@@ -36,6 +36,7 @@ from torch.utils.data import IterableDataset
 
 from .errors import config_error
 from .models import base_model
+from .private_api import attention_implementation
 
 IGNORE = -100
 
@@ -191,7 +192,7 @@ def check_packing_is_exact(model, tolerance: float = 1e-5) -> None:
     error = packed_logits_error(model)
     if not error <= tolerance:
         base = base_model(model)
-        attention = getattr(getattr(base, "config", None), "_attn_implementation", None)
+        attention = attention_implementation(getattr(base, "config", None))
         raise config_error("model", f"{type(base).__name__} (attn_implementation={attention})",
                            f"two packed samples give logits up to {error:.3g} away from the same samples run "
                            f"separately (tolerance {tolerance}): its attention crosses sample boundaries (an "

@@ -57,7 +57,10 @@ def parameters_of(obj) -> set[str]:
     targets = [obj]
     names = set()
     if inspect.isclass(obj):
-        targets = [obj.__init__] + [m for n, m in vars(obj).items() if callable(m) and not n.startswith("_")]
+        # with the methods it inherits from loopkit's own classes (DataStage's parts: loopkit/stages/data_*.py)
+        own = [klass for klass in obj.__mro__ if klass is obj or klass.__module__.startswith("loopkit")]
+        targets = [obj.__init__] + [m for klass in own for n, m in vars(klass).items()
+                                    if callable(m) and not n.startswith("_")]
         if dataclasses.is_dataclass(obj):
             names |= {f.name for f in dataclasses.fields(obj)}
     for target in targets:

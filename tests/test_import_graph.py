@@ -24,7 +24,7 @@ MAP = ROOT.parent / "docs" / "architecture.md"
 LAYERS = {
     "foundation": [  # what every layer may use: errors, batch handling, HF's state objects, model introspection
         "loopkit.errors", "loopkit.batches", "loopkit.state", "loopkit.compilation", "loopkit.memory",
-        "loopkit.process_exit", "loopkit.dcp_reading", "loopkit.models", "loopkit.moved",
+        "loopkit.process_exit", "loopkit.dcp_reading", "loopkit.models", "loopkit.moved", "loopkit.private_api",
     ],
     "building blocks": [  # the parts a run is made of, each usable on its own
         "loopkit.args.*", "loopkit.optimizers", "loopkit.data_order", "loopkit.columns", "loopkit.row_packing",

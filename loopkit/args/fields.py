@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 from ..errors import LoopConfigError, config_error, plain
+from ..private_api import TRAINING_ARGUMENTS_DICT_FIELDS
 
 # The fields loopkit runs itself (where: docs/arguments.md). A `TrainingArguments` is checked against a reference
 # built from their values.
@@ -151,7 +152,7 @@ def training_arguments_fields(declaration: ast.ClassDef) -> list[tuple[str, str,
 def dict_fields(declaration: ast.ClassDef) -> tuple[str, ...]:
     """`TrainingArguments._VALID_DICT_FIELDS`: the fields that take a JSON string for a dict."""
     for node in declaration.body:
-        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["_VALID_DICT_FIELDS"]:
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == [TRAINING_ARGUMENTS_DICT_FIELDS]:
             return tuple(ast.literal_eval(node.value))
     return ()
 

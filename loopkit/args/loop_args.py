@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UnknownArgumentError, nearest, plain, trainer_error
+from ..private_api import training_arguments_dict_fields
 from .fields import check_reviewed_fields, dict_fields, training_arguments_class, training_arguments_fields, \
     training_arguments_source
 from .refusals import refuse_as_training_arguments
@@ -233,7 +234,7 @@ def installed_loop_args() -> tuple[type, tuple[str, ...]]:
         from transformers import TrainingArguments
 
         names = [f.name for f in dataclasses.fields(TrainingArguments) if not f.name.startswith("_")]
-        return loop_args_class([(name, "Any", None) for name in names]), tuple(TrainingArguments._VALID_DICT_FIELDS)
+        return loop_args_class([(name, "Any", None) for name in names]), training_arguments_dict_fields()
     return loop_args_class(training_arguments_fields(declaration)), dict_fields(declaration)
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ..errors import config_error
+from ..private_api import fill_generation_defaults
 from .evaluation import EvalStage
 
 
@@ -134,9 +135,7 @@ class Seq2SeqEvalStage(EvalStage):
         """The model's generation config's `max_length` and `max_new_tokens`, its unset values filled with the
         defaults (HF does this after every `generate`, and so changes the model's config the same way)."""
         config = self.run.model.generation_config
-        if config._from_model_config:  # HF: so that `generate` does not rebuild it from the model config each time
-            config._from_model_config = False
-        config.update(**config._get_default_generation_params(), defaults_only=True)
+        fill_generation_defaults(config)
         return config.max_length, config.max_new_tokens
 
     def pad_to_generation_length(self, tensor: torch.Tensor, max_length: int, max_new_tokens) -> torch.Tensor:

@@ -48,6 +48,8 @@ from ..models import (PLAIN_TRAIN_METHODS, base_model, causal_lm_class_names, ha
                       is_causal_lm_class)
 from ..optimizers import (add_param_group, backward_kwargs, build_optimizer, build_scheduler, decay_parameter_names,
                           optimizer_cls_and_kwargs, steps_on_metrics, updates_in_backward)
+from ..private_api import (forget_accelerate_prepared, record_optimizer_step, skip_fused_step_if,
+                           sync_gradients_setter)
 from ..work import WorkCounter, hf_floating_point_ops, non_embedding_parameters
 from .base import Stage
 
@@ -64,6 +66,27 @@ def has_train_mode(optimizer) -> bool:
     which Accelerate's `AcceleratedOptimizer.train` forwards to."""
     return callable(getattr(optimizer, "train", None)) or \
         callable(getattr(getattr(optimizer, "optimizer", None), "train", None))
+
+
+def is_deepspeed(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def uses_direct_engine(accelerator, args) -> bool:
+    """Plain engines (one process, DDP) without a loss scaler: Accelerate's backward, clip and optimizer wrappers
+    then only forward to torch, but cost ~250 us a step on a CPU (an optional-package lookup in every
+    `AcceleratedOptimizer.step`, a per-parameter DTensor scan in every clip), so the step calls torch directly there,
+    with identical numerics; every other engine keeps Accelerate's path. LOMO keeps it too: its backward takes the
+    learning rate, and only Accelerate skips its step(). Tensor parallelism too: its DTensor gradients beside plain
+    ones need Accelerate's clip."""
+    from accelerate.utils import DistributedType
+
+    mesh = getattr(accelerator, "parallelism_config", None)
+    return accelerator.scaler is None and not updates_in_backward(args) and accelerator.distributed_type in (
+        DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU) and not (
+        mesh is not None and mesh.tp_enabled)
 
 
 class TrainMode:
@@ -172,7 +195,7 @@ class StepStage(Stage):
             # An evaluation before training prepared the bare model for evaluation only (no DDP wrapper), and
             # Accelerate then treats it as prepared: without dropping that mark, `prepare` would return it
             # unwrapped and each process would train its own copy.
-            vars(run.model).pop("_is_accelerate_prepared", None)
+            forget_accelerate_prepared(run.model)
             run.model_wrapped, run.optimizer = acc.prepare(run.model, run.optimizer)
         else:
             run.optimizer = acc.prepare(run.optimizer)
@@ -184,7 +207,19 @@ class StepStage(Stage):
         self.warn_if_override_scaling_is_implicit()
 
     def prepare_hot_path(self) -> None:
-        """What every step needs, decided once per `train()`."""
+        """What every step needs, decided once per `train()`: the step's inputs and counters, then one of the two
+        engine paths (`prepare_direct_engine` or `prepare_accelerate_engine`), then the non-finite watch."""
+        self.prepare_step_values()
+        self.direct = uses_direct_engine(self.context.accelerator, self.run.args)
+        if self.direct:
+            self.prepare_direct_engine()
+        else:
+            self.prepare_accelerate_engine()
+        self.prepare_nonfinite_watch()
+
+    def prepare_step_values(self) -> None:
+        """What every engine's step reads: the model's main input, the label shift, the scheduler's kind, the work
+        counter, the forward's context, the optimizer's train(), the model's train mode, `no_sync`."""
         run, acc = self.run, self.context.accelerator
         self.num_non_embedding_params = non_embedding_parameters(run.model)
         self.main_input = getattr(run.model, "main_input_name", "input_ids")
@@ -202,42 +237,45 @@ class StepStage(Stage):
         # unless a subclass overrides it or compute_loss_context_manager; then theirs, at every micro-batch.
         self.forward_context = None if self.overrides("compute_loss_context_manager") or \
             self.overrides("autocast_smart_context_manager") else NO_CONTEXT
-        # Plain engines (one process, DDP) without a loss scaler: Accelerate's backward, clip and optimizer wrappers
-        # then only forward to torch, but cost ~250 us a step on a CPU (an optional-package lookup in every
-        # `AcceleratedOptimizer.step`, a per-parameter DTensor scan in every clip). Call torch directly there, with
-        # identical numerics; every other engine keeps Accelerate's path.
-        from accelerate.utils import DistributedType
-
-        # LOMO keeps Accelerate's path: its backward takes the learning rate, and only Accelerate skips its step().
-        # Tensor parallelism keeps it too: its DTensor gradients beside plain ones need Accelerate's clip.
-        mesh = getattr(acc, "parallelism_config", None)
-        self.direct = acc.scaler is None and not updates_in_backward(run.args) and acc.distributed_type in (
-            DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU) and not (
-            mesh is not None and mesh.tp_enabled)
         self.clip_params = list(run.model_wrapped.parameters())
         self.inner_optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
-        # Accelerate's no_sync asks the process state whether it is distributed at every call (a PartialState
-        # built and environment variables read); it is a plain nullcontext on one process. DeepSpeed accumulates
-        # (and reduces) gradients in its engine: HF's loop syncs every micro-batch there, as this does.
-        deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
-        self.no_sync = acc.no_sync if acc.use_distributed and not deepspeed else None
-        # Accelerate's setter adds a TPU check for every micro-batch; the direct engines are never on a TPU.
-        self.set_sync_gradients = None if self.direct else acc.gradient_state._set_sync_gradients
-        self.gradient_state = acc.gradient_state
-        # The loss is already divided by the micro-batches of the window (or normalised over its tokens): DeepSpeed's
-        # engine would divide it by its gradient_accumulation_steps again (HF's training_step passes the same).
-        self.engine_backward = {"scale_wrt_gas": False} if deepspeed else {}
         # optimizer.train() reaches only schedule-free style optimizers (Accelerate forwards it when the wrapped
         # optimizer has one); decided once instead of a getattr chain per micro-batch.
         self.optimizer_train = run.optimizer.train if has_train_mode(self.inner_optimizer) else None
         self.train_mode = TrainMode(run.model_wrapped)
-        if self.nonfinite is not None:
-            self.nonfinite.start(acc.device)
-            if self.nonfinite.policy in ("skip", "stop") and acc.scaler is None and \
-                    not self.inner_optimizer.defaults.get("fused"):
-                raise config_error("nonfinite", self.nonfinite.policy, f"skipping a step without waiting for the "
-                                   f"device needs a fused optimizer, and {type(self.inner_optimizer).__name__} is "
-                                   f"not fused", "use optim='adamw_torch_fused' (the default), or nonfinite='raise'")
+        # Accelerate's no_sync asks the process state whether it is distributed at every call (a PartialState
+        # built and environment variables read); it is a plain nullcontext on one process. DeepSpeed accumulates
+        # (and reduces) gradients in its engine: HF's loop syncs every micro-batch there, as this does.
+        self.no_sync = acc.no_sync if acc.use_distributed and not is_deepspeed(acc) else None
+        self.gradient_state = acc.gradient_state
+
+    def prepare_direct_engine(self) -> None:
+        """One process or DDP, no loss scaler: the step calls torch itself (`loss.backward()`, torch's clip, the
+        inner optimizer's `step()`, `grad = None`), with Accelerate's numerics, and sets `sync_gradients` as a
+        plain attribute (Accelerate's setter only adds a TPU check; these engines are never on a TPU)."""
+        self.set_sync_gradients = None
+        self.engine_backward = {}
+
+    def prepare_accelerate_engine(self) -> None:
+        """Every other engine (FSDP, DeepSpeed, tensor parallelism, a loss scaler, LOMO): the step goes through
+        Accelerate's backward, clip, optimizer and scheduler wrappers, and its `sync_gradients` setter."""
+        acc = self.context.accelerator
+        self.set_sync_gradients = sync_gradients_setter(acc.gradient_state)
+        # The loss is already divided by the micro-batches of the window (or normalised over its tokens): DeepSpeed's
+        # engine would divide it by its gradient_accumulation_steps again (HF's training_step passes the same).
+        self.engine_backward = {"scale_wrt_gas": False} if is_deepspeed(acc) else {}
+
+    def prepare_nonfinite_watch(self) -> None:
+        """The `nonfinite` policy's device-side watch; "skip" and "stop" need a fused optimizer (or a scaler)."""
+        acc = self.context.accelerator
+        if self.nonfinite is None:
+            return
+        self.nonfinite.start(acc.device)
+        if self.nonfinite.policy in ("skip", "stop") and acc.scaler is None and \
+                not self.inner_optimizer.defaults.get("fused"):
+            raise config_error("nonfinite", self.nonfinite.policy, f"skipping a step without waiting for the "
+                               f"device needs a fused optimizer, and {type(self.inner_optimizer).__name__} is "
+                               f"not fused", "use optim='adamw_torch_fused' (the default), or nonfinite='raise'")
 
     def warn_if_override_scaling_is_implicit(self) -> None:
         """Say which loss-scaling rule an overridden `compute_loss` falls under, where the choice matters."""
@@ -381,11 +419,11 @@ class StepStage(Stage):
             found_inf = self.nonfinite.observe(run.state.global_step + 1, sum(result.losses), result.grad_norm, where)
             if self.nonfinite.policy in ("skip", "stop") and acc.scaler is None:
                 # The fused optimizer reads these and leaves parameters and state untouched when found_inf is 1.
-                self.inner_optimizer.grad_scale, self.inner_optimizer.found_inf = None, found_inf
+                skip_fused_step_if(self.inner_optimizer, found_inf)
         events.fire("on_pre_optimizer_step")
         if self.direct:
             self.inner_optimizer.step()  # what AcceleratedOptimizer.step calls
-            run.optimizer._opt_called = True  # what the scheduler's wrapper of optimizer.step records (else: a warning)
+            record_optimizer_step(run.optimizer)  # what the scheduler's wrapper of optimizer.step records
         else:
             run.optimizer.step()
         events.fire("on_optimizer_step")

@@ -217,7 +217,7 @@ class TrainerAPI:
         return 1 if config is None else config.cp_size
 
     def get_tp_size(self) -> int:
-        model_tp = getattr(self.model, "_tp_size", None)
+        model_tp = getattr(self.model, "tp_size", None)  # transformers' public property
         if model_tp is not None:
             return model_tp
         config = getattr(self.accelerator, "parallelism_config", None)
