@@ -114,6 +114,10 @@ class CheckpointFormat(abc.ABC):
     def load_best_model(self, path: str) -> None:
         """`load_best_model_at_end`: the weights of checkpoint `path` into the run's model (every process)."""
 
+    def check_launch(self) -> None:
+        """Optional: at each `train()`'s start, raise a `config_error` (loopkit.errors) for a launch this format
+        cannot serve (e.g. `DCPStorage` under DeepSpeed). Default: every launch."""
+
     def read_loopkit_state(self, path: str) -> dict:
         """The loopkit state alone (what the run lineage reads of every folder, so that a damaged trainer state
         leaves the folder's place in the save order known). Default: from `read_states`."""
@@ -128,6 +132,18 @@ class CheckpointFormat(abc.ABC):
         model = unwrap_model(acc, run.model_wrapped, keep_torch_compile=False).state_dict()
         with_optimizer = not run.args.save_only_model and self.writes_files and run.optimizer is not None
         return model, run.optimizer.state_dict() if with_optimizer else None
+
+
+def writes_files(args, accelerator) -> bool:
+    """HF's `args.should_save`: the main process, or with `save_on_each_node` the first process of each node (for
+    nodes without a shared disk)."""
+    return accelerator.is_local_main_process if args.save_on_each_node else accelerator.is_main_process
+
+
+def node_local_disks(args, accelerator) -> bool:
+    """`save_on_each_node` with several processes: each node writes a whole checkpoint of its own (each process's
+    RNG and stage tensors included), which it resumes from alone."""
+    return bool(args.save_on_each_node) and accelerator.num_processes > 1
 
 
 # -------------------------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ class DCPStorage(CheckpointStorage):
     `async_save` (here also with several processes: the writer's collectives run on a process group of their
     own), `on_save_error`, `best_total_limit`."""
 
-    def start(self, resume_from_checkpoint) -> str | None:
+    def check_launch(self) -> None:
         from ..distributed import active_engine
 
         if active_engine(self.context.accelerator) == "DeepSpeed":
@@ -89,7 +89,6 @@ class DCPStorage(CheckpointStorage):
             raise config_error("save_on_each_node", True, "every process of a DCPStorage save writes into one "
                                "folder (rank 0 its metadata), which needs a disk all nodes see",
                                "use a shared file system with save_on_each_node=False, or the default storage")
-        return super().start(resume_from_checkpoint)
 
     # -- the format: any folder --
     def recognises(self, path: str) -> bool:
