@@ -78,7 +78,7 @@ def read_record(path: str, storage=None) -> CheckpointRecord:
     try:
         state = found.read_loopkit_state(path) if found is not None else {}
     except (RuntimeError, OSError, ValueError) as exc:
-        problem = f"its run record cannot be read ({exc})"
+        problem = f"its run record cannot be read: {quiet_problem(found, path) or exc}"
     entry = state.get(RECORD_KEY) if isinstance(state, dict) else None
     entry = entry if isinstance(entry, dict) else {}
     run_id, save_index = entry.get("run_id"), entry.get("save_index")
@@ -87,6 +87,13 @@ def read_record(path: str, storage=None) -> CheckpointRecord:
                             run_id=run_id if recorded else None, save_index=save_index if recorded else None,
                             saved_at=entry.get("saved_at") if recorded else None, mtime=os.path.getmtime(path),
                             problem=problem, format_known=found is not None)
+
+
+def quiet_problem(found, path: str) -> str | None:
+    """`found.checkpoint_problem(path)`, without the warning HF Trainer's folders are accepted with."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return found.checkpoint_problem(path)
 
 
 def with_problems(records: list[CheckpointRecord], storage=None) -> list[CheckpointRecord]:
@@ -98,9 +105,7 @@ def with_problems(records: list[CheckpointRecord], storage=None) -> list[Checkpo
     for record in records:
         found = format_of(record.path, storage) if record.problem is None else None
         if found is not None:
-            with warnings.catch_warnings():  # HF Trainer's folders are accepted with a warning: not here
-                warnings.simplefilter("ignore")
-                record = dataclasses.replace(record, problem=found.checkpoint_problem(record.path))
+            record = dataclasses.replace(record, problem=quiet_problem(found, record.path))
         checked.append(record)
     return checked
 

@@ -196,8 +196,10 @@ class DCPStorage(CheckpointStorage):
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
         for name, size in needed.items():
             data = os.path.join(path, DCP_FOLDER, name)
-            if not os.path.isfile(data) or os.path.getsize(data) < size:
-                return f"{data} is missing or truncated (needs {size} bytes)"
+            if not os.path.isfile(data):
+                return f"{DCP_FOLDER}/{name}: missing (its .metadata names it)"
+            if os.path.getsize(data) < size:
+                return f"{DCP_FOLDER}/{name}: {os.path.getsize(data):,} bytes, its .metadata promises {size:,}"
         return None
 
 
