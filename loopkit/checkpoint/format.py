@@ -1,7 +1,8 @@
 """The checkpoint FORMAT: how one checkpoint is written and read, as a handful of methods (docs/checkpoints.md,
 "Writing another storage"). Everything else about checkpoints (which run wrote a folder, rotation, the atomic commit
 of a temporary folder, asynchronous writing, `on_save_error`, the best kept) is the POLICY, written once
-(writing.py, lineage.py, rotation.py, reading.py) on top of these methods.
+(policy.py, which holds the format, and its parts: writing.py, lineage.py, rotation.py, reading.py) on top of
+these methods; it calls nothing else of a format.
 
 A format writes the whole checkpoint, the run's state included, from one `Checkpoint`, and reads it back. A folder
 `checkpoint-<step>/` is the unit the policy names, renames and deletes; what is inside is the format's: HF Trainer's
@@ -193,17 +194,6 @@ def read_states(path: str, preferred=None) -> tuple[dict, dict]:
         raise RuntimeError(f"{path} is not a checkpoint any known format recognises (built-in: "
                            f"{', '.join(BUILT_IN_FORMATS)}; register yours with loopkit.checkpoint.register_format).")
     return found.read_states(path)
-
-
-def loopkit_state_of(path: str, preferred=None) -> dict:
-    """The checkpoint's loopkit state; {} when it has none or cannot be read (HF Trainer's folder, a damaged one:
-    `checkpoint_problem` names that one if it is picked)."""
-    found = format_of(path, preferred)
-    try:
-        state = found.read_loopkit_state(path) if found is not None else {}
-    except (RuntimeError, OSError, ValueError):
-        return {}
-    return state if isinstance(state, dict) else {}
 
 
 def json_text(value) -> str:
