@@ -120,6 +120,30 @@ def test_format_helpers_named_like_every_policy_name_change_nothing(tmp_path):
     assert HELPER_CALLS == []
 
 
+def test_asynchronous_saves_through_a_helper_named_format(tmp_path):
+    HELPER_CALLS.clear()
+    reference = make_loop(tmp_path / "reference", HFStorage(async_save=True))
+    reference.train()
+    ours = make_loop(tmp_path / "ours", helper_named_storage()(async_save=True))
+    ours.train()
+    assert folders(tmp_path / "ours") == folders(tmp_path / "reference")
+    for name, tensor in final_weights(reference).items():
+        assert torch.equal(final_weights(ours)[name], tensor), name
+    assert HELPER_CALLS == []
+
+
+def test_a_format_written_to_extend_a_policy_method_is_refused_naming_the_fix():
+    with pytest.raises(TypeError, match=r"Old\.start calls super\(\)\.start\(\), which no base class has.*"
+                                        r"check_launch\(\)"):
+        class Old(HFStorage):
+            def start(self, resume_from_checkpoint):
+                return super().start(resume_from_checkpoint)
+
+    class Extending(HFStorage):  # extending a format method stays allowed
+        def write_checkpoint(self, checkpoint, folder):
+            return super().write_checkpoint(checkpoint, folder)
+
+
 def test_a_failed_save_is_atomic_through_a_helper_named_format(tmp_path):
     HELPER_CALLS.clear()
     outcomes = []

@@ -66,6 +66,12 @@ class CheckpointStorage(CheckpointFormat):
             if old in vars(cls):
                 raise TypeError(f"{cls.__name__}.{old}: loopkit's storage protocol no longer has {old}(); "
                                 f"implement {new} instead (docs/checkpoints.md, 'Writing another storage').")
+        for name, value in vars(cls).items():
+            if extends_a_missing_method(cls, name, value):
+                raise TypeError(f"{cls.__name__}.{name} calls super().{name}(), which no base class has: the policy is "
+                                f"no longer a storage's base class but holds it, and calls only the format's methods "
+                                f"(a launch check that extended start() goes into check_launch()). Implement the "
+                                f"format's methods instead (docs/checkpoints.md, 'Writing another storage').")
         for name in RESERVED:
             if name in vars(cls):
                 raise TypeError(f"{cls.__name__}.{name}: `{name}` is set by CheckpointStorage for the format to read "
@@ -95,6 +101,15 @@ class CheckpointStorage(CheckpointFormat):
         self.run, self.context = run, context
         check_node_local_disks(run.args, context.accelerator)
         return CheckpointPolicy(self, run, context, **self.options())
+
+
+def extends_a_missing_method(cls, name: str, value) -> bool:
+    """Whether `value`, defined as `cls.name`, calls `super().name(...)` though no base class has `name`: a method
+    written to extend one of the policy's, from when the policy was the storage's base class."""
+    code = getattr(value, "__code__", None)
+    if code is None or "super" not in code.co_names or name not in code.co_names:
+        return False
+    return not any(hasattr(base, name) for base in cls.__mro__[1:])
 
 
 def check_node_local_disks(args, accelerator) -> None:
