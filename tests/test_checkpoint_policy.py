@@ -205,7 +205,7 @@ def test_a_fresh_run_and_the_report_name_a_damaged_checkpoint(tmp_path, capsys):
     assert f"checkpoint-4 is damaged ({WEIGHTS}: 20,480 bytes, its header promises {size:,}): not read" in \
         capsys.readouterr().out
     with pytest.warns(UserWarning, match=rf"holds other runs' checkpoints: run \w+ checkpoint-2, checkpoint-4 "
-                                         rf"\(previous run: kept\); damaged checkpoint-4 \(damaged: {WEIGHTS}: "
+                                         rf"\(previous run: kept\); checkpoint-4 \(damaged: {WEIGHTS}: "
                                          rf"20,480 bytes, its header promises {size:,}; run \w+"):
         make_loop(out, HFStorage(), max_steps=2, save_total_limit=None, load_best_model_at_end=False).train()
 

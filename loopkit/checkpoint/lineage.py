@@ -221,7 +221,7 @@ class RunLineage:
         for record in (r for r in records if r.problem is not None):  # named with what is wrong, and their fate
             outcome = ("record unreadable: " + removed if record.run_id is None
                        else fate.get(record.run_id, "older: " + removed))
-            found.append(f"damaged {record.describe()} ({outcome})")
+            found.append(f"{record.describe()} ({outcome})")
         warnings.warn(f"output_dir={self.run.args.output_dir!r} holds other runs' checkpoints: {'; '.join(found)}. "
                       f"One output_dir per run keeps them all.")
 
