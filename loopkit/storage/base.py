@@ -44,6 +44,7 @@ REPLACED_METHODS = {
 RESERVED = ("run", "context", "writes_files", "async_save", "on_save_error", "best_total_limit", "options",
             "attach")
 
+
 def check_options(on_save_error: str, best_total_limit: int | None) -> None:
     """A clear error, naming the option, for a value no storage takes."""
     if on_save_error not in SAVE_ERROR_POLICIES:
