@@ -246,7 +246,7 @@ def test_report_names_the_storage_to_pass_and_never_takes_an_unchecked_report_as
         # The run's own report is there, but no known format reads the checkpoints: refused, the flag named.
         code, text = report_exit(["report", out], capsys)
         assert code == 2 and "Traceback" not in text, text
-        assert f"checkpoint-2, checkpoint-4 is in no checkpoint format loopkit knows (DCPStorage, HFStorage)" in text
+        assert "no checkpoint format loopkit knows (DCPStorage, HFStorage) reads checkpoint-2, checkpoint-4." in text
         assert f"python -m loopkit report {out} --storage mypackage.storages:MyStorage" in text, text
         assert report_exit(["report", out] + flag.split(), capsys)[0] == 0
         registered_formats.clear()

@@ -53,9 +53,9 @@ def readable_records(run_dir: str) -> list:
     if unknown:
         known = [name.rpartition(":")[2] for name in BUILT_IN_FORMATS] + [type(f).__name__ for f in registered_formats]
         raise UnknownCheckpointFormat(
-            f"{run_dir}: {', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''} is in no checkpoint format "
-            f"loopkit knows ({', '.join(known)}). Name the storage class that wrote it, as module:Class: "
-            f"python -m loopkit report {run_dir} --storage mypackage.storages:MyStorage")
+            f"{run_dir}: no checkpoint format loopkit knows ({', '.join(known)}) reads "
+            f"{', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}. Name the storage class that wrote them, "
+            f"as module:Class: python -m loopkit report {run_dir} --storage mypackage.storages:MyStorage")
     return with_problems(records)
 
 
