@@ -15,13 +15,17 @@ from loopkit.storage import HFStorage
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 import dist_child  # noqa: E402
 
-ROUTED = ("start", "states_to_save", "write_checkpoint", "load_model_before_prepare", "load_optimizer_and_scheduler",
-          "read_rng", "read_trainer_state", "read_stage_states", "load_best_model", "keep_only_best", "wait",
-          "finish_uploads", "recognises", "read_states", "read_process_state", "checkpoint_problem")
+# What the run calls on its checkpoint policy (`context.checkpointer`), and what the policy calls on the format.
+POLICY_CALLS = ("start", "load_model_before_prepare", "load_optimizer_and_scheduler", "read_rng",
+                "read_trainer_state", "read_stage_states", "load_best_model", "keep_only_best", "wait",
+                "finish_uploads", "save")
+FORMAT_CALLS = ("check_launch", "states_to_save", "write_checkpoint", "load_model_before_prepare",
+                "load_optimizer_and_scheduler", "load_best_model", "recognises", "read_states", "read_process_state",
+                "checkpoint_problem")
 
 
 class RecordingStorage(HFStorage):
-    """The default storage, recording which of its methods the run calls."""
+    """The default storage, recording which of its format methods the policy calls."""
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -36,8 +40,20 @@ def recording(name):
     return method
 
 
-for _name in ROUTED:
+for _name in FORMAT_CALLS:
     setattr(RecordingStorage, _name, recording(_name))
+
+
+def record_policy_calls(loop) -> list:
+    """The names of the policy methods the run calls, in order (each wrapped on the `Loop`'s policy object)."""
+    policy, calls = loop.context.checkpointer, []
+    for name in POLICY_CALLS:
+        def method(*args, _name=name, _real=getattr(policy, name), **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        setattr(policy, name, method)
+    return calls
 
 
 def make_loop(out, storage=None, evaluation=None, **overrides):
@@ -51,22 +67,29 @@ def make_loop(out, storage=None, evaluation=None, **overrides):
 
 def test_setup_step_data_loop_and_teardown_reach_checkpoints_through_the_storage(tmp_path):
     first = RecordingStorage()
-    make_loop(tmp_path / "run", first).train()
-    assert {"start", "states_to_save", "write_checkpoint", "load_best_model", "keep_only_best", "wait",
-            "finish_uploads"} <= set(first.calls), first.calls
+    loop = make_loop(tmp_path / "run", first)
+    first_policy_calls = record_policy_calls(loop)
+    loop.train()
+    assert loop.context.checkpointer.format is first
+    assert {"check_launch", "states_to_save", "write_checkpoint", "load_best_model"} <= set(first.calls), first.calls
+    assert {"start", "save", "load_best_model", "keep_only_best", "wait", "finish_uploads"} <= set(
+        first_policy_calls), first_policy_calls
     resumed = RecordingStorage()
-    make_loop(tmp_path / "run", resumed).train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
-    assert set(ROUTED) <= set(resumed.calls), sorted(set(ROUTED) - set(resumed.calls))
+    loop = make_loop(tmp_path / "run", resumed)
+    policy_calls = record_policy_calls(loop)
+    loop.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert set(FORMAT_CALLS) <= set(resumed.calls), sorted(set(FORMAT_CALLS) - set(resumed.calls))
+    assert set(POLICY_CALLS) <= set(policy_calls), sorted(set(POLICY_CALLS) - set(policy_calls))
     # Resuming reads in the run's order: which checkpoint, the model before `prepare`, the states, then what loads
     # into prepared objects.
-    order = [resumed.calls.index(name) for name in ("start", "load_model_before_prepare", "read_trainer_state",
-                                                     "load_optimizer_and_scheduler")]
-    assert order == sorted(order), resumed.calls
+    order = [policy_calls.index(name) for name in ("start", "load_model_before_prepare", "read_trainer_state",
+                                                    "load_optimizer_and_scheduler")]
+    assert order == sorted(order), policy_calls
 
 
 def test_checkpoint_options_given_to_the_evaluation_stage_go_to_the_default_storage(tmp_path):
     loop = make_loop(tmp_path, evaluation=EvalStage(async_save=True, on_save_error="continue", best_total_limit=2))
-    storage = loop.context.checkpointer
+    storage = loop.context.checkpointer.format
     assert isinstance(storage, HFStorage)
     assert storage.options() == dict(async_save=True, on_save_error="continue", best_total_limit=2)
 

@@ -359,7 +359,7 @@ def resumed_like_uninterrupted(build, folder: str, save_at: int = 2) -> tuple:
 
 def assert_dcp_checkpoint(loop, checkpoint: str) -> None:
     """Written by the DCPStorage passed in (torch.distributed.checkpoint's folder), not by the default storage."""
-    assert isinstance(loop.context.checkpointer, DCPStorage)
+    assert isinstance(loop.context.checkpointer.format, DCPStorage)  # the policy holds the storage passed in
     assert DCPStorage().recognises(checkpoint) and not os.path.exists(os.path.join(checkpoint, "model.safetensors"))
 
 

@@ -32,13 +32,14 @@ unpickler), DeepSpeed's `global_step*/` with its `torch.load`s forced to `weight
 docs/checkpoints.md lists every file read and how.
 
 The modules. The format (what a storage implements, docs/checkpoints.md): format.py (`CheckpointFormat`,
-`Checkpoint`, finding the format of a folder). The policy, written once on the format's methods: lineage.py (folder
-names, records, run ids, `RunLineage`), writing.py (`AtomicSaves`: the atomic protocol, async, `on_save_error`),
-rotation.py (`Rotation`), reading.py (`Resuming`). HF's layout, for the formats that write it: durable.py (fsync,
-state files, safe loads), rng.py (RNG states), model_files.py (`save_pretrained` files), state_files.py (the run's
-state files), stage_tensors.py, validation.py (`checkpoint_problem`), engines.py (FSDP and DeepSpeed checkpoint
-I/O). The names below are the package's public ones; the writers call the file operations through this package
-(`checkpoint.write_text`, ...), so that wrapping one here reaches every save.
+`Checkpoint`, finding the format of a folder). The policy, written once, which holds a format and calls only its
+documented methods: policy.py (`CheckpointPolicy`, what a run calls), built of four parts, each given what it needs:
+lineage.py (folder names, records, run ids, `RunLineage`), writing.py (`AtomicSaves`: the atomic protocol, async,
+`on_save_error`), rotation.py (`Rotation`), reading.py (`Resuming`). HF's layout, for the formats that write it:
+durable.py (fsync, state files, safe loads), rng.py (RNG states), model_files.py (`save_pretrained` files),
+state_files.py (the run's state files), stage_tensors.py, validation.py (`checkpoint_problem`), engines.py (FSDP and
+DeepSpeed checkpoint I/O). The names below are the package's public ones; the writers call the file operations
+through this package (`checkpoint.write_text`, ...), so that wrapping one here reaches every save.
 """
 
 from .durable import (EarlyFlush, FlushWhileWriting, fsync_dir, fsync_file, fsync_tree, safe_torch_load,

@@ -1,7 +1,8 @@
 """The checkpoint FORMAT: how one checkpoint is written and read, as a handful of methods (docs/checkpoints.md,
 "Writing another storage"). Everything else about checkpoints (which run wrote a folder, rotation, the atomic commit
 of a temporary folder, asynchronous writing, `on_save_error`, the best kept) is the POLICY, written once
-(writing.py, lineage.py, rotation.py, reading.py) on top of these methods.
+(policy.py, which holds the format, and its parts: writing.py, lineage.py, rotation.py, reading.py) on top of
+these methods; it calls nothing else of a format.
 
 A format writes the whole checkpoint, the run's state included, from one `Checkpoint`, and reads it back. A folder
 `checkpoint-<step>/` is the unit the policy names, renames and deletes; what is inside is the format's: HF Trainer's
@@ -114,6 +115,10 @@ class CheckpointFormat(abc.ABC):
     def load_best_model(self, path: str) -> None:
         """`load_best_model_at_end`: the weights of checkpoint `path` into the run's model (every process)."""
 
+    def check_launch(self) -> None:
+        """Optional: at each `train()`'s start, raise a `config_error` (loopkit.errors) for a launch this format
+        cannot serve (e.g. `DCPStorage` under DeepSpeed). Default: every launch."""
+
     def read_loopkit_state(self, path: str) -> dict:
         """The loopkit state alone (what the run lineage reads of every folder, so that a damaged trainer state
         leaves the folder's place in the save order known). Default: from `read_states`."""
@@ -128,6 +133,18 @@ class CheckpointFormat(abc.ABC):
         model = unwrap_model(acc, run.model_wrapped, keep_torch_compile=False).state_dict()
         with_optimizer = not run.args.save_only_model and self.writes_files and run.optimizer is not None
         return model, run.optimizer.state_dict() if with_optimizer else None
+
+
+def writes_files(args, accelerator) -> bool:
+    """HF's `args.should_save`: the main process, or with `save_on_each_node` the first process of each node (for
+    nodes without a shared disk)."""
+    return accelerator.is_local_main_process if args.save_on_each_node else accelerator.is_main_process
+
+
+def node_local_disks(args, accelerator) -> bool:
+    """`save_on_each_node` with several processes: each node writes a whole checkpoint of its own (each process's
+    RNG and stage tensors included), which it resumes from alone."""
+    return bool(args.save_on_each_node) and accelerator.num_processes > 1
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -177,17 +194,6 @@ def read_states(path: str, preferred=None) -> tuple[dict, dict]:
         raise RuntimeError(f"{path} is not a checkpoint any known format recognises (built-in: "
                            f"{', '.join(BUILT_IN_FORMATS)}; register yours with loopkit.checkpoint.register_format).")
     return found.read_states(path)
-
-
-def loopkit_state_of(path: str, preferred=None) -> dict:
-    """The checkpoint's loopkit state; {} when it has none or cannot be read (HF Trainer's folder, a damaged one:
-    `checkpoint_problem` names that one if it is picked)."""
-    found = format_of(path, preferred)
-    try:
-        state = found.read_loopkit_state(path) if found is not None else {}
-    except (RuntimeError, OSError, ValueError):
-        return {}
-    return state if isinstance(state, dict) else {}
 
 
 def json_text(value) -> str:

@@ -3,6 +3,7 @@ the run ids (see loopkit/checkpoint/__init__.py's docstring, "Reruns")."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -42,10 +43,12 @@ class CheckpointRecord:
 
     path: str
     step: int
-    run_id: str | None  # None: not recorded (HF Trainer's folder, or loopkit's before run ids)
+    run_id: str | None  # None: not recorded (HF Trainer's folder, or loopkit's before run ids), or unreadable
     save_index: int | None
     saved_at: str | None  # UTC time of the save, for messages only
     mtime: float
+    problem: str | None = None  # why the folder is damaged (its record unreadable, or `with_problems` found it)
+    format_known: bool = True  # False: no known format recognises the folder (a storage of yours not registered)
 
     def recency(self) -> tuple:
         """Sort key, oldest first: numbered saves after unnumbered ones, which go by folder mtime, then step."""
@@ -55,25 +58,56 @@ class CheckpointRecord:
 
     def describe(self) -> str:
         name = os.path.basename(self.path)
-        if self.run_id is None:
+        run = f"run {self.run_id}, save #{self.save_index}, {self.saved_at}" if self.run_id is not None else None
+        if self.problem is not None:
+            return f"{name} (damaged: {self.problem}{'; ' + run if run else ''})"
+        if run is None:
             return f"{name} (no run recorded: HF Trainer's, or loopkit's before run ids)"
-        return f"{name} (run {self.run_id}, save #{self.save_index}, {self.saved_at})"
+        return f"{name} ({run})"
 
 
 def read_record(path: str, storage=None) -> CheckpointRecord:
     """The record of checkpoint folder `path`, read through its format (`storage` first, else the one that
-    recognises it: format.py); a missing or unreadable one counts as not recorded."""
-    from .format import loopkit_state_of
+    recognises it: format.py). A folder without one (HF Trainer's) is not recorded; one whose record cannot be read
+    is not recorded either and is damaged (`problem` says which file and what is wrong)."""
+    from .format import format_of
 
     name = os.path.basename(os.path.normpath(path))
     match = CHECKPOINT_RE.match(name) or SET_ASIDE_RE.match(name)
-    entry = loopkit_state_of(path, storage).get(RECORD_KEY)  # {} for HF Trainer's folder, or a damaged one
+    found, state, problem = format_of(path, storage), {}, None
+    try:
+        state = found.read_loopkit_state(path) if found is not None else {}
+    except (RuntimeError, OSError, ValueError) as exc:
+        problem = f"its run record cannot be read: {quiet_problem(found, path) or exc}"
+    entry = state.get(RECORD_KEY) if isinstance(state, dict) else None
     entry = entry if isinstance(entry, dict) else {}
     run_id, save_index = entry.get("run_id"), entry.get("save_index")
     recorded = isinstance(run_id, str) and isinstance(save_index, int)
     return CheckpointRecord(path=path, step=int(match.group(1)) if match else -1,
                             run_id=run_id if recorded else None, save_index=save_index if recorded else None,
-                            saved_at=entry.get("saved_at") if recorded else None, mtime=os.path.getmtime(path))
+                            saved_at=entry.get("saved_at") if recorded else None, mtime=os.path.getmtime(path),
+                            problem=problem, format_known=found is not None)
+
+
+def quiet_problem(found, path: str) -> str | None:
+    """`found.checkpoint_problem(path)`, without the warning HF Trainer's folders are accepted with."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return found.checkpoint_problem(path)
+
+
+def with_problems(records: list[CheckpointRecord], storage=None) -> list[CheckpointRecord]:
+    """`records`, each damaged one with its `problem` (the format's `checkpoint_problem`: which file, what is
+    wrong). Reads every folder's files: for messages, not for every save's rotation."""
+    from .format import format_of
+
+    checked = []
+    for record in records:
+        found = format_of(record.path, storage) if record.problem is None else None
+        if found is not None:
+            record = dataclasses.replace(record, problem=quiet_problem(found, record.path))
+        checked.append(record)
+    return checked
 
 
 def checkpoints_by_recency(output_dir: str, storage=None) -> list[CheckpointRecord]:
@@ -108,72 +142,88 @@ logger = logging.getLogger("loopkit.checkpoint")
 
 
 class RunLineage:
-    """The part of a checkpoint storage that knows which run it saves for (`run_id`, `next_save_index`): set at
-    each `train()` by `start`, written into every checkpoint by `record`, and used to keep other runs' folders."""
+    """Which run the coming saves belong to (`run_id`, `next_save_index`): set at each `train()` by `start`, written
+    into every checkpoint by `record`, and used to keep other runs' folders. Receives the format (each folder's
+    record is read through it), the run (`args.output_dir`, `args.save_total_limit`) and the accelerator."""
 
-    run_id: str | None = None
-    next_save_index = 1
-    previous_run: str | None = None  # the most recently saved other run at this train()'s start: never deleted
-    older_runs_pending = False  # this train()'s first save still has older runs' folders to remove (Rotation)
+    def __init__(self, format, run, accelerator):
+        self.format, self.run, self.accelerator = format, run, accelerator
+        self.run_id: str | None = None
+        self.next_save_index = 1
+        self.previous_run: str | None = None  # the most recently saved other run at this train()'s start: kept
 
-    def start(self, resume_from_checkpoint) -> str | None:
-        """The start of a `train()`: remove a killed save's leftovers, resolve the checkpoint to resume from, and
-        set the run the coming saves belong to (the checkpoint's when resuming, else a new one) and the previous
-        run (kept whole). Says what it found: a fresh run next to other runs' checkpoints warns in one line;
-        `resume_from_checkpoint=True` names its pick. Returns the checkpoint path or None."""
-        self.remove_leftovers()
-        records = checkpoints_by_recency(self.run.args.output_dir, self)
-        checkpoint = self.resolve(resume_from_checkpoint)
+    def records(self) -> list[CheckpointRecord]:
+        """The checkpoint folders of `output_dir`, least recently saved first."""
+        return checkpoints_by_recency(self.run.args.output_dir, self.format)
+
+    def start(self, checkpoint: str | None, resume_from_checkpoint, records: list[CheckpointRecord],
+              skipped: dict) -> None:
+        """The start of a `train()` resuming `checkpoint` (None: fresh), `records` the folders found before:
+        set the run the coming saves belong to (the checkpoint's when resuming, else a new one) and the previous run
+        (kept whole). Says what it found: a fresh run next to other checkpoints warns in one line;
+        `resume_from_checkpoint=True` names its pick and the damaged folders it passed over (`skipped`: their
+        problems by path)."""
         previous_run = self.run_id
-        resumed = read_record(checkpoint, self) if checkpoint is not None else None
+        resumed = read_record(checkpoint, self.format) if checkpoint is not None else None
         self.begin_run((resumed.run_id if resumed is not None else None) or new_run_id(), records)
         others = [r for r in self.recorded_folders() if r.run_id != self.run_id]
         self.previous_run = max(others, key=CheckpointRecord.recency).run_id if others else None
-        self.older_runs_pending = True
-        if self.context.accelerator.is_main_process:
+        if self.accelerator.is_main_process:
             if checkpoint is None:
                 self.report_other_runs(records)
             elif resume_from_checkpoint is True:
-                self.report_resume_pick(resumed, records, previous_run)
-        return checkpoint
+                self.report_resume_pick(resumed, records, previous_run, skipped)
 
     def begin_run(self, run_id: str, records: list[CheckpointRecord]) -> None:
         """Saves from now on belong to `run_id` and are numbered after every checkpoint in `records`. With several
         processes the main process's id is taken by all (a fresh id differs by rank; `save` compares it on each)."""
-        if self.context.accelerator.num_processes > 1:
+        if self.accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
             run_id = broadcast_object_list([run_id], from_process=0)[0]
         self.run_id = run_id
         self.next_save_index = 1 + max((r.save_index for r in records if r.save_index is not None), default=0)
 
+    def all_folders(self) -> list[CheckpointRecord]:
+        """Every folder in `output_dir` a save may have left: checkpoints and the set-aside `-of-run-` ones."""
+        run_dir = self.run.args.output_dir
+        return [read_record(folder, self.format)
+                for folder in checkpoint_dirs(run_dir) + checkpoint_dirs(run_dir, SET_ASIDE_RE)]
+
     def recorded_folders(self) -> list[CheckpointRecord]:
         """Every folder in `output_dir` that records its run: checkpoints and the set-aside `-of-run-` ones."""
-        run_dir = self.run.args.output_dir
-        folders = checkpoint_dirs(run_dir) + checkpoint_dirs(run_dir, SET_ASIDE_RE)
-        return [r for r in (read_record(folder, self) for folder in folders) if r.run_id is not None]
+        return [r for r in self.all_folders() if r.run_id is not None]
 
     def older_runs(self) -> list[CheckpointRecord]:
-        """The recorded folders of runs other than this one and the previous one (Rotation removes them)."""
-        return [r for r in self.recorded_folders() if r.run_id not in (self.run_id, self.previous_run)]
+        """What a run's first save removes (with `save_total_limit`): the recorded folders of runs other than this
+        one and the previous one, and the damaged folders whose record cannot be read (no run can resume them, and
+        nothing says whose they are). Folders that record no run, undamaged (HF Trainer's), are never removed."""
+        kept_runs = (self.run_id, self.previous_run)
+        return [r for r in self.all_folders()
+                if (r.run_id is not None and r.run_id not in kept_runs) or (r.run_id is None and r.problem is not None)]
 
     def report_other_runs(self, records: list[CheckpointRecord]) -> None:
-        """A fresh run into an `output_dir` that holds checkpoints: one line saying whose they are and what
-        happens to them (docs/checkpoints.md, "Reruns")."""
+        """A fresh run into an `output_dir` that holds checkpoints: one line saying whose they are, which are
+        damaged and what happens to them (docs/checkpoints.md, "Reruns")."""
         set_aside = [r for r in self.recorded_folders() if SET_ASIDE_RE.match(os.path.basename(r.path))]
-        records = sorted(records + set_aside, key=CheckpointRecord.recency)
+        records = with_problems(sorted(records + set_aside, key=CheckpointRecord.recency), self.format)
         if not records:
             return
+        limit = self.run.args.save_total_limit
+        removed = "removed at the first save" if limit and limit > 0 else "kept, save_total_limit=None"
         runs: dict = {}
         for record in records:
-            runs.setdefault(record.run_id, []).append(os.path.basename(record.path))
-        limit = self.run.args.save_total_limit
+            if record.problem is None or record.run_id is not None:
+                runs.setdefault(record.run_id, []).append(os.path.basename(record.path))
         fate = {self.previous_run: "previous run: kept", None: "no run recorded: kept"}
-        older = "older: removed at the first save" if limit and limit > 0 else "older: kept, save_total_limit=None"
-        found = "; ".join(f"{'run ' + run_id if run_id else 'unrecorded'} {self.named(names, run_id in fate)} "
-                          f"({fate.get(run_id, older)})" for run_id, names in runs.items())
-        warnings.warn(f"output_dir={self.run.args.output_dir!r} holds other runs' checkpoints: {found}. One "
-                      f"output_dir per run keeps them all.")
+        found = [f"{'run ' + run_id if run_id else 'unrecorded'} {self.named(names, run_id in fate)} "
+                 f"({fate.get(run_id, 'older: ' + removed)})" for run_id, names in runs.items()]
+        for record in (r for r in records if r.problem is not None):  # named with what is wrong, and their fate
+            outcome = ("record unreadable: " + removed if record.run_id is None
+                       else fate.get(record.run_id, "older: " + removed))
+            found.append(f"{record.describe()} ({outcome})")
+        warnings.warn(f"output_dir={self.run.args.output_dir!r} holds other runs' checkpoints: {'; '.join(found)}. "
+                      f"One output_dir per run keeps them all.")
 
     @staticmethod
     def named(names: list[str], kept: bool) -> str:
@@ -184,16 +234,22 @@ class RunLineage:
         return ", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "")
 
     def report_resume_pick(self, picked: CheckpointRecord, records: list[CheckpointRecord],
-                           previous_run: str | None) -> None:
-        """`resume_from_checkpoint=True`: name the checkpoint; warn when another run's is picked or passed over."""
-        others = [r for r in records if r.run_id != picked.run_id]  # unrecorded ones: only next to recorded ones
+                           previous_run: str | None, skipped: dict) -> None:
+        """`resume_from_checkpoint=True`: name the checkpoint; warn when another run's is picked or passed over,
+        and name the damaged ones passed over (`skipped`: problem by path) as damaged."""
+        damaged = [dataclasses.replace(r, problem=r.problem or skipped[r.path]) for r in records
+                   if r.path in skipped or r.problem is not None]
+        passed_over = {r.path for r in damaged}
+        others = [r for r in records if r.run_id != picked.run_id and r.path not in passed_over]
         message = (f"resume_from_checkpoint=True: resuming from {picked.describe()}, the most recently saved "
                    f"complete checkpoint in output_dir={self.run.args.output_dir!r}.")
         if previous_run is not None and picked.run_id != previous_run:
             message += f" It belongs to another run than this Loop's previous train() (run {previous_run})."
-        elif not others:
+        elif not others and not damaged:
             logger.info(message)
             return
+        if damaged:
+            message += f" Passed over as damaged: {', '.join(r.describe() for r in damaged)}."
         if others:
             message += (f" Not picked, from other runs: {', '.join(r.describe() for r in others)}. Pass "
                         f"resume_from_checkpoint=<folder> to resume one of those.")
@@ -202,37 +258,38 @@ class RunLineage:
     def record(self) -> dict:
         """The next save's entry in `loopkit_state.json`: its run and save number."""
         if self.run_id is None:  # a save outside train(): a run of its own
-            self.begin_run(new_run_id(), checkpoints_by_recency(self.run.args.output_dir, self))
+            self.begin_run(new_run_id(), self.records())
         entry = {"run_id": self.run_id, "save_index": self.next_save_index,
                  "saved_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
         self.next_save_index += 1
         return entry
 
     def remove_leftovers(self) -> None:
-        """Folders a killed save or rotation left behind (never complete checkpoints): removed at train start."""
+        """Folders a killed save or rotation left behind (never complete checkpoints): removed at train start (by
+        the processes that write files)."""
         run_dir = self.run.args.output_dir
-        if not self.writes_files or not os.path.isdir(run_dir):
+        if not os.path.isdir(run_dir):
             return
         for entry in os.listdir(run_dir):
             if entry.startswith(LEFTOVER_PREFIXES) and CHECKPOINT_RE.match(entry.split("-", 1)[1]):
                 shutil.rmtree(os.path.join(run_dir, entry), ignore_errors=True)
 
     def own_checkpoints(self) -> list[str]:
-        """This run's checkpoint folders in `output_dir`, least recently saved first."""
-        records = checkpoints_by_recency(self.run.args.output_dir, self)
-        return [r.path for r in records if r.run_id is not None and r.run_id == self.run_id]
+        """This run's checkpoint folders in `output_dir`, least recently saved first (damaged ones included: they
+        are rotated away like the others)."""
+        return [r.path for r in self.records() if r.run_id is not None and r.run_id == self.run_id]
 
     def last_checkpoint(self) -> str | None:
-        """The most recently saved checkpoint folder in `output_dir` (read through this storage's format)."""
-        return last_checkpoint(self.run.args.output_dir, self)
+        """The most recently saved checkpoint folder in `output_dir` (read through this run's format)."""
+        return last_checkpoint(self.run.args.output_dir, self.format)
 
     def is_own(self, path: str) -> bool:
-        return self.run_id is not None and read_record(path, self).run_id == self.run_id
+        return self.run_id is not None and read_record(path, self.format).run_id == self.run_id
 
     def replace_existing(self, final: str, tmp: str) -> None:
         """A save at a step whose folder exists. This run's own (a re-save after a resume) is swapped and dropped;
         another run's, or an unrecorded one, is renamed to a name that is not a checkpoint's, never deleted."""
-        record = read_record(final, self)
+        record = read_record(final, self.format)
         own = record.run_id is not None and record.run_id == self.run_id
         name = os.path.basename(final)
         aside = os.path.join(os.path.dirname(final), f".old-{name}") if own else set_aside_path(record)
@@ -243,4 +300,3 @@ class RunLineage:
         else:  # announced at the start (report_other_runs); the path, for whoever looks for it
             logger.info(f"This run (run {self.run_id}) saved {name}, where {record.describe()} was: that one is "
                         f"kept as {aside} (pass it to resume_from_checkpoint to resume it).")
-

@@ -12,44 +12,54 @@ from .stage_tensors import tensors_back
 
 
 class Resuming:
-    """The part of a checkpoint storage that picks and reads the checkpoint a `train()` resumes from, through the
-    format's `recognises`, `checkpoint_problem`, `read_states` and `read_process_state`."""
+    """The part of the checkpoint policy that picks and reads the checkpoint a `train()` resumes from. Receives the
+    format (`recognises`, `checkpoint_problem`, `read_states`, `read_process_state`), the run (`args.output_dir`)
+    and whether each node keeps its own checkpoints (`node_local_disks`: then every node must hold the pick)."""
+
+    def __init__(self, format, run, node_local_disks: bool):
+        self.format, self.run, self.node_local_disks = format, run, node_local_disks
 
     def resolve(self, resume_from_checkpoint) -> str | None:
-        """The checkpoint folder to resume from. `True`: the most recently saved usable one in `output_dir` (module
-        docstring), falling back (with a warning) past any that is corrupt; a path: that folder, or a clear error
-        naming the bad file."""
+        """The checkpoint folder to resume from (`pick`)."""
+        return self.pick(resume_from_checkpoint)[0]
+
+    def pick(self, resume_from_checkpoint) -> tuple[str | None, dict]:
+        """The checkpoint folder to resume from, and the damaged folders passed over (their problems by path).
+        `True`: the most recently saved usable one in `output_dir` (lineage.py), falling back (with a warning) past
+        any that is damaged; a path: that folder, or a clear error naming the bad file."""
         if resume_from_checkpoint is None or resume_from_checkpoint is False:
-            return None
+            return None, {}
         output_dir = self.run.args.output_dir
         if resume_from_checkpoint is True:
-            usable = []
-            for path in reversed([r.path for r in checkpoints_by_recency(output_dir, self)]):
-                problem = self.checkpoint_problem(path)
+            usable, skipped = [], {}
+            for path in reversed([r.path for r in checkpoints_by_recency(output_dir, self.format)]):
+                problem = self.format.checkpoint_problem(path)
                 if problem is None:
                     usable.append(path)
                     if not self.node_local_disks:
                         break
                 else:
-                    warnings.warn(f"Not resuming from {path}: {problem}. Falling back to the previous checkpoint.")
+                    skipped[path] = problem
+                    warnings.warn(f"Not resuming from {path}: it is damaged ({problem}). Falling back to the previous "
+                                  f"checkpoint.")
             usable = self.held_by_every_node(usable)
             if usable:
-                return usable[0]
+                return usable[0], skipped
             raise trainer_error(f"No valid checkpoint found in output directory ({output_dir})",
                                 "resume_from_checkpoint", True, f"output_dir={output_dir!r} holds no usable "
                                 f"checkpoint-<step> folder", "train without resuming first, or pass the path of a "
                                 "checkpoint folder")
-        if not os.path.isdir(resume_from_checkpoint) or not self.recognises(resume_from_checkpoint):
+        if not os.path.isdir(resume_from_checkpoint) or not self.format.recognises(resume_from_checkpoint):
             raise trainer_error(f"Can't find a valid checkpoint at {resume_from_checkpoint}",
                                 "resume_from_checkpoint", resume_from_checkpoint,
                                 "it is not a folder" if not os.path.isdir(resume_from_checkpoint) else
-                                f"the folder holds no checkpoint {type(self).__name__} reads (for HF's layout: "
-                                f"model weights, an index or an adapter)",
+                                f"the folder holds no checkpoint {type(self.format).__name__} reads (for HF's "
+                                f"layout: model weights, an index or an adapter)",
                                 "pass a checkpoint-<step> folder, or resume_from_checkpoint=True for the latest one")
-        problem = self.checkpoint_problem(resume_from_checkpoint)
+        problem = self.format.checkpoint_problem(resume_from_checkpoint)
         if problem is not None:
-            raise ValueError(f"Cannot resume from {resume_from_checkpoint}: {problem}.")
-        return resume_from_checkpoint
+            raise ValueError(f"Cannot resume from {resume_from_checkpoint}: it is damaged ({problem}).")
+        return resume_from_checkpoint, {}
 
     def held_by_every_node(self, paths: list[str]) -> list[str]:
         """With node-local disks: those of `paths` (newest first) whose folder name every process also found usable
@@ -68,7 +78,7 @@ class Resuming:
 
         from ..state import LoopState
 
-        trainer_state = self.read_states(checkpoint)[0]
+        trainer_state = self.format.read_states(checkpoint)[0]
         try:
             known = {f.name for f in dataclasses.fields(LoopState)}
             return LoopState(**{k: v for k, v in trainer_state.items() if k in known})
@@ -78,9 +88,9 @@ class Resuming:
     def read_stage_states(self, checkpoint: str) -> dict:
         """The checkpoint's loopkit state (each stage's state by name; {} for HF Trainer's folders), with this
         process's stage entries and tensors put back (the data stage's batch read ahead)."""
-        own = self.read_process_state(checkpoint)
-        return tensors_back({**self.read_states(checkpoint)[1], **own.own_stage_states}, own.stage_tensors)
+        own = self.format.read_process_state(checkpoint)
+        return tensors_back({**self.format.read_states(checkpoint)[1], **own.own_stage_states}, own.stage_tensors)
 
     def read_rng(self, checkpoint: str) -> dict | None:
         """This process's RNG states saved in `checkpoint` (None if it has none, e.g. `save_only_model`)."""
-        return self.read_process_state(checkpoint).rng
+        return self.format.read_process_state(checkpoint).rng

@@ -13,11 +13,20 @@ from ..state import best_metric_key
 
 
 class Rotation:
-    """The part of a checkpoint storage that deletes checkpoints: `rotate` after each save, `keep_only_best` at the
-    end of training, `finish_uploads` once the last push is done. Needs `own_checkpoints` (RunLineage), `hub` and
-    `best_total_limit`."""
+    """The part of the checkpoint policy that deletes checkpoints: `rotate` after each save, `keep_only_best` at the
+    end of training, `finish_uploads` once the last push is done. Receives the run lineage (which folders are this
+    run's, which are older runs'), the run (`args`, `state`), `best_total_limit`, whether this process writes files,
+    and the uploads (`hub`: no folder is deleted while it uploads; the policy's `upload_with` replaces it)."""
 
-    rotation_deferred = False  # a folder rotation left because it was uploading
+    def __init__(self, lineage, run, best_total_limit: int | None, writes_files: bool, hub):
+        self.lineage, self.run, self.best_total_limit = lineage, run, best_total_limit
+        self.writes_files, self.hub = writes_files, hub
+        self.rotation_deferred = False  # a folder rotation left because it was uploading
+        self.older_runs_pending = False  # this train()'s first save still has older runs' folders to remove
+
+    def start(self) -> None:
+        """A `train()` starts: its first save removes older runs' folders (`remove_older_runs`)."""
+        self.older_runs_pending = True
 
     def delete(self, path: str) -> None:
         """Rename first, so a kill mid-delete never leaves a half-deleted folder named like a checkpoint."""
@@ -68,7 +77,7 @@ class Rotation:
         limit = self.run.args.save_total_limit
         if limit is None or limit <= 0:
             return
-        dirs = self.own_checkpoints()
+        dirs = self.lineage.own_checkpoints()
         if not dirs:
             return
         best = self.best_checkpoints(dirs, state if state is not None else self.run.state)
@@ -89,22 +98,24 @@ class Rotation:
 
     def remove_older_runs(self) -> None:
         """At this run's first complete save, with `save_total_limit`: delete the folders (checkpoints and set-aside
-        `-of-run-` ones) of the runs older than the previous run, which stays whole, and say so in one line. So a
-        folder rerun again and again holds this run's checkpoints and the previous run's, and a rerun that fails
-        before its first save has deleted nothing. Folders that record no run are never deleted."""
+        `-of-run-` ones) of the runs older than the previous run, which stays whole, and the damaged folders whose
+        record cannot be read, and say so in one line. So a folder rerun again and again holds this run's checkpoints
+        and the previous run's, and a rerun that fails before its first save has deleted nothing. Undamaged folders
+        that record no run (HF Trainer's) are never deleted."""
         if not self.older_runs_pending:
             return
         self.older_runs_pending = False  # once per train(), at its first save
         limit = self.run.args.save_total_limit
         if limit is None or limit <= 0:
             return
-        doomed = self.older_runs()
+        doomed = self.lineage.older_runs()
         for record in doomed:
             self.delete(record.path)
         if doomed:
-            names = ", ".join(os.path.basename(r.path) for r in doomed[:4]) + (
+            names = ", ".join(r.describe() if r.problem else os.path.basename(r.path) for r in doomed[:4]) + (
                 f" +{len(doomed) - 4}" if len(doomed) > 4 else "")
-            warnings.warn(f"Removed {len(doomed)} checkpoint folder(s) of runs older than the previous one "
+            damaged = " or damaged" if any(r.problem for r in doomed) else ""
+            warnings.warn(f"Removed {len(doomed)} checkpoint folder(s) of runs older than the previous one{damaged} "
                           f"({names}) from output_dir: save_total_limit={self.run.args.save_total_limit} keeps this "
                           f"run's and the previous run's. One output_dir per run keeps them all.")
 
@@ -126,7 +137,7 @@ class Rotation:
             return
         if self.best_total_limit is not None:
             return
-        dirs = self.own_checkpoints()
+        dirs = self.lineage.own_checkpoints()
         if os.path.realpath(best) not in {os.path.realpath(d) for d in dirs}:
             return  # e.g. a run resumed into a new output_dir: its best lies elsewhere (HF deletes the whole run here)
         self.hub.wait()  # no folder is deleted while it uploads

@@ -10,18 +10,63 @@ from .engines import engine_checkpoint_present
 from .lineage import LOOPKIT_STATE_NAME, TRAINER_STATE_NAME, WEIGHTS_NAME
 
 
-def checkpoint_problem(path: str) -> str | None:
-    """Why `path` cannot be resumed from, or None. A loopkit folder is complete by construction (it only gets its
-    name once fully written); an HF Trainer folder has no such guarantee, so both are checked the same way: the
-    state parses and every weights file opens."""
+def json_problem(path: str) -> str | None:
+    """What is wrong with the JSON file `path` (missing, or not JSON: named with its size), or None."""
+    name = os.path.basename(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    except OSError as exc:
+        return f"{name}: cannot be read ({exc.strerror or exc})"
+    except ValueError as exc:
+        return f"{name}: {os.path.getsize(path):,} bytes, not valid JSON ({exc})"
+    return None
+
+
+def safetensors_problem(path: str) -> str | None:
+    """What is wrong with the safetensors file `path`, from its header alone (e.g. "model.safetensors: 20,480 bytes,
+    its header promises 1,234,567"), or None."""
+    name, size = os.path.basename(path), os.path.getsize(path)
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little") if size >= 8 else None
+        if length is None or 8 + length > size:
+            promised = f"its header alone promises {8 + length:,}" if length is not None else "no header"
+            return f"{name}: {size:,} bytes, {promised}"
+        try:
+            header = json.loads(f.read(length))
+            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            return f"{name}: its header is not a safetensors header ({exc})"
+    if size < 8 + length + end:
+        return f"{name}: {size:,} bytes, its header promises {8 + length + end:,}"
+    return None
+
+
+def weights_problem(path: str) -> str | None:
+    """What is wrong with a weights file: its size against its header, then whether safetensors opens it."""
     from safetensors import safe_open
 
-    state_path = os.path.join(path, TRAINER_STATE_NAME)
+    problem = safetensors_problem(path)
+    if problem is not None:
+        return problem
     try:
-        with open(state_path, encoding="utf-8") as f:
-            json.load(f)
-    except (OSError, ValueError) as exc:
-        return f"{state_path} is missing, corrupt or truncated ({exc})"
+        with safe_open(path, framework="pt"):
+            pass
+    except Exception as exc:
+        return f"{os.path.basename(path)}: safetensors cannot open it ({exc})"
+    return None
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why `path` cannot be resumed from (which file, what is wrong), or None. A loopkit folder is complete by
+    construction (it only gets its name once fully written); an HF Trainer folder has no such guarantee, and a disk
+    or a copy may damage either later, so both are checked the same way: the states parse and every weights file is
+    as long as its header says."""
+    for name in (TRAINER_STATE_NAME, LOOPKIT_STATE_NAME):
+        file = os.path.join(path, name)
+        problem = json_problem(file) if name == TRAINER_STATE_NAME or os.path.isfile(file) else None
+        if problem is not None:
+            return problem
     candidates = [os.path.join(path, n) for n in (WEIGHTS_NAME, "adapter_model.safetensors") if
                   os.path.isfile(os.path.join(path, n))]
     index = os.path.join(path, "model.safetensors.index.json")
@@ -30,15 +75,13 @@ def checkpoint_problem(path: str) -> str | None:
             with open(index) as f:
                 candidates += sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
         except (OSError, ValueError, KeyError) as exc:
-            return f"{index} is corrupt ({exc})"
+            return f"{os.path.basename(index)}: corrupt ({exc})"
     if not candidates and not engine_checkpoint_present(path):  # a sharded FSDP checkpoint has no single file
         return f"it has no {WEIGHTS_NAME}"
     for weights in candidates:
-        try:
-            with safe_open(weights, framework="pt"):  # checks the header and that the data covers the file
-                pass
-        except Exception as exc:
-            return f"{weights} is corrupt or truncated ({exc})"
+        problem = weights_problem(weights) if os.path.isfile(weights) else f"{os.path.basename(weights)}: missing"
+        if problem is not None:
+            return problem
     if not os.path.isfile(os.path.join(path, LOOPKIT_STATE_NAME)):
         warnings.warn(f"{path} was not written by loopkit (no {LOOPKIT_STATE_NAME}, e.g. HF Trainer's): accepted "
                       f"because its trainer state parses and its weights open; its data position is derived from "

@@ -40,8 +40,8 @@ class CommittedSave:
 
 
 class NoUploads:
-    """The uploads a save starts when nothing is uploaded: what a storage calls until a `Loop` registers its
-    uploader (`CheckpointStorage.upload_with`; with `push_to_hub`, loopkit/trainer/hub.py's `HubPush`)."""
+    """The uploads a save starts when nothing is uploaded: what the policy calls until a `Loop` registers its
+    uploader (`CheckpointPolicy.upload_with`; with `push_to_hub`, loopkit/trainer/hub.py's `HubPush`)."""
 
     repo_id = None
 
@@ -59,37 +59,24 @@ class NoUploads:
 
 
 class AtomicSaves:
-    """The part of a checkpoint storage that writes: `save` (the run's entry point), the background writer of
-    `async_save`, `wait`, and the failure policy. Needs `run`, the format's `states_to_save` / `write_checkpoint`,
-    RunLineage's `record` / `replace_existing` / `is_own`, Rotation's `rotate`, and `hub` (the uploads)."""
+    """The part of the checkpoint policy that writes: `save` (the run's entry point), the background writer of
+    `async_save`, `wait`, and the failure policy (`on_save_error`). Receives the format (`states_to_save`,
+    `write_checkpoint`), the run lineage (`record`, `replace_existing`, `is_own`, `last_checkpoint`), the rotation
+    (`rotate` after each commit), the run and its context (the accelerator, the events), the options, which
+    processes write (`writes_files`, `node_local_disks`), and the uploads (`hub`; the policy's `upload_with`)."""
 
-    writer = None  # the background thread of an asynchronous save
-    writer_error = None
-    committed: tuple = ()  # CommittedSave: complete checkpoints not yet announced (set by the writing thread)
-    last_saved_step = None
-    rng_for_next_save = None  # set when a checkpoint must hold an earlier RNG state (see Schedule)
-    checkpoint_group = None  # the gloo process group of asynchronous saves with several processes
-    weights_hold = None  # an asynchronous save's hold on the optimizer's next step, until its staging is done
-    hub = NoUploads()
-
-    def upload_with(self, uploads) -> None:
-        """Register what uploads complete checkpoints (`begin_push()` when a save starts, on the training thread;
-        `push_checkpoint(folder, push)` once it is complete; `uploading(folder)` before rotation deletes one;
-        `wait()`). The `Loop` registers Trainer's `push_to_hub` (loopkit/trainer/hub.py) here."""
-        self.hub = uploads
-
-    @property
-    def writes_files(self) -> bool:
-        """HF's `args.should_save`: the main process, or with `save_on_each_node` the first process of each node
-        (for nodes without a shared disk)."""
-        acc = self.context.accelerator
-        return acc.is_local_main_process if self.run.args.save_on_each_node else acc.is_main_process
-
-    @property
-    def node_local_disks(self) -> bool:
-        """`save_on_each_node` with several processes: each node writes a whole checkpoint of its own (each
-        process's RNG and stage tensors included), which it resumes from alone."""
-        return bool(self.run.args.save_on_each_node) and self.context.accelerator.num_processes > 1
+    def __init__(self, format, lineage, rotation, run, context, *, async_save: bool, on_save_error: str,
+                 writes_files: bool, node_local_disks: bool, hub):
+        self.format, self.lineage, self.rotation, self.run, self.context = format, lineage, rotation, run, context
+        self.async_save, self.on_save_error, self.hub = async_save, on_save_error, hub
+        self.writes_files, self.node_local_disks = writes_files, node_local_disks
+        self.writer = None  # the background thread of an asynchronous save
+        self.writer_error = None
+        self.committed: tuple = ()  # CommittedSave: complete checkpoints not yet announced (set by the writer)
+        self.last_saved_step = None
+        self.rng_for_next_save = None  # set when a checkpoint must hold an earlier RNG state (see Schedule)
+        self.checkpoint_group = None  # the gloo process group of asynchronous saves with several processes
+        self.weights_hold = None  # an asynchronous save's hold on the optimizer's next step, until staged
 
     def save(self, stage_states: dict) -> str:
         """Save a full checkpoint of the current step atomically, with `stage_states` (JSON values by stage name)
@@ -101,7 +88,7 @@ class AtomicSaves:
         live_best = state.best_model_checkpoint
         if state.best_global_step is not None:
             best = os.path.join(run.args.output_dir, f"{CHECKPOINT_PREFIX}-{state.best_global_step}")
-            if best == final or (os.path.isdir(best) and self.is_own(best)):  # never another run's folder
+            if best == final or (os.path.isdir(best) and self.lineage.is_own(best)):  # never another run's folder
                 state.best_model_checkpoint = best  # as HF: the checkpoint's own state names it (itself, maybe)
         run.state.record_callback_states(context.events.callback_objects + [run.control])
         checkpoint = self.collect(stage_states)
@@ -144,14 +131,14 @@ class AtomicSaves:
         copy = copy_to_cpu if self.async_save else (lambda x: x)
         full_state = not run.args.save_only_model
         stage_states, stage_tensors, own_stage_states = split_stage_states(stage_states)
-        model_state, optimizer_state = self.states_to_save()
+        model_state, optimizer_state = self.format.states_to_save()
         checkpoint = Checkpoint(
             step=run.state.global_step, model_state=model_state, optimizer_state=optimizer_state,
             scheduler=copy(run.lr_scheduler.state_dict()) if full_state and self.writes_files else None,
             scaler=copy(acc.scaler.state_dict()) if full_state and acc.scaler is not None else None,
             rng=(self.rng_for_next_save or files.rng_state()) if full_state else None,
             trainer_state=run.state.to_json_string(),
-            loopkit_state=json.dumps({**stage_states, RECORD_KEY: self.record()}, indent=2, sort_keys=True),
+            loopkit_state=json.dumps({**stage_states, RECORD_KEY: self.lineage.record()}, indent=2, sort_keys=True),
             stage_tensors=stage_tensors, own_stage_states=json.dumps(own_stage_states, sort_keys=True),
             writes_files=self.writes_files, process_index=acc.process_index, num_processes=acc.num_processes)
         if self.node_local_disks:
@@ -192,7 +179,7 @@ class AtomicSaves:
                             committed: CommittedSave) -> None:
         checkpoint, group = staging.checkpoint, staging.checkpoint.process_group
         try:
-            self.agreed(lambda: self.write_checkpoint(staging.result(), tmp), group,
+            self.agreed(lambda: self.format.write_checkpoint(staging.result(), tmp), group,
                         "another process failed to write its part of the checkpoint")
             # Agreed again once renamed: no process announces the checkpoint before the writing ones renamed it.
             self.agreed(lambda: self.close_folder(tmp, final), group, "the rename of the checkpoint failed")
@@ -252,7 +239,7 @@ class AtomicSaves:
             self.weights_hold = None
 
     def report_failure(self, checkpoint: Checkpoint, exc: Exception) -> None:
-        previous = self.last_checkpoint()
+        previous = self.lineage.last_checkpoint()
         message = (f"Saving checkpoint-{checkpoint.step} failed ({type(exc).__name__}: {exc}). Nothing was "
                    f"half-written; the most recently saved complete checkpoint is still {previous}.")
         if self.on_save_error == "raise":
@@ -268,7 +255,7 @@ class AtomicSaves:
         folder."""
         tmp, final = self.open_folder(checkpoint.step)
         try:
-            self.write_checkpoint(checkpoint, tmp)
+            self.format.write_checkpoint(checkpoint, tmp)
             self.context.accelerator.wait_for_everyone()
             self.close_folder(tmp, final)
         except BaseException:
@@ -299,7 +286,7 @@ class AtomicSaves:
             return
         files.fsync_tree(tmp)
         if os.path.isdir(final):
-            self.replace_existing(final, tmp)
+            self.lineage.replace_existing(final, tmp)
         else:
             os.replace(tmp, final)
         files.fsync_dir(os.path.dirname(final))
@@ -312,5 +299,5 @@ class AtomicSaves:
         """Rotation (by `state`, the checkpoint's trainer state; None: the run's), then the push of the complete
         folder (after rotation: no upload lists a folder being deleted)."""
         if self.writes_files:
-            self.rotate(state)
+            self.rotation.rotate(state)
             self.hub.push_checkpoint(final, push)

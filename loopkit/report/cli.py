@@ -1,5 +1,7 @@
-"""`python -m loopkit report RUN_DIR [--force]` (loopkit/__main__.py): print a run's report and draw its charts,
-rebuilding it from the newest checkpoint when the run's own report does not cover it."""
+"""`python -m loopkit report RUN_DIR [--force] [--storage module:Class]` (loopkit/__main__.py): print a run's report
+and draw its charts, rebuilding it from the newest undamaged checkpoint when the run's own report does not cover the
+newest checkpoint. A folder it cannot read (checkpoints in no known format, no checkpoint and no report) ends with
+one line naming the fix and exit status 2, never a traceback."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import os
 
 from .charts import charts_drawn
 from .files import REBUILT_NAME, REPORT_NAME, write_report
-from .rebuild import report_from_files
+from .rebuild import UnknownCheckpointFormat, report_from_files
 from .text import summary_text
 
 
@@ -27,8 +29,17 @@ def main(argv=None) -> int:
     if args.storage:
         from ..checkpoint import register_format
 
-        register_format(args.storage)
-    report, own = report_from_files(args.run_dir, args.force)
+        try:
+            register_format(args.storage)
+        except (ImportError, AttributeError, ValueError) as exc:
+            parser.exit(2, f"python -m loopkit report: --storage {args.storage}: {type(exc).__name__}: {exc}. Name "
+                           f"the storage class as module:Class, e.g. --storage mypackage.storages:MyStorage\n")
+    try:
+        report, own = report_from_files(args.run_dir, args.force)
+    except (FileNotFoundError, UnknownCheckpointFormat) as exc:
+        parser.exit(2, f"python -m loopkit report: {exc}\n")
+    for name, problem in (report.get("damaged_checkpoints") or {}).items():
+        print(f"  {name} is damaged ({problem}): not read")
     if own:  # the run's own report: printed, its charts drawn again, its files left as the run wrote them
         report["charts"] = charts_drawn(report, args.run_dir)
         print(summary_text(report))

@@ -36,22 +36,50 @@ def rebuilt_end(run_status: dict | None, newest, max_steps: int) -> tuple[str, s
     return run_status["end"], f"{run_status['status']} (rebuilt from {name}, step {newest.step})"
 
 
+class UnknownCheckpointFormat(ValueError):
+    """A run folder holds checkpoints that no known format reads: the message names the `--storage` to pass."""
+
+
+def readable_records(run_dir: str) -> list:
+    """The checkpoint records of `run_dir`, least recently saved first, each damaged one with its problem. Raises
+    `UnknownCheckpointFormat` when a folder is in no known format: nothing about the run can be trusted then (its
+    newest checkpoint may be that one), and the message says which `--storage` to pass."""
+    from ..checkpoint import checkpoints_by_recency
+    from ..checkpoint.format import BUILT_IN_FORMATS, registered_formats
+    from ..checkpoint.lineage import with_problems
+
+    records = checkpoints_by_recency(run_dir)
+    unknown = [os.path.basename(r.path) for r in records if not r.format_known]
+    if unknown:
+        known = [name.rpartition(":")[2] for name in BUILT_IN_FORMATS] + [type(f).__name__ for f in registered_formats]
+        raise UnknownCheckpointFormat(
+            f"{run_dir}: no checkpoint format loopkit knows ({', '.join(known)}) reads "
+            f"{', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}. Name the storage class that wrote them, "
+            f"as module:Class: python -m loopkit report {run_dir} --storage mypackage.storages:MyStorage")
+    return with_problems(records)
+
+
 def report_from_files(run_dir: str, force: bool = False) -> tuple[dict, bool]:
     """The report of a finished, failed or killed run from its folder, and whether it is the run's own: its
-    `run_report.json` when that covers the newest checkpoint (and not `force`), else a report rebuilt from that
-    checkpoint's `trainer_state.json` and run record, its status from `run_status.json`."""
-    from ..checkpoint import checkpoints_by_recency
-
+    `run_report.json` when that covers the newest checkpoint (and not `force`), else a report rebuilt from the
+    newest undamaged checkpoint's `trainer_state.json` and run record, its status from `run_status.json`. Damaged
+    checkpoints are named in the report's `damaged_checkpoints` (folder: which file, what is wrong)."""
     own = read_json(os.path.join(run_dir, REPORT_NAME + ".json"))
-    records = checkpoints_by_recency(run_dir)
+    records = readable_records(run_dir)
+    damaged = {os.path.basename(r.path): r.problem for r in records if r.problem is not None}
     newest = records[-1] if records else None
     if own is not None and (newest is None or (not force and is_current(own, newest))):
-        return own, True
-    if newest is None:
-        raise FileNotFoundError(f"{run_dir} holds neither {REPORT_NAME}.json nor a checkpoint: nothing to report.")
-    report = report_from_checkpoint(run_dir, newest.path)
-    report["end"], report["status"] = rebuilt_end(read_json(os.path.join(run_dir, STATUS_JSON)), newest,
+        return {**own, "damaged_checkpoints": damaged} if damaged else own, True
+    usable = [r for r in records if r.problem is None]
+    if not usable:
+        raise FileNotFoundError(f"{run_dir} holds neither {REPORT_NAME}.json nor an undamaged checkpoint: nothing "
+                                f"to report" + (f" (damaged: {damaged})" if damaged else "") + ".")
+    report = report_from_checkpoint(run_dir, usable[-1].path)
+    report["end"], report["status"] = rebuilt_end(read_json(os.path.join(run_dir, STATUS_JSON)), usable[-1],
                                                   report["max_steps"])
+    report["saves"] = {"run_id": newest.run_id, "save_index": newest.save_index}  # what it covers (`is_current`)
+    if damaged:
+        report["damaged_checkpoints"] = damaged
     return report, False
 
 

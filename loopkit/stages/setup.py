@@ -289,7 +289,7 @@ class SetupStage(Stage):
         if not isinstance(resume_from_checkpoint, str) or resume_from_checkpoint != AUTO_RESUME:
             return resume_from_checkpoint
         checkpointer, output_dir = self.context.checkpointer, self.run.args.output_dir
-        newest_first = reversed(checkpoints_by_recency(output_dir, checkpointer))
+        newest_first = reversed(checkpoints_by_recency(output_dir, checkpointer.format))
         usable = [os.path.basename(r.path) for r in newest_first if checkpointer.checkpoint_problem(r.path) is None]
         name = agreed_checkpoint(usable, self.context.accelerator, output_dir)
         if self.context.accelerator.is_main_process:

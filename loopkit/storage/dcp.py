@@ -79,7 +79,7 @@ class DCPStorage(CheckpointStorage):
     `async_save` (here also with several processes: the writer's collectives run on a process group of their
     own), `on_save_error`, `best_total_limit`."""
 
-    def start(self, resume_from_checkpoint) -> str | None:
+    def check_launch(self) -> None:
         from ..distributed import active_engine
 
         if active_engine(self.context.accelerator) == "DeepSpeed":
@@ -89,7 +89,6 @@ class DCPStorage(CheckpointStorage):
             raise config_error("save_on_each_node", True, "every process of a DCPStorage save writes into one "
                                "folder (rank 0 its metadata), which needs a disk all nodes see",
                                "use a shared file system with save_on_each_node=False, or the default storage")
-        return super().start(resume_from_checkpoint)
 
     # -- the format: any folder --
     def recognises(self, path: str) -> bool:
@@ -197,8 +196,10 @@ class DCPStorage(CheckpointStorage):
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
         for name, size in needed.items():
             data = os.path.join(path, DCP_FOLDER, name)
-            if not os.path.isfile(data) or os.path.getsize(data) < size:
-                return f"{data} is missing or truncated (needs {size} bytes)"
+            if not os.path.isfile(data):
+                return f"{DCP_FOLDER}/{name}: missing (its .metadata names it)"
+            if os.path.getsize(data) < size:
+                return f"{DCP_FOLDER}/{name}: {os.path.getsize(data):,} bytes, its .metadata promises {size:,}"
         return None
 
 

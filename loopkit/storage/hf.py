@@ -10,7 +10,8 @@ that unpickles nothing it did not write (loopkit/dcp_reading.py).
 loopkit/checkpoint/writing.py). Under FSDP2 each process stages host copies of its own shards while the next step
 runs, and the writer thread writes the same files the synchronous save writes (both state-dict types), every
 collective on the writer's own gloo group (loopkit/checkpoint/staged_shards.py). Other launches with several
-processes (DDP, FSDP1, DeepSpeed) are refused at `start`: use `DCPStorage(async_save=True)` there.
+processes (DDP, FSDP1, DeepSpeed) are refused at each `train()`'s start (`check_launch`): use
+`DCPStorage(async_save=True)` there.
 """
 
 from __future__ import annotations
@@ -43,13 +44,12 @@ class HFStorage(CheckpointStorage):
     FSDP2 (the states are copied to host memory on a thread while the next step runs and written by a background
     thread: loopkit/checkpoint/staged_shards.py under FSDP2)."""
 
-    def start(self, resume_from_checkpoint) -> str | None:
+    def check_launch(self) -> None:
         acc = self.context.accelerator
         if self.async_save and acc.num_processes > 1 and not sharded_by_fsdp2(acc):
             raise config_error("async_save", True, "HFStorage's asynchronous saving with several processes supports "
                                "FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2)) only",
                                "use DCPStorage(async_save=True) under this launch, or async_save=False")
-        return super().start(resume_from_checkpoint)
 
     # -- the format: any folder --
     def recognises(self, path: str) -> bool:
@@ -147,7 +147,7 @@ def load_whole_weights_into_shards(model, path: str) -> None:
     set_model_state_dict(model, load_file(path), options=StateDictOptions(full_state_dict=True, strict=False))
 
 
-def Checkpointer(run, context, **options) -> HFStorage:
-    """The default storage attached to `run`: loopkit's earlier name for `HFStorage(**options).attach(run,
+def Checkpointer(run, context, **options):
+    """The default storage's policy for `run`: loopkit's earlier name for `HFStorage(**options).attach(run,
     context)`."""
     return HFStorage(**options).attach(run, context)
