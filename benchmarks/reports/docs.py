@@ -19,6 +19,7 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 from ..harness.runner import REPO_ROOT
@@ -67,25 +68,31 @@ def load(path: str) -> dict:
 
 
 def summary_table(results: dict) -> str:
-    """Medians (min-max of the rounds) per contender, loopkit's paired comparisons and its verdict against HF
-    Trainer, rebuilt from each row's raw samples (so times are compared by ratios and the save's slowdowns by
-    differences)."""
-    lines = ["| benchmark | unit | hand-written loop | HF Trainer | loopkit | loopkit vs raw | loopkit vs HF | "
-             "verdict against HF Trainer |", "|---|---|---|---|---|---|---|---|"]
+    """Two tables of the same rows, rebuilt from each row's raw samples: the medians (min-max of the rounds) per
+    contender, then loopkit's paired comparisons and its verdict against HF Trainer (times compared by ratios, the
+    save's slowdowns by differences). Two, so that no line of the page runs past a screen's width."""
+    medians = ["**Medians (min-max of the rounds).**", "", "| benchmark | unit | hand-written loop | HF Trainer | "
+               "loopkit |", "|---|---|---|---|---|"]
+    comparisons = ["**loopkit, round by round** (ratios of times and sizes: below 1x loopkit takes less; differences "
+                   "of the save's blocked time and slowdown: below 0 s loopkit's is smaller).", "",
+                   "| benchmark | loopkit vs raw | loopkit vs HF | verdict against HF Trainer |", "|---|---|---|---|"]
     for benchmark, needle, nth, kind in SUMMARY:
         stored = [r for r in results["benchmarks"][benchmark]["rows"] if needle in r["name"]][nth]
         row = rebuilt_row(dict(stored, kind=kind))
         cells = [with_range(row["median"][c], row["samples"][c]) if c in row["samples"] else ""
                  for c in ("raw", "hf", "loopkit")]
+        medians.append(f"| {benchmark}: {row['name']} | {row['unit']} | " + " | ".join(cells) + " |")
         compared = row["ratios"] if kind == "amount" else row["differences"]
-        cells += [fmt_comparison(compared[p], kind, row["unit"]) if compared.get(p) else ""
-                  for p in ("loopkit/raw", "loopkit/hf")]
-        cells.append(verdict(row, "hf") or "")
-        lines.append(f"| {benchmark}: {row['name']} | {row['unit']} | " + " | ".join(cells) + " |")
+        shown = [fmt_comparison(compared[p], kind, row["unit"]) if compared.get(p) else ""
+                 for p in ("loopkit/raw", "loopkit/hf")]
+        # the verdict less the comparison its cell already shows: " (0.921x (0.88-1.04))", "; loopkit - hf per round ..."
+        shown_again = re.escape(shown[1])
+        words = re.sub(rf"; loopkit [-/] hf per round {shown_again}| \({shown_again}\)", "", verdict(row, "hf") or "")
+        comparisons.append(f"| {benchmark}: {row['name']} | " + " | ".join(shown + [words]) + " |")
     syncs = results["benchmarks"]["overhead"]["rows"][0]["extra"]["syncs_per_step"]
-    lines.append("| overhead: host reads per step (near-null model) | reads/step | " +
-                 " | ".join(fmt(syncs[c]) for c in ("raw", "hf", "loopkit")) + " | | | |")
-    return "\n".join(lines)
+    medians.append("| overhead: host reads per step (near-null model) | reads/step | " +
+                   " | ".join(fmt(syncs[c]) for c in ("raw", "hf", "loopkit")) + " |")
+    return "\n".join(medians + [""] + comparisons)
 
 
 def ladder_table(section: dict) -> str:
@@ -212,7 +219,8 @@ def optimizer_step(results: dict) -> str:
     return "\n".join([
         f"Measured by {measured_by(results, 'compile')}: AdamW over a Llama's parameters with fixed gradients, one "
         f"torch thread, {plan['optimizer_rounds']} alternated round(s) of {plan['optimizer_steps']} steps, one "
-        f"process per optimizer; median per step (min-max of the rounds' medians); backend `{plan['backend']}`.", "",
+        f"process per optimizer; median per step (min-max of the rounds' medians); backend `{plan['backend']}`. "
+        + "; ".join(f"{kind}: {label}" for kind, label in bench_compile.OPTIMIZERS.items()) + ".", "",
         bench_compile.optimizer_table(section), "",
         f"With a learning rate that changes every step (a linear schedule), dynamo compiled the step "
         f"{section['lr_recompiles']} times in {plan['lr_steps']} steps."])
@@ -304,8 +312,25 @@ def overhead_interleaved(results: dict) -> str:
     """docs/performance.md's per-step overhead in one process (benchmarks/profiles/overhead.py, interleaved): every
     contender's CPU time per step, its difference to the hand-written loop and loopkit's to it, per round."""
     loads = results["load_average"]
-    return "\n".join([f"Measured by `{results['command']}` on {results['cores']} cores, load average "
+    return "\n".join([f"Measured by `{today_command(results['command'])}` on {results['cores']} cores, load average "
                       f"{loads['min']:.1f}-{loads['max']:.1f}.", "", interleaved_table(results)])
+
+
+def ladder_profile_section(results: dict) -> str:
+    return ladder_profile.markdown(dict(results, command=today_command(results["command"])))
+
+
+# Runs recorded before benchmarks/ was laid out in packages name their command's module by its old path; a page shows
+# the command that runs it today.
+MOVED_MODULES = {"benchmarks.overhead_profile": "benchmarks.profiles.overhead",
+                 "benchmarks.ladder_profile": "benchmarks.profiles.ladder",
+                 "benchmarks.trl_profile": "benchmarks.profiles.trl"}
+
+
+def today_command(recorded: str) -> str:
+    for old, new in MOVED_MODULES.items():
+        recorded = re.sub(rf"-m {re.escape(old)}\b", f"-m {new}", recorded)
+    return recorded
 
 
 def trl(results: dict) -> str:
@@ -332,7 +357,7 @@ def trl_headline(results: dict) -> str:
 
 
 GENERATORS = {"summary": summary_table, "overhead-peers": overhead_peers, "ladder": ladder,
-              "overhead-interleaved": overhead_interleaved, "ladder-profile": ladder_profile.markdown,
+              "overhead-interleaved": overhead_interleaved, "ladder-profile": ladder_profile_section,
               "ladder-headline": ladder_headline, "durations": durations, "compile": compile_runs,
               "optimizer-step": optimizer_step, "chunked-loss": chunked_loss, "storage": storage,
               "environment": environment, "eval-memory": eval_memory, "trl": trl, "trl-headline": trl_headline}
@@ -342,9 +367,27 @@ GENERATORS = {"summary": summary_table, "overhead-peers": overhead_peers, "ladde
 # bench_trl's rounds take longer than a quick run of every benchmark should), not the quick run's results file.
 SEPARATE_RUN = {"trl": "benchmarks/results/trl/results.json"}
 
+# Generated prose is wrapped to the width of the pages' hand-written lines.
+PAGE_WIDTH = 117
 # Sections read from a results file of a benchmark's own command (not `python -m benchmarks`).
 OWN_COMMAND = {"storage": "benchmarks.suite.storage", "overhead-interleaved": "benchmarks.profiles.overhead",
                "ladder-profile": "benchmarks.profiles.ladder"}
+
+
+def wrapped(text: str, width: int) -> str:
+    """`text` with each prose line over `width` wrapped at spaces outside code spans, a list item's lines under its
+    text; tables and shorter lines as they are (the pages' hand-written text keeps to the same width)."""
+    lines = []
+    for line in text.split("\n"):
+        if len(line) <= width or line.lstrip().startswith("|"):
+            lines.append(line)
+            continue
+        lead = re.match(r" *(?:[-*] )?", line).group(0)
+        kept = re.sub(r"`[^`]*`", lambda span: span.group(0).replace(" ", "\0"), line[len(lead):])
+        lines += [part.replace("\0", " ") for part in textwrap.wrap(
+            kept, width, initial_indent=lead, subsequent_indent=" " * len(lead), break_long_words=False,
+            break_on_hyphens=False)]
+    return "\n".join(lines)
 
 
 def render(text: str) -> str:
@@ -364,7 +407,7 @@ def render(text: str) -> str:
             body = (f"Not measured yet: `{match['file']}` has no `{missing}` section. `python -m benchmarks "
                     f"--only {missing}` (with the size and `--out` of that file's run) measures it, then `python -m "
                     f"benchmarks.reports.docs` writes it here.")
-        body = body.replace("\n", "\n" + indent)
+        body = wrapped(body, PAGE_WIDTH - len(indent)).replace("\n", "\n" + indent)
         return (f"{indent}<!-- generated: {match['name']} from {match['file']} -->\n{indent}{body}\n"
                 f"{indent}<!-- end generated: {match['name']} -->")
     return SECTION.sub(section, text)

@@ -329,7 +329,7 @@ def model_table(section: dict) -> str:
 
 
 def optimizer_table(section: dict) -> str:
-    lines = ["| model | parameters | " + " | ".join(f"{label}, ms" for label in OPTIMIZERS.values()) +
+    lines = ["| model | parameters | " + " | ".join(f"{kind}, ms" for kind in OPTIMIZERS) +
              " | compiled vs fused | compiled vs foreach | first compiled step, s |",
              "|---|---|---|---|---|---|---|---|"]
     for row in section["rows"]:

@@ -157,12 +157,14 @@ def step_rows(section: dict) -> list[dict]:
 
 
 def peer_table(section: dict) -> str:
-    """Every contender's step time beside loopkit's, loopkit / contender round by round and the verdict, per step
-    row; then whether loopkit is ahead of every peer that ran, row by row."""
-    lines = ["| step time | contender | median (min-max of the rounds) | loopkit / contender, round by round | "
-             "verdict for loopkit |", "|---|---|---|---|---|"]
+    """Every contender's CPU time per step beside loopkit's, loopkit / contender round by round and the verdict, per
+    model; then whether loopkit is ahead of every peer that ran, per model. CPU time only: on a machine shared with
+    other jobs it leaves out the waits for a core (the wall-time rows are in the comparison table above it)."""
+    lines = ["| CPU time per optimizer step | contender | median (min-max of the rounds) | "
+             "loopkit / contender, round by round | verdict for loopkit |", "|---|---|---|---|---|"]
     ahead = []
-    for row in step_rows(section):
+    for row in [row for row in step_rows(section) if row["unit"].startswith("CPU ")]:
+        model = f"{row['name'].removesuffix(', CPU time')}, {row['unit'].removeprefix('CPU ').removesuffix('/step')}"
         mismatched = row["check"]["mismatched"]
         for contender in [c for c in CONTENDERS + PEERS if c in row["samples"]]:
             values = row["samples"][contender]
@@ -170,10 +172,10 @@ def peer_table(section: dict) -> str:
                 f"{fmt(row['median'][contender])} ({fmt(min(values))}-{fmt(max(values))})"
             pair = row["ratios"].get(f"loopkit/{contender}")
             words = verdict(row, contender) if pair is not None or contender in mismatched else None
-            lines.append(f"| {row['name']}, {row['unit']} | {LABELS[contender]} | {value} | "
+            lines.append(f"| {model} | {LABELS[contender]} | {value} | "
                          f"{fmt_comparison(pair, 'amount', row['unit']) if contender != 'loopkit' else '-'} | "
                          f"{words or '-'} |")
-        ahead.append(f"- {row['name']} ({row['unit']}): {peers_verdict(row)}")
+        ahead.append(f"- {model}: {peers_verdict(row)}")
     missing = section.get("peers_missing") or {}
     notes = [f"Not run: {LABELS[peer]} ({reason})." for peer, reason in missing.items()]
     for row in section["rows"]:
