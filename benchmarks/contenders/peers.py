@@ -182,9 +182,30 @@ def train_fabric(spec: TrainSpec, model, dataset, clock, output_dir: str | None 
 def train_lightning(spec: TrainSpec, model, dataset, clock, output_dir: str | None = None) -> TrainResult:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import LearningRateMonitor
-    from lightning.pytorch.loggers import Logger
 
     require_map_data(spec, "Lightning's Trainer")
+    called_at = time.perf_counter()
+    device = prepare_model(spec, model)
+    _, loader = epoch_loader(spec, dataset)  # Lightning sets the sampler's epoch (`set_epoch`) before each epoch
+    module, logger, step_clock = lightning_parts(spec, model, clock)
+    trainer = pl.Trainer(
+        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
+        precision="bf16-mixed" if spec.bf16 else "32-true", max_steps=spec.max_steps, max_epochs=-1,
+        accumulate_grad_batches=spec.grad_accum, gradient_clip_val=spec.max_grad_norm, gradient_clip_algorithm="norm",
+        log_every_n_steps=spec.logging_steps, logger=logger,
+        callbacks=[LearningRateMonitor(logging_interval="step"), step_clock],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, use_distributed_sampler=False, default_root_dir=output_dir)
+    trainer.fit(module, train_dataloaders=loader)
+    return TrainResult(module.model, trainer.global_step, logger.losses, called_at, called_at,
+                       time.perf_counter() - called_at)
+
+
+def lightning_parts(spec: TrainSpec, model, clock) -> tuple:
+    """Lightning's pieces around `model`: the LightningModule (loss logged every step, AdamW with HF's decay groups
+    and a step-interval schedule), a logger that prints at the logging points, and the callback timing each step."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import Logger
 
     class WrappedModel(pl.LightningModule):
         def __init__(self):
@@ -240,22 +261,7 @@ def train_lightning(spec: TrainSpec, model, dataset, clock, output_dir: str | No
                 self.in_step, self.steps = False, trainer.global_step
                 clock.end(self.steps)
 
-    called_at = time.perf_counter()
-    device = prepare_model(spec, model)
-    _, loader = epoch_loader(spec, dataset)  # Lightning sets the sampler's epoch (`set_epoch`) before each epoch
-    logger = PrintLogger()
-    trainer = pl.Trainer(
-        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-        precision="bf16-mixed" if spec.bf16 else "32-true", max_steps=spec.max_steps, max_epochs=-1,
-        accumulate_grad_batches=spec.grad_accum, gradient_clip_val=spec.max_grad_norm, gradient_clip_algorithm="norm",
-        log_every_n_steps=spec.logging_steps, logger=logger,
-        callbacks=[LearningRateMonitor(logging_interval="step"), StepClockCallback()],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=0, use_distributed_sampler=False, default_root_dir=output_dir)
-    module = WrappedModel()
-    trainer.fit(module, train_dataloaders=loader)
-    return TrainResult(module.model, trainer.global_step, logger.losses, called_at, called_at,
-                       time.perf_counter() - called_at)
+    return WrappedModel(), PrintLogger(), StepClockCallback()
 
 
 TRAINERS = {"ignite": train_ignite, "fabric": train_fabric, "lightning": train_lightning}

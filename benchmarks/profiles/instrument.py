@@ -170,22 +170,7 @@ def instrument_loopkit(profiler) -> None:
         work = None
     from loopkit.stages import data, step
 
-    # Events: each fire, and each callback's method, on lines of their own.
-    original_fire = events.EventHandler.fire
-
-    def fire(handler, event, **extra):
-        return profiler.wrap(f"event {event}: dispatch", original_fire)(handler, event, **extra)
-
-    events.EventHandler.fire = fire
-    original_rebuild = events.EventHandler._rebuild
-
-    def rebuild(handler):
-        original_rebuild(handler)
-        for event, methods in handler.methods_by_event.items():
-            handler.methods_by_event[event] = [
-                profiler.wrap(f"event {event}: {type(m.__self__).__name__}", m) for m in methods]
-
-    events.EventHandler._rebuild = rebuild
+    instrument_events(profiler, events)
     # The data stage: fetching a window (Accelerate's loader, collation, moving to the device).
     original_windows = data.DataStage.windows
 
@@ -232,3 +217,22 @@ def profile_steps(profiler: Profiler, contender: str, clock, spec: TrainSpec, wa
 def profile_result(profiler: Profiler) -> dict:
     return {"lines_us_per_step": profiler.table(), "wrapper_cost_us": profiler.per_call * 1e6,
             "profiled_steps": len(profiler.steps)}
+
+
+def instrument_events(profiler, events) -> None:
+    """loopkit's events (`loopkit.events`): each fire, and each callback's method, on lines of their own."""
+    original_fire = events.EventHandler.fire
+
+    def fire(handler, event, **extra):
+        return profiler.wrap(f"event {event}: dispatch", original_fire)(handler, event, **extra)
+
+    events.EventHandler.fire = fire
+    original_rebuild = events.EventHandler._rebuild
+
+    def rebuild(handler):
+        original_rebuild(handler)
+        for event, methods in handler.methods_by_event.items():
+            handler.methods_by_event[event] = [
+                profiler.wrap(f"event {event}: {type(m.__self__).__name__}", m) for m in methods]
+
+    events.EventHandler._rebuild = rebuild

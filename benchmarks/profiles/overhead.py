@@ -105,6 +105,27 @@ def in_fresh_process(request: dict, loopkit_from: str | None = None) -> dict:
     return run_worker("benchmarks.profiles.overhead", request, path_first=[loopkit_from] if loopkit_from else [])
 
 
+class Turns:
+    """Threads taking turns by index: `wait(i)` blocks until it is i's turn; `pass_on(i)` gives the turn to the next
+    index that has not finished (`finished=True`: i has)."""
+
+    def __init__(self, count: int):
+        self.count, self.current, self.finished = count, 0, set()
+        self.condition = threading.Condition()
+
+    def wait(self, index: int) -> None:
+        with self.condition:
+            self.condition.wait_for(lambda: self.current == index)
+
+    def pass_on(self, index: int, finished: bool = False) -> None:
+        with self.condition:
+            if finished:
+                self.finished.add(index)
+            waiting = [i for i in range(1, self.count + 1) if (index + i) % self.count not in self.finished]
+            self.current = (index + waiting[0]) % self.count if waiting else index
+            self.condition.notify_all()
+
+
 def lockstep(spec: TrainSpec, warmup_steps: int, contenders=("raw", "loopkit"), profiled: bool = False) -> dict:
     """The contenders in one process, one thread each, taking turns step by step (a step of one, then a step of
     the next, ...): each step's CPU time (`time.thread_time`) sits beside the others' under the same machine
@@ -119,22 +140,12 @@ def lockstep(spec: TrainSpec, warmup_steps: int, contenders=("raw", "loopkit"), 
     from ..contenders.run import train
 
     torch.set_num_threads(1)
-    turn = threading.Condition()
-    state = {"turn": 0, "done": set()}
+    turns = Turns(len(contenders))
     ends = {c: [] for c in contenders}
     profilers = {}
     if profiled:
         for contender in contenders:
             instrument(contender)
-
-    def wait_for_turn(index: int) -> None:
-        turn.wait_for(lambda: state["turn"] == index)
-
-    def pass_turn(index: int) -> None:
-        waiting = [i for i in range(1, len(contenders) + 1)
-                   if (index + i) % len(contenders) not in state["done"]]
-        state["turn"] = (index + waiting[0]) % len(contenders) if waiting else index
-        turn.notify_all()
 
     def run(index: int, contender: str) -> None:
         clock = StepClock()
@@ -142,14 +153,12 @@ def lockstep(spec: TrainSpec, warmup_steps: int, contenders=("raw", "loopkit"), 
         def step_ended(step):
             ends[contender].append(time.thread_time())
             paused = time.perf_counter()
-            with turn:
-                pass_turn(index)
-                wait_for_turn(index)
+            turns.pass_on(index)
+            turns.wait(index)
             if profiled:  # the other contender's turn is no part of this one's step
                 profilers[contender].pause(time.perf_counter() - paused)
 
-        with turn:
-            wait_for_turn(index)
+        turns.wait(index)
         if profiled:
             profilers[contender] = Profiler()
             profile_steps(profilers[contender], contender, clock, spec, warmup_steps)
@@ -158,9 +167,7 @@ def lockstep(spec: TrainSpec, warmup_steps: int, contenders=("raw", "loopkit"), 
             with tempfile.TemporaryDirectory() as output_dir:
                 train(contender, spec, clock, output_dir)
         finally:
-            with turn:
-                state["done"].add(index)
-                pass_turn(index)
+            turns.pass_on(index, finished=True)
 
     threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(contenders)]
     for thread in threads:
