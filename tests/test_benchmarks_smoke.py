@@ -24,11 +24,11 @@ if str(REPO_ROOT) not in sys.path:  # `benchmarks/` lives in the repository, nex
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import BENCHMARKS  # noqa: E402
+from benchmarks.contenders.names import CONTENDERS, LABELS, PEERS, missing_peers  # noqa: E402
 from benchmarks.harness.environment import describe  # noqa: E402
 from benchmarks.harness.runner import Suite  # noqa: E402
-from benchmarks.reports.tables import comparison_table, write_charts, write_json, write_markdown  # noqa: E402
-from benchmarks.contenders.names import CONTENDERS, LABELS, PEERS, missing_peers  # noqa: E402
 from benchmarks.harness.worker import call  # noqa: E402
+from benchmarks.reports.tables import comparison_table, write_charts, write_json, write_markdown  # noqa: E402
 from helpers import run_process  # noqa: E402
 
 
@@ -61,9 +61,9 @@ def test_the_command_runs_the_per_step_benchmark_and_writes_the_reports(tmp_path
 
 
 def test_the_peers_end_with_the_hand_written_loops_weights_bit_for_bit(tmp_path):
-    """pytorch-ignite, Lightning Fabric and Lightning's Trainer (benchmarks/contenders/peers.py) do the hand-written loop's
-    work: over two epochs (the data order of each), with warmup, clipping and accumulation, their final weights are
-    the raw loop's bit for bit, on the near-null model and on a tiny Llama (token-weighted accumulation)."""
+    """pytorch-ignite, Lightning Fabric and Lightning's Trainer (benchmarks/contenders/peers.py) do the hand-written
+    loop's work: over two epochs (the data order of each), with warmup, clipping and accumulation, their final weights
+    are the raw loop's bit for bit, on the near-null model and on a tiny Llama (token-weighted accumulation)."""
     from benchmarks.suite.overhead import train_steps
     from benchmarks.workloads.spec import TrainSpec
 
@@ -286,7 +286,7 @@ def interleaved_results(loopkit_runs, ignite_runs, losses=((1.0,), (1.0,))):
 
 
 def test_the_overhead_profiles_interleaved_verdicts_need_every_round():
-    from benchmarks.profiles.overhead import interleaved_table
+    from benchmarks.reports.overhead_profile import interleaved_table
 
     table = interleaved_table(interleaved_results([[420.0, 440.0], [430.0, 450.0]], [[450.0, 460.0], [460.0, 470.0]]))
     # per round: the median over its passes of loopkit's run minus raw's (20, 30 -> 25; 30, 40 -> 35)

@@ -85,7 +85,7 @@ def summary_table(results: dict) -> str:
         compared = row["ratios"] if kind == "amount" else row["differences"]
         shown = [fmt_comparison(compared[p], kind, row["unit"]) if compared.get(p) else ""
                  for p in ("loopkit/raw", "loopkit/hf")]
-        # the verdict less the comparison its cell already shows: " (0.921x (0.88-1.04))", "; loopkit - hf per round ..."
+        # the verdict less the comparison its cell already shows (" (0.921x ...)", "; loopkit - hf per round ...")
         shown_again = re.escape(shown[1])
         words = re.sub(rf"; loopkit [-/] hf per round {shown_again}| \({shown_again}\)", "", verdict(row, "hf") or "")
         comparisons.append(f"| {benchmark}: {row['name']} | " + " | ".join(shown + [words]) + " |")
