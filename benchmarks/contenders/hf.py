@@ -12,9 +12,6 @@ from ..workloads.spec import TrainSpec
 from .clock import as_hf_callback
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# (b) HF Trainer and (c) loopkit: the same arguments, the same collator, progress bars off.
-# ---------------------------------------------------------------------------------------------------------------------
 def trainer_arguments(spec: TrainSpec, output_dir: str, **overrides) -> dict:
     """`TrainingArguments` / `LoopArgs` fields for `spec` (identical names in both)."""
     values = dict(

@@ -35,9 +35,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# (a) The hand-written loop: what a careful engineer writes, with the same features and no framework.
-# ---------------------------------------------------------------------------------------------------------------------
 class EpochShuffle(torch.utils.data.Sampler):
     """Epoch `e` visits `randperm(n, seed + e)`: the same order Accelerate's seedable sampler gives HF Trainer."""
 

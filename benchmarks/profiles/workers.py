@@ -14,9 +14,6 @@ from pathlib import Path
 from ..harness.runner import REPO_ROOT
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Parent side
-# ---------------------------------------------------------------------------------------------------------------------
 def run_worker(module: str, request: dict, path_first=(), **env_vars) -> dict:
     """`python -m MODULE --worker REQUEST` in a new process (one thread, offline, this checkout's `benchmarks`
     importable after `path_first`, `env_vars` added): the JSON its last line prints."""

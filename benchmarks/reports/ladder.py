@@ -65,9 +65,6 @@ def summarize(settings: dict, replies: dict, title: str) -> dict:
             "loss_check": check, "real_tokens": real_tokens}
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Report
-# ---------------------------------------------------------------------------------------------------------------------
 def rung_table(section: dict) -> list[str]:
     runs, ratios, check = section["runs"], section["ratios"], section["loss_check"]
     lines = ["| rung | what | real tokens/s | vs HF default | vs HF best | compile s (first round) | peak RSS MB | "

@@ -23,9 +23,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------------------------------------
 class TensorRows(Dataset):
     """Map-style rows of equal-length tensors: row `i` is `{name: column[i]}`."""
 
@@ -176,9 +173,7 @@ def debate_statements() -> list[str]:
         return [row["statement"] for row in csv.DictReader(f)]
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Measurements every contender's model goes through after training (the same code for all three)
-# ---------------------------------------------------------------------------------------------------------------------
+# Held-out rows in batches, as the checks (checks.py) read them
 def batches(rows: TensorRows, batch_size: int, device):
     for start in range(0, len(rows), batch_size):
         yield {name: column[start:start + batch_size].to(device) for name, column in rows.columns.items()}
