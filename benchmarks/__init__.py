@@ -1,6 +1,6 @@
 """loopkit's benchmarks against HF Trainer and a hand-written PyTorch loop. Run `python -m benchmarks --help`.
 
-Each benchmark is a module `benchmarks/bench_<name>.py` with a parent-side `run(suite)` (schedules contenders in
+Each benchmark is a module `benchmarks/suite/<name>.py` with a parent-side `run(suite)` (schedules contenders in
 worker processes and returns a result section), an optional `markdown(section)` and `chart(section, plt)`, and the
 worker-side task functions the workers call.
 """

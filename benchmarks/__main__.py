@@ -19,9 +19,9 @@ import traceback
 from pathlib import Path
 
 from . import BENCHMARKS
-from .environment import describe
-from .harness import LOCAL_RESULTS, SIZES, Suite
-from .report import CHARTS_HINT, noisy_rows, slow_rows, write_charts, write_json, write_markdown
+from .harness.environment import describe
+from .harness.runner import LOCAL_RESULTS, SIZES, Suite
+from .reports.tables import CHARTS_HINT, noisy_rows, slow_rows, write_charts, write_json, write_markdown
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                            load_average={"start": os.getloadavg()[0]}, command=" ".join(sys.argv))
         results["environment"] = suite.environment = environment
         for name in args.selected:
-            module = importlib.import_module(f"benchmarks.bench_{name}")
+            module = importlib.import_module(f"benchmarks.suite.{name}")
             started = time.time()
             try:
                 section = module.run(suite)

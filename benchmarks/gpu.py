@@ -41,9 +41,11 @@ import sys
 import time
 from pathlib import Path
 
-from .environment import describe
-from .harness import REPO_ROOT, Suite, check_runs, comparison_row, median, merge_checks
-from .spec import CONTENDERS, TrainSpec
+from .contenders.names import CONTENDERS
+from .harness.environment import describe
+from .harness.runner import REPO_ROOT, Suite
+from .reports.verdicts import check_runs, comparison_row, median, merge_checks
+from .workloads.spec import TrainSpec
 
 MODULE = "benchmarks.gpu"
 TITLE = "GPU: bf16, GPT-2-small-sized Llama"
@@ -82,9 +84,11 @@ def gpu_train_steps(contender: str, spec: dict, warmup_steps: int, output_dir: s
 
     import torch
 
-    from . import workloads
-    from .contenders import StepClock, train
-    from .syncs import HostReadCounter
+    from .contenders.clock import StepClock
+    from .contenders.run import train
+    from .harness.syncs import HostReadCounter
+    from .workloads.checks import probe_loss
+    from .workloads.data import heldout_rows
 
     spec = TrainSpec.from_dict(spec)
     cuda = spec.device.startswith("cuda")
@@ -110,7 +114,7 @@ def gpu_train_steps(contender: str, spec: dict, warmup_steps: int, output_dir: s
         "flops_per_token": flops_per_token(result.model, spec.seq_len),
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "global_step": result.global_step,
-        "probe_loss": workloads.probe_loss(result.model, workloads.heldout_rows(spec, 8), spec.device),
+        "probe_loss": probe_loss(result.model, heldout_rows(spec, 8), spec.device),
         "syncs_per_step": counter.total() / timed_steps if count_syncs else None,
         "sync_sites": counter.per_site(timed_steps) if count_syncs else None,
         "device_name": torch.cuda.get_device_name(0) if cuda else "cpu",
@@ -130,8 +134,10 @@ def fsdp_train_steps(args) -> dict:
     from loopkit.memory import ShardBytes
     from loopkit.stages.setup import SetupStage
 
-    from . import workloads
-    from .contenders import ClockCallback, StepClock, build_trainer
+    from .contenders.clock import ClockCallback, StepClock
+    from .contenders.hf import build_trainer
+    from .workloads.data import train_dataset
+    from .workloads.models import build_model
 
     spec, warmup = spec_from(args), warmup_steps_of(args)
     cuda = spec.device.startswith("cuda")
@@ -143,8 +149,8 @@ def fsdp_train_steps(args) -> dict:
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                             transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
                                             state_dict_type="SHARDED_STATE_DICT")
-    loop = build_trainer("loopkit", spec, workloads.build_model(spec), args.fsdp_worker + ".run",
-                         workloads.train_dataset(spec), callbacks=[ClockCallback(clock), shards],
+    loop = build_trainer("loopkit", spec, build_model(spec), args.fsdp_worker + ".run",
+                         train_dataset(spec), callbacks=[ClockCallback(clock), shards],
                          setup=SetupStage(fsdp_plugin=plugin))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -175,16 +181,19 @@ def liger_train_steps(run_kind: str, spec: dict, warmup_steps: int, output_dir: 
     """One run of the Liger variant: `run_kind` names the contender and whether Liger is on (LIGER_RUNS)."""
     import torch
 
-    from . import workloads
-    from .contenders import ClockCallback, StepClock, build_trainer
+    from .contenders.clock import ClockCallback, StepClock
+    from .contenders.hf import build_trainer
+    from .workloads.checks import probe_loss
+    from .workloads.data import heldout_rows, train_dataset
+    from .workloads.models import build_model
 
     contender, liger = LIGER_RUNS[run_kind]
     spec = TrainSpec.from_dict(spec)
     cuda = spec.device.startswith("cuda")
     clock = StepClock(sync_at=(warmup_steps, spec.max_steps), synchronize=torch.cuda.synchronize if cuda else None)
     overrides = {"use_liger_kernel": liger, "liger_kernel_config": None if cuda or not liger else LIGER_OFF}
-    model = workloads.build_model(spec)
-    trainer = build_trainer(contender, spec, model, output_dir, workloads.train_dataset(spec),
+    model = build_model(spec)
+    trainer = build_trainer(contender, spec, model, output_dir, train_dataset(spec),
                             callbacks=[ClockCallback(clock)], args_overrides=overrides)
     if cuda:
         torch.cuda.empty_cache()
@@ -196,7 +205,7 @@ def liger_train_steps(run_kind: str, spec: dict, warmup_steps: int, output_dir: 
              "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
              "liger_modules": liger_modules(trainer.model), "global_step": trainer.state.global_step,
              "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
-             "probe_loss": workloads.probe_loss(trainer.model, workloads.heldout_rows(spec, 8), spec.device),
+             "probe_loss": probe_loss(trainer.model, heldout_rows(spec, 8), spec.device),
              "device_name": torch.cuda.get_device_name(0) if cuda else "cpu"}
     del trainer, model
     if cuda:
@@ -232,7 +241,7 @@ def run_liger(args) -> dict:
 
 
 def liger_markdown(section: dict) -> str:
-    from .report import comparison_table, fmt
+    from .reports.tables import comparison_table, fmt
 
     spec = section["spec"]
     lines = [f"# {section['title']}\n",
@@ -287,7 +296,7 @@ def free_port() -> int:
 
 
 def fsdp_markdown(section: dict) -> str:
-    from .report import fmt
+    from .reports.tables import fmt
 
     spec, ranks = section["spec"], section["ranks"]
     lines = [f"# {section['title']}\n",
@@ -403,7 +412,7 @@ def run(args) -> dict:
 
 
 def markdown(section: dict) -> str:
-    from .report import comparison_table, fmt
+    from .reports.tables import comparison_table, fmt
 
     device = section["device"]
     spec = section["spec"]

@@ -1,4 +1,4 @@
-"""The TRL benchmark (benchmarks/bench_trl.py, issue 42 item 5): its verdict and parity logic on synthetic rounds
+"""The TRL benchmark (benchmarks/suite/trl.py, issue 42 item 5): its verdict and parity logic on synthetic rounds
 (fast), and `python -m benchmarks --size tiny --only trl` end to end (worker processes: load-sensitive tier).
 No test asserts a speed."""
 
@@ -15,7 +15,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `benchmarks/` lives in the repository, next to the installed loopkit
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import BENCHMARKS, bench_trl  # noqa: E402
+from benchmarks import BENCHMARKS  # noqa: E402
+from benchmarks.suite import trl as bench_trl  # noqa: E402
 from helpers import run_process  # noqa: E402
 
 

@@ -17,8 +17,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `benchmarks/` lives in the repository, next to the installed loopkit
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.harness import comparison_row, loopkit_flags  # noqa: E402
-from benchmarks.report import comparison_table, noisy_rows, slow_rows  # noqa: E402
+from benchmarks.reports.verdicts import comparison_row, loopkit_flags  # noqa: E402
+from benchmarks.reports.tables import comparison_table, noisy_rows, slow_rows  # noqa: E402
 
 SLOWDOWN = "the 8 steps after the save, slower by"
 # Three rounds of one contender, by sign: the magnitudes differ between contenders so neither can tie.
@@ -126,7 +126,7 @@ def test_the_rows_quoted_in_the_issue():
 def test_the_checkpoint_benchmark_compares_its_slowdowns_as_differences():
     """The checkpoint benchmark's own rows, from measured rounds shaped as in the issue's quick run: loopkit's steps
     after the save ran faster than before it (a negative slowdown), HF's less so; loopkit is not called slower."""
-    from benchmarks.bench_checkpoint import rows_for
+    from benchmarks.suite.checkpoint import rows_for
 
     def rounds(blocked, following):
         return [{"blocked": b, "following_steps_slower_by": f, "gap_without_save": 0.001, "usual_step": 0.2,
@@ -155,7 +155,7 @@ def test_a_row_whose_every_round_points_one_way_gets_that_verdict_with_the_sprea
     """Issue 34, item 11: loopkit below HF Trainer in every round (0.81-0.90x) while HF's own rounds spread 30% (a
     busy machine slows both sides of a round: the rounds are paired): the verdict stands, in the verdict column,
     with the spread stated beside it; "no verdict" only where a pair's rounds point both ways."""
-    from benchmarks.harness import verdict
+    from benchmarks.reports.verdicts import verdict
 
     row = comparison_row("tiny LlamaForCausalLM", "ms/step", {"hf": [50.0, 45.0, 60.0], "loopkit": [45.0, 40.0, 48.6]})
     assert row["noisy"] == [] and row["wide_spread"] == ["hf's rounds spread 30% (45.0-60.0 ms/step)"]
@@ -183,7 +183,7 @@ def test_a_slowdown_sits_in_the_verdict_column_not_in_the_same_work_column():
 def test_every_sign_of_wide_rounds_gets_the_verdict_its_paired_ratios_show():
     """Rounds that spread far (up to 100%) in every combination: the verdict against HF Trainer follows the paired
     ratios alone: faster (every ratio below 1), slower (every ratio above 1), or no verdict (both ways)."""
-    from benchmarks.harness import verdict
+    from benchmarks.reports.verdicts import verdict
 
     wide = {"steady": [1.0, 1.0, 1.0], "rising": [0.6, 1.0, 1.4], "falling": [1.4, 1.0, 0.6], "busy": [1.0, 2.0, 1.0]}
     for (l_name, l_shape), (h_name, h_shape), scale in itertools.product(wide.items(), wide.items(), (0.8, 1.25)):

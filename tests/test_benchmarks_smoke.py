@@ -24,11 +24,11 @@ if str(REPO_ROOT) not in sys.path:  # `benchmarks/` lives in the repository, nex
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import BENCHMARKS  # noqa: E402
-from benchmarks.environment import describe  # noqa: E402
-from benchmarks.harness import Suite  # noqa: E402
-from benchmarks.report import comparison_table, write_charts, write_json, write_markdown  # noqa: E402
-from benchmarks.spec import CONTENDERS, LABELS, PEERS, missing_peers  # noqa: E402
-from benchmarks.worker import call  # noqa: E402
+from benchmarks.contenders.names import CONTENDERS, LABELS, PEERS, missing_peers  # noqa: E402
+from benchmarks.harness.environment import describe  # noqa: E402
+from benchmarks.harness.runner import Suite  # noqa: E402
+from benchmarks.harness.worker import call  # noqa: E402
+from benchmarks.reports.tables import comparison_table, write_charts, write_json, write_markdown  # noqa: E402
 from helpers import run_process  # noqa: E402
 
 
@@ -61,11 +61,11 @@ def test_the_command_runs_the_per_step_benchmark_and_writes_the_reports(tmp_path
 
 
 def test_the_peers_end_with_the_hand_written_loops_weights_bit_for_bit(tmp_path):
-    """pytorch-ignite, Lightning Fabric and Lightning's Trainer (benchmarks/peers.py) do the hand-written loop's
-    work: over two epochs (the data order of each), with warmup, clipping and accumulation, their final weights are
-    the raw loop's bit for bit, on the near-null model and on a tiny Llama (token-weighted accumulation)."""
-    from benchmarks.bench_overhead import train_steps
-    from benchmarks.spec import TrainSpec
+    """pytorch-ignite, Lightning Fabric and Lightning's Trainer (benchmarks/contenders/peers.py) do the hand-written
+    loop's work: over two epochs (the data order of each), with warmup, clipping and accumulation, their final weights
+    are the raw loop's bit for bit, on the near-null model and on a tiny Llama (token-weighted accumulation)."""
+    from benchmarks.suite.overhead import train_steps
+    from benchmarks.workloads.spec import TrainSpec
 
     missing = missing_peers()
     if len(missing) == len(PEERS):
@@ -113,7 +113,7 @@ def test_every_other_benchmark_runs_tiny_with_equal_results_and_reports(tmp_path
         for name in BENCHMARKS:
             if name == "overhead":
                 continue  # the command test above runs it through real worker processes
-            section = importlib.import_module(f"benchmarks.bench_{name}").run(suite)
+            section = importlib.import_module(f"benchmarks.suite.{name}").run(suite)
             for row in section["rows"]:
                 assert row["check"]["ok"], f"{name} / {row['name']}: {row['check']['detail']}"
             results["benchmarks"][name] = section
@@ -151,7 +151,7 @@ def test_every_other_benchmark_runs_tiny_with_equal_results_and_reports(tmp_path
 
 
 def test_a_contender_that_did_other_work_shows_mismatch_instead_of_a_number():
-    from benchmarks.harness import check_equal, comparison_row
+    from benchmarks.reports.verdicts import check_equal, comparison_row
 
     check = check_equal({"raw": 1.0, "hf": 1.0, "loopkit": 1.5}, 1e-5, "final probe loss")
     row = comparison_row("a row", "ms/step", {"raw": [2.0], "hf": [3.0], "loopkit": [1.234]}, check)
@@ -162,8 +162,8 @@ def test_a_contender_that_did_other_work_shows_mismatch_instead_of_a_number():
 
 
 def test_rows_whose_rounds_disagree_are_flagged_noisy_and_get_no_verdict():
-    from benchmarks.harness import comparison_row, loopkit_flags
-    from benchmarks.report import noisy_rows, slow_rows
+    from benchmarks.reports.verdicts import comparison_row, loopkit_flags
+    from benchmarks.reports.tables import noisy_rows, slow_rows
 
     steady = comparison_row("steady", "ms/step", {"raw": [10.0, 10.1, 9.9], "hf": [12.0, 12.2, 11.9],
                                                   "loopkit": [11.0, 11.1, 10.9]}, floor="raw")
@@ -240,7 +240,7 @@ def test_the_gpu_benchmark_liger_variant_dry_runs_on_cpu(tmp_path):
 
 
 def test_the_ladder_flags_a_rung_whose_held_out_loss_leaves_the_order_noise():
-    from benchmarks.bench_ladder import loss_check
+    from benchmarks.reports.ladder import loss_check
 
     def runs(*losses):
         return [{"heldout_loss": loss} for loss in losses]
@@ -254,8 +254,8 @@ def test_the_ladder_flags_a_rung_whose_held_out_loss_leaves_the_order_noise():
 
 
 def test_loopkit_is_ahead_of_every_peer_only_where_every_round_against_every_peer_says_so():
-    from benchmarks.bench_overhead import peers_verdict
-    from benchmarks.harness import check_equal, comparison_row
+    from benchmarks.suite.overhead import peers_verdict
+    from benchmarks.reports.verdicts import check_equal, comparison_row
 
     def row(ignite, fabric, check=None):
         samples = {"raw": [10.0, 10.2], "hf": [30.0, 31.0], "loopkit": [11.0, 11.1], "ignite": ignite,
@@ -286,7 +286,7 @@ def interleaved_results(loopkit_runs, ignite_runs, losses=((1.0,), (1.0,))):
 
 
 def test_the_overhead_profiles_interleaved_verdicts_need_every_round():
-    from benchmarks.overhead_profile import interleaved_table
+    from benchmarks.reports.overhead_profile import interleaved_table
 
     table = interleaved_table(interleaved_results([[420.0, 440.0], [430.0, 450.0]], [[450.0, 460.0], [460.0, 470.0]]))
     # per round: the median over its passes of loopkit's run minus raw's (20, 30 -> 25; 30, 40 -> 35)
@@ -306,9 +306,9 @@ def test_the_overhead_profile_runs_every_contender_interleaved_in_one_process(tm
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")]
                                                                          if p]))
     out = tmp_path / "profile"
-    finished = run_process([sys.executable, "-m", "benchmarks.overhead_profile", "--methods", "interleaved",
+    finished = run_process([sys.executable, "-m", "benchmarks.profiles.overhead", "--methods", "interleaved",
                             "--rounds", "1", "--passes", "1", "--steps", "60", "--warmup", "5", "--out", str(out)],
-                           "python -m benchmarks.overhead_profile --methods interleaved", cwd=REPO_ROOT, env=env)
+                           "python -m benchmarks.profiles.overhead --methods interleaved", cwd=REPO_ROOT, env=env)
     assert finished.returncode == 0, finished.stderr[-3000:]
     results = json.loads(out.with_suffix(".json").read_text())
     (reply,) = results["interleaved"]["rounds"]
@@ -322,10 +322,10 @@ def test_the_overhead_profile_runs_every_contender_interleaved_in_one_process(tm
 
 
 def test_the_ladder_profile_splits_a_tiny_rungs_step_into_op_groups(tmp_path):
-    """`python -m benchmarks.ladder_profile`'s worker at the ladder's tiny size (dynamo's eager backend): the timed
+    """`python -m benchmarks.profiles.ladder`'s worker at the ladder's tiny size (dynamo's eager backend): the timed
     epoch's op groups add up to the step, the matrix multiplies are found, and the bound is HF best's step over the
     least matrix-multiply time."""
-    from benchmarks.ladder_profile import GROUPS, OUTSIDE, bound, ladder_plan, markdown, profiled_rung
+    from benchmarks.profiles.ladder import GROUPS, OUTSIDE, bound, ladder_plan, markdown, profiled_rung
 
     plan = ladder_plan("reviews", "tiny")
     profiles = {name: profiled_rung(name, plan, str(tmp_path / name)) for name in ("hf-best", "loopkit-chunked")}
@@ -339,6 +339,6 @@ def test_the_ladder_profile_splits_a_tiny_rungs_step_into_op_groups(tmp_path):
     least = min(p["groups_ms"]["matrix multiplies"] for p in profiles.values())
     limit = bound(profiles)
     assert limit["at_most"] == pytest.approx(profiles["hf-best"]["step_ms"] / least)
-    results = {"command": "python -m benchmarks.ladder_profile", "cores": 2, "load_average": [1.0],
+    results = {"command": "python -m benchmarks.profiles.ladder", "cores": 2, "load_average": [1.0],
                "datasets": {"reviews": {"plan": plan, "profiles": profiles, "bound": limit}}}
     assert "| **step** |" in markdown(results) and "The bound: HF best's step" in markdown(results)

@@ -289,17 +289,17 @@ def label_clear_of_dots(axis, label, dots, along: int) -> None:
 
 
 def test_benchmark_value_labels_sit_clear_of_the_rounds_dots():
-    """The median's label of each bar, past the bar and every round's dot (benchmarks/report.py and the ladder's
-    chart, benchmarks/bench_ladder.py), and inside the panel."""
+    """The median's label of each bar, past the bar and every round's dot (benchmarks/reports/tables.py and the ladder's
+    chart, benchmarks/suite/ladder.py), and inside the panel."""
     sys.path.insert(0, __file__.rsplit("/", 2)[0])
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from benchmarks import bench_ladder
-    from benchmarks.harness import fmt, median
-    from benchmarks.report import comparison_chart
+    from benchmarks.reports import ladder as bench_ladder
+    from benchmarks.reports.verdicts import fmt, median
+    from benchmarks.reports.tables import comparison_chart
 
     samples = {"raw": [1.0, 1.2, 1.1], "hf": [2.0, 2.6, 2.1], "loopkit": [1.5, 1.52, 1.9]}
     row = {"name": "step time", "unit": "ms", "samples": samples, "check": {"mismatched": []}}

@@ -334,27 +334,27 @@ def test_an_override_under_the_already_scaled_rule_is_never_silent(tmp_path):
 def test_benchmark_numbers_in_the_docs_are_generated_from_the_committed_results_files():
     """README.md's and docs/performance.md's benchmark numbers sit in generated sections (issue 22): each one is
     rendered again here from the results file its section names, and must match the page character for character
-    (`python -m benchmarks.docs` rewrites them after a new run)."""
+    (`python -m benchmarks.reports.docs` rewrites them after a new run)."""
     import sys
 
     if ROOT not in sys.path:  # `benchmarks/` lives in the repository, next to the installed loopkit
         sys.path.insert(0, ROOT)
-    from benchmarks.docs import PAGES, SECTION, render
+    from benchmarks.reports.docs import PAGES, SECTION, render
 
     sections = {page: [m["name"] for m in SECTION.finditer(read_page(page))] for page in PAGES}
     assert sections == {"README.md": ["ladder-headline"],
-                        "docs/performance.md": ["environment", "summary", "overhead-interleaved", "overhead-peers",
-                                                "trl", "durations", "durations", "durations", "storage", "ladder",
-                                                "ladder-headline", "ladder-profile", "compile", "optimizer-step"],
+                        "docs/performance.md": ["ladder-headline", "environment", "summary", "overhead-interleaved",
+                                                "overhead-peers", "trl", "ladder", "ladder-profile", "storage",
+                                                "compile", "optimizer-step", "durations", "durations", "durations"],
                         "docs/packing.md": ["chunked-loss"], "docs/evaluation.md": ["eval-memory"],
                         "docs/trl.md": ["trl-headline"]}
     for page in PAGES:
         text = read_page(page)
         assert render(text) == text, f"{page}: its benchmark numbers differ from the results files"
-    from benchmarks.docs import RESULTS_PAGES, results_markdown
+    from benchmarks.reports.docs import RESULTS_PAGES, results_markdown
 
     for page in RESULTS_PAGES:  # the committed results.md, by today's verdict rules, from its results.json
-        assert results_markdown(page) == read_page(page), f"{page} differs: run python -m benchmarks.docs"
+        assert results_markdown(page) == read_page(page), f"{page} differs: run python -m benchmarks.reports.docs"
 
 
 def test_a_quick_run_resolves_every_generated_number_and_the_headline_spans_two_datasets():
@@ -367,7 +367,7 @@ def test_a_quick_run_resolves_every_generated_number_and_the_headline_spans_two_
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     from benchmarks import BENCHMARKS
-    from benchmarks.docs import BENCHMARK_OF, GENERATORS, LADDER_RESULTS, OWN_COMMAND, SEPARATE_RUN, \
+    from benchmarks.reports.docs import BENCHMARK_OF, GENERATORS, LADDER_RESULTS, OWN_COMMAND, SEPARATE_RUN, \
         ladder_headline, ladder_sections
 
     def results_of(path):
@@ -379,7 +379,7 @@ def test_a_quick_run_resolves_every_generated_number_and_the_headline_spans_two_
     missing = [name for name in BENCHMARKS
                if name not in SEPARATE_RUN and "error" in quick["benchmarks"].get(name, {"error": "absent"})]
     assert not missing, (f"{LADDER_RESULTS} has no (or a failed) {', '.join(missing)}: run `make bench BENCH_ARGS="
-                         f"\"--quick --out benchmarks/results/quick\"` and `python -m benchmarks.docs`")
+                         f"\"--quick --out benchmarks/results/quick\"` and `python -m benchmarks.reports.docs`")
     for name, generate in GENERATORS.items():
         if name not in OWN_COMMAND:  # e.g. benchmarks/results/storage.json: bench_storage's own command
             separate = SEPARATE_RUN.get(BENCHMARK_OF.get(name, name))  # e.g. bench_trl's own run folder
@@ -398,15 +398,15 @@ def benchmarks_importable():
 
 
 def test_the_compile_tables_state_each_comparison_with_its_rounds_and_a_verdict_only_where_all_agree():
-    """benchmarks/docs.py's compile and optimizer-step sections, from a section built by bench_compile's own
+    """benchmarks/reports/docs.py's compile and optimizer-step sections, from a section built by bench_compile's own
     summary: the buckets' ratio to the collator's padding with every round above 1 reads "slower in all 2 rounds", a
     ratio whose rounds straddle 1 gets no verdict, "slower in 6 of 7 rounds" counts the rounds, and the count of
     recompilations under a schedule is the section's."""
     benchmarks_importable()
     from types import SimpleNamespace
 
-    from benchmarks import bench_compile
-    from benchmarks.docs import compile_runs, optimizer_step
+    from benchmarks.suite import compile as bench_compile
+    from benchmarks.reports.docs import compile_runs, optimizer_step
 
     full = SimpleNamespace(size="full", pick=lambda full, quick, tiny=None: full)
     settings = bench_compile.plan(full)
@@ -447,9 +447,9 @@ def test_the_chunked_loss_sentence_and_a_section_the_results_file_lacks(monkeypa
     section whose benchmark the results file lacks says so and names the command, instead of failing or keeping
     old numbers."""
     benchmarks_importable()
-    from benchmarks import bench_chunked_loss
-    from benchmarks.docs import chunked_loss, render
-    from benchmarks.harness import check_equal, comparison_row, paired_ratio
+    from benchmarks.suite import chunked_loss as bench_chunked_loss
+    from benchmarks.reports.docs import chunked_loss, render
+    from benchmarks.reports.verdicts import check_equal, comparison_row, paired_ratio
 
     samples = {"unchunked": [770.0, 760.0], "chunked": [141.0, 206.0]}
     check = check_equal({"unchunked": 10.0, "chunked": 10.0}, 1e-5, "logged loss")
@@ -464,7 +464,7 @@ def test_the_chunked_loss_sentence_and_a_section_the_results_file_lacks(monkeypa
     assert set(bench_chunked_loss.RUNS) == set(samples)
     page = ("<!-- generated: chunked-loss from benchmarks/results/quick/results.json -->\nold text\n"
             "<!-- end generated: chunked-loss -->")
-    import benchmarks.docs as docs
+    import benchmarks.reports.docs as docs
 
     monkeypatch.setattr(docs, "load", lambda path: {"environment": env, "benchmarks": {}})
     rendered = render(page)

@@ -7,8 +7,8 @@ by 0.16, twice the loss check's tolerance, and the check failed for a reason tha
 
 import pytest
 
-from benchmarks import bench_ladder
-from benchmarks.harness import Suite
+from benchmarks.workloads import ladder as bench_ladder
+from benchmarks.harness.runner import Suite
 
 
 class SuiteSize:

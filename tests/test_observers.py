@@ -170,7 +170,7 @@ def test_no_observer_means_trainers_log_keys(tmp_path):
 
 def test_the_throughput_observer_reads_the_device_only_at_logs(tmp_path):
     """One host read per training log (its padding count), none per step."""
-    from benchmarks.syncs import HostReadCounter
+    from benchmarks.harness.syncs import HostReadCounter
 
     class Counted(Throughput):
         def on_step(self, result, window, state):

@@ -95,7 +95,7 @@ def test_the_report_counts_all_of_train_and_its_charts_are_there_when_it_returns
     """Three train() calls in one process, as in a hyper-parameter search: every run's report is there when its
     train() returns, and with `TeardownStage(charts=True)` its charts too, drawn in the "report" phase. (That each
     report counts every second of its train() once: tests/test_report_clock.py, on a deterministic clock; how long
-    the report takes: `python -m benchmarks.report_time`.)"""
+    the report takes: `python -m benchmarks.profiles.report_time`.)"""
     from loopkit.stages.teardown import TeardownStage
 
     for trial in range(3):

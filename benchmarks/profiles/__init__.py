@@ -1,0 +1,1 @@
+"""Where time goes, each profile its own command (benchmarks/README.md, "Layout")."""

@@ -1,0 +1,1 @@
+"""Each benchmark of `python -m benchmarks`, one module per benchmark (benchmarks/README.md, "Layout")."""
