@@ -205,11 +205,14 @@ def averaged_weights(checkpoint: str, num_processes: int = 1, process_index: int
     return saved_weights(tensors_back(own, tensors).get(AVERAGING_KEY, {}))
 
 
-def check_averaging(averaging) -> None:
-    """`Loop(averaging=...)`: an `EMA`, an `SWA` (or another `WeightAveraging`), or None."""
-    if averaging is not None and not isinstance(averaging, WeightAveraging):
+def bind_averaging(averaging, run, context) -> "WeightAveraging | None":
+    """`Loop(averaging=...)`: an `EMA`, an `SWA` (or another `WeightAveraging`) bound to this run, or None."""
+    if averaging is None:
+        return None
+    if not isinstance(averaging, WeightAveraging):
         raise config_error("averaging", averaging, "is not a weight averaging",
                            "pass loopkit.EMA(decay=0.999) or loopkit.SWA(), or leave it out")
+    return averaging.bind(run, context)
 
 
 def refuse_sharded(accelerator) -> None:
@@ -227,3 +230,10 @@ def warn_if_low_precision(averaging: WeightAveraging) -> None:
         warnings.warn(f"averaging={averaging!r}: parameters in {', '.join(low)} are averaged in that dtype, which "
                       f"loses updates smaller than its precision. Keep float32 parameters (bf16=True trains with them "
                       f"under autocast) for an exact average.")
+
+
+def warn_if_average_left_behind(averaging, saved: dict, checkpoint) -> None:
+    """A resume without `averaging=` from a checkpoint that holds an average: say that it is not carried on."""
+    if averaging is None and saved.get(AVERAGING_KEY, {}).get("updates"):
+        warnings.warn(f"{checkpoint} holds averaged weights, and this Loop has no averaging=: they are left there, "
+                      f"and the model trains on. Pass the run's averaging (averaging=EMA(...)) to go on with it.")

@@ -274,6 +274,20 @@ class NonFiniteWatch:
                 f"({self.total} in this run); the first was step {first}{place}")
 
 
+def stop_at_step_boundary(run, context, check_every: int, check_nonfinite, save_checkpoint) -> None:
+    """After an optimizer step: a preemption agreed by every process, or non-finite values found (read back every
+    `check_every` steps), save this step's checkpoint (unless just saved) and stop training."""
+    step = run.state.global_step
+    watch = context.preemption
+    watch.checked(step, check_every)  # what the next signal's message says
+    preempted = watch.agreed()  # several processes: one small all-reduce on a gloo group, read a step later
+    stop_for_nonfinite = check_nonfinite() if step % check_every == 0 else False
+    if preempted or stop_for_nonfinite:
+        if context.checkpointer.last_saved_step != step:
+            save_checkpoint()  # on_save once committed (schedule.py)
+        run.control.should_training_stop = True
+
+
 def with_batch_size_search(run_training, run, context):
     """`run_training(batch_size, ...)` with `args.auto_find_batch_size` applied as Trainer applies it: Accelerate's
     `find_executable_batch_size` restarts the run with a smaller per-device batch after an out-of-memory error

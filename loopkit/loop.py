@@ -16,15 +16,14 @@ subclass works exactly as on a `Trainer` subclass (loopkit/trainer/overridable.p
 from __future__ import annotations
 
 import time
-import warnings
 
 from .args import ArgsClassDeclaration, LoopArgs, check_args, check_inputs
-from .averaging import AVERAGING_KEY, check_averaging
+from .averaging import AVERAGING_KEY, bind_averaging, warn_if_average_left_behind
 from .checkpoint import CHECKPOINT_PREFIX, warn_if_checkpoint_args_differ
 from .columns import find_labels
 from .distributed import release_earlier_run
 from .events import EventHandler, default_callbacks
-from .guards import PreemptionWatch, with_batch_size_search
+from .guards import PreemptionWatch, stop_at_step_boundary, with_batch_size_search
 from .metrics import check_metrics
 from .phases import PhaseClock
 from .process import leaves_process_as_found
@@ -55,8 +54,7 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
     `metrics=[...]` adds streaming evaluation metrics (`loopkit.metrics`), computed batch by batch on the device;
     `observers=[...]` receives each step's result and adds keys to the training logs (`loopkit.observers`).
     `storage=` picks how checkpoints are stored (`loopkit.storage`: `HFStorage()`, the default, or `DCPStorage()`).
-    `averaging=` keeps an average of the weights (`loopkit.averaging`: `EMA(decay=0.999)` or `SWA()`), evaluated
-    during training, checkpointed, and the model's weights when `train()` returns.
+    `averaging=EMA(decay=0.999)` or `SWA()` keeps an average of the weights (docs/weight-averaging.md).
     """
 
     # Non-finite losses and gradients are read back (one host sync) every this many optimizer steps; preemption is
@@ -76,7 +74,6 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
                  averaging=None):
         args_given, args = args is not None, args if args is not None else LoopArgs()
         take_accumulation_steps(args)  # accelerator_config's num_steps, as Trainer takes it
-        check_averaging(averaging)
         check_args(args, type(self))  # with the fields the class reads (`args_class`: loopkit/args/checks.py)
         check_inputs(args, model=model, model_init=model_init, train_dataset=train_dataset, eval_dataset=eval_dataset,
                      compute_metrics=compute_metrics, optimizers=optimizers,
@@ -96,7 +93,7 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
         self.teardown = teardown or classes["teardown"]()
         for stage in self.stages:
             stage.bind(run, context)
-        self.averaging = averaging.bind(run, context) if averaging is not None else None
+        self.averaging = bind_averaging(averaging, run, context)
         bind_overrides(self, classes)
         self.setup.begin(model)  # every RNG seeded first, as in Trainer.__init__
         self.create_accelerator_and_postprocess()
@@ -108,7 +105,7 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
         self.data.check_eval_labels()  # before any training: metric_for_best_model needs labelled evaluations
         # events: flow, integrations, the user's, then this (HF's order); none when log_level keeps the run quiet
         progress = default_progress_callback(args, log_messages.quiet(args, context.accelerator))
-        context.events = EventHandler(default_callbacks(args, callbacks, progress), self.listening_stages, run)
+        context.events = EventHandler(default_callbacks(args, callbacks, progress), tuple(self.components.values()), run)
         # As in Trainer.__init__: an evaluate() before train() logs (and reports) on the main process only.
         run.state = LoopState(is_local_process_zero=context.accelerator.is_local_main_process,
                               is_world_process_zero=context.accelerator.is_main_process)
@@ -127,9 +124,11 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
         return (self.setup, self.data, self.step, self.evaluation, self.teardown)
 
     @property
-    def listening_stages(self):
-        """What hears events before the callbacks: the stages, then the weight averaging."""
-        return self.stages + ((self.averaging,) if self.averaging is not None else ())
+    def components(self) -> dict:
+        """By checkpoint key, what has checkpointed state and hears events before the callbacks: the stages, then
+        the weight averaging."""
+        named = dict(zip(STAGES, self.stages))
+        return {**named, AVERAGING_KEY: self.averaging} if self.averaging is not None else named
 
     def fire(self, event: str, **extra):
         """Fire `event` on stages and callbacks; the returned control becomes `self.control` (HF's protocol)."""
@@ -222,14 +221,9 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
         state.is_local_process_zero = context.accelerator.is_local_main_process
         state.is_world_process_zero = context.accelerator.is_main_process
         self.initial_global_step = state.global_step
-        for name, stage in zip(STAGES, self.stages):
-            stage.load_state_dict(saved.get(name, {}))
-        if self.averaging is not None:
-            self.averaging.load_state_dict(saved.get(AVERAGING_KEY, {}))
-        elif saved.get(AVERAGING_KEY, {}).get("updates"):
-            warnings.warn(f"{checkpoint} holds averaged weights, and this Loop has no averaging=: they are left "
-                          f"there, and the model trains on. Pass the run's averaging (averaging=EMA(...)) to go on "
-                          f"with it.")
+        for name, component in self.components.items():
+            component.load_state_dict(saved.get(name, {}))
+        warn_if_average_left_behind(self.averaging, saved, checkpoint)
         self.schedule.start(running_loss_state(saved), saved.get("schedule", saved.get("evaluation", {})))
 
     def run_epoch(self, epoch, plan, resume, ignore_keys_for_eval):
@@ -248,25 +242,15 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
             asked = time.perf_counter()
             if run.control.should_epoch_stop or run.control.should_training_stop:
                 break
-        resumed_here = resume is not None and epoch == resume.epochs_trained and resume.micro_batches_to_skip
-        if windows == 0 and not resumed_here:
-            warnings.warn(f"Epoch {epoch} yielded no batch: stopping at step {run.state.global_step}. An "
-                          f"IterableDataset shorter than max_steps={run.state.max_steps} ends training here.")
+        if self.data.yielded_nothing(windows, epoch, resume):  # an IterableDataset shorter than max_steps
             run.control.should_training_stop = True
         context.events.fire("on_epoch_end")
         self.schedule.after_step(ignore_keys_for_eval)
 
     def check_guards(self) -> None:
         """Preemption and non-finite values (loopkit/guards.py): act on them at an optimizer-step boundary."""
-        run, context, watch = self.run, self.context, self.context.preemption
-        step = run.state.global_step
-        watch.checked(step, self.guard_check_every)  # what the next signal's message says
-        preempted = watch.agreed()  # several processes: one small all-reduce on a gloo group, read a step later
-        stop_for_nonfinite = self.step.check_nonfinite() if step % self.guard_check_every == 0 else False
-        if preempted or stop_for_nonfinite:
-            if context.checkpointer.last_saved_step != step:
-                self.schedule.save_checkpoint()  # on_save once committed (schedule.py)
-            run.control.should_training_stop = True
+        stop_at_step_boundary(self.run, self.context, self.guard_check_every, self.step.check_nonfinite,
+                              self.schedule.save_checkpoint)
 
     def finish(self, plan, start_time):
         run, context = self.run, self.context
@@ -291,9 +275,7 @@ class Loop(ArgsClassDeclaration, HFMethods, TrainerAPI):
     def stage_states(self) -> dict:
         """Each stage's own checkpointed state by stage name, the schedule's, and the run record (elapsed time and
         phases so far, for the run report): `loopkit_state.json`."""
-        states = {name: stage.state_dict() for name, stage in zip(STAGES, self.stages)}
-        if self.averaging is not None:
-            states[AVERAGING_KEY] = self.averaging.state_dict()
+        states = {name: component.state_dict() for name, component in self.components.items()}
         states["running_loss"] = self.schedule.running_loss.state_dict()
         states["schedule"] = self.schedule.state_dict()
         states[RUN_RECORD_KEY] = run_record(self.context.clock, self.run)

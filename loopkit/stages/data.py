@@ -152,6 +152,17 @@ class DataStage(DataLoaders, EpochReading, EndOfLoaderTracking, Stage):
             self.micro_batches_done += len(batches)  # counted before the step: a checkpoint after it includes them
             yield Window(batches, first)
 
+    def yielded_nothing(self, windows: int, epoch: int, resume: ResumePoint | None) -> bool:
+        """True, with a warning, when an epoch that was due batches yielded none (not one resumed at its end): an
+        IterableDataset shorter than max_steps ends training there."""
+        resumed_here = resume is not None and epoch == resume.epochs_trained and resume.micro_batches_to_skip
+        if windows or resumed_here:
+            return False
+        state = self.run.state
+        warnings.warn(f"Epoch {epoch} yielded no batch: stopping at step {state.global_step}. An IterableDataset "
+                      f"shorter than max_steps={state.max_steps} ends training here.")
+        return True
+
     def on_train_end(self, args, state, control, **kwargs):
         self.release_train_loader()
 
