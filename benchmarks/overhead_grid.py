@@ -40,7 +40,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .overhead_profile import profile_table, run_worker, write_results
+from .overhead_profile import profile_table, run_worker
 from .spec import LABELS, TrainSpec, missing_peers
 
 RESULTS = Path(__file__).parent / "results" / "overhead_grid"
@@ -248,9 +248,13 @@ def worker(request: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------------------
 # Parent side
 # ---------------------------------------------------------------------------------------------------------------------
-def measure(cells: list, methods: tuple, passes: int, warmup: int, steps: int, say=print) -> dict:
+def measure(cells: list, methods: tuple, passes: int, warmup: int, steps: int, say=print, chosen=None,
+            after_cell=None) -> dict:
+    """Every cell in a fresh process (and its profile in another); `chosen`: only these contenders (the
+    hand-written loop and loopkit always run); `after_cell(results)` after each cell (partial results)."""
     missing = missing_peers()
-    contenders = ["raw", "loopkit", "hf"] + [p for p in GRID_PEERS if p not in missing]
+    contenders = [c for c in ["raw", "loopkit", "hf"] + [p for p in GRID_PEERS if p not in missing]
+                  if chosen is None or c in chosen or c in ("raw", "loopkit")]
     results = {"contenders": contenders, "peers_missing": {p: missing[p] for p in GRID_PEERS if p in missing},
                "passes": passes, "warmup_steps": warmup, "timed_steps": steps, "calls_steps": CALLS_STEPS,
                "cores": os.cpu_count(), "cells": []}
@@ -266,6 +270,8 @@ def measure(cells: list, methods: tuple, passes: int, warmup: int, steps: int, s
         entry["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
         results["cells"].append(entry)
         say(f"[{number}/{len(cells)}] {cell.name}: {cell_summary(entry)}, load {entry['load_average']}")
+        if after_cell is not None:
+            after_cell(results)
     return results
 
 
@@ -402,6 +408,7 @@ def main(argv=None) -> int:
     parser.add_argument("--args", default="LoopArgs,TrainingArguments", help="what loopkit is given")
     parser.add_argument("--callbacks", default="0,1", help="user callbacks: 0 (none), 1 (one)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    parser.add_argument("--contenders", help="only these (comma-separated; raw and loopkit always run)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results path, without suffix (.json and .md)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -419,10 +426,19 @@ def main(argv=None) -> int:
         parser.error(f"--args {args.args!r}: choose from LoopArgs, TrainingArguments")
     cells = grid(parse_list(args.logging, int), parse_list(args.accum, int), classes,
                  tuple(bool(int(n)) for n in parse_list(args.callbacks, int)))
+    command = " ".join(["python -m benchmarks.overhead_grid"] + sys.argv[1:])
+
+    def write(results: dict) -> None:  # after every cell: a run cut short still leaves its cells
+        results["command"] = command
+        out = args.out.with_suffix("") if args.out.suffix in (".json", ".md") else args.out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+        out.with_suffix(".md").write_text(markdown(results))
+
     results = measure(cells, methods, size["passes"], size["warmup"], size["steps"],
-                      lambda text: print(text, file=sys.stderr, flush=True))
-    results["command"] = " ".join(["python -m benchmarks.overhead_grid"] + sys.argv[1:])
-    write_results(args.out, results, markdown(results))
+                      lambda text: print(text, file=sys.stderr, flush=True),
+                      parse_list(args.contenders, str) if args.contenders else None, write)
+    print(markdown(results))
     return 0
 
 
