@@ -51,6 +51,9 @@ SIZES = {"full": {"passes": 12, "warmup": 50, "steps": 1000},
          "quick": {"passes": 3, "warmup": 20, "steps": 200}}
 # Calls are counted over this many optimizer steps after `CALLS_WARMUP` (a multiple of every logging interval).
 CALLS_WARMUP, CALLS_STEPS = 20, 200
+# The clock reads among them: each a clock_gettime, whose cost depends on the machine (vDSO or system call).
+CLOCK_READS = tuple(f"~:<built-in method time.{name}>" for name in ("perf_counter", "process_time", "time",
+                                                                    "monotonic", "thread_time"))
 
 
 @dataclass(frozen=True)
@@ -223,6 +226,8 @@ def calls_cell(cell: Cell, contenders: list) -> dict:
     differences = {name: round(loopkit.get(name, 0) - raw.get(name, 0), 3) for name in set(raw) | set(loopkit)}
     largest = sorted((item for item in differences.items() if abs(item[1]) >= 0.05), key=lambda item: -abs(item[1]))
     return {"calls_per_step": {c: round(sum(counts[c].values()), 1) for c in contenders},
+            "clock_reads_per_step": {c: round(sum(counts[c].get(name, 0) for name in CLOCK_READS), 2)
+                                     for c in contenders},
             "loopkit_minus_raw_by_function": dict(largest[:40])}
 
 
@@ -311,8 +316,9 @@ def summary_table(results: dict) -> str:
     peers = [c for c in results["contenders"] if c not in ("raw", "loopkit")]
     lines = ["| cell | hand-written, CPU us/step | loopkit minus hand-written, per pass | within +"
              f"{OVERHEAD_GOAL_US} us in every pass | " + " | ".join(f"passes below {LABELS[p]}" for p in peers) +
-             " | weights bit-identical, passes | calls per step: hand-written, loopkit (difference) | load |",
-             "|---|---|---|---|" + "---|" * len(peers) + "---|---|---|"]
+             " | weights bit-identical, passes | calls per step: hand-written, loopkit (difference) | clock reads "
+             "per step: hand-written, loopkit | load |",
+             "|---|---|---|---|" + "---|" * len(peers) + "---|---|---|---|"]
     for entry in results["cells"]:
         timing, calls = entry.get("timing"), entry.get("calls")
         row = [entry["name"]]
@@ -328,8 +334,10 @@ def summary_table(results: dict) -> str:
             per_step = calls["calls_per_step"]
             row.append(f"{per_step['raw']:.0f}, {per_step['loopkit']:.0f} "
                        f"({per_step['loopkit'] - per_step['raw']:+.0f})")
+            clocks = calls.get("clock_reads_per_step")
+            row.append(f"{clocks['raw']:.1f}, {clocks['loopkit']:.1f}" if clocks else "")
         else:
-            row.append("")
+            row += ["", ""]
         row.append(f"{entry['load_average'][0]:.1f}-{entry['load_average'][1]:.1f}")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
