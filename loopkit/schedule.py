@@ -54,7 +54,9 @@ class RunningLoss:
         self.restored = 0.0  # the part since the last log that a checkpoint brought in
         self.last_logged_step = 0
         self.nan_inf_filter = True
-        self.settled_sum = None  # device tensor: the sum at the last settle, where a recomputation starts
+        # The sum at the last settle, where a recomputation starts: the host value read there (a float holds the
+        # device sum exactly), so a log makes no device copy of it.
+        self.settled_sum = 0.0
         self.unsettled = []  # micro-batch losses added since then: 0-d tensors, older runs stacked
         self.unsettled_steps = []  # the global step before each of them
 
@@ -65,10 +67,11 @@ class RunningLoss:
             else global_step
         self.since_log = torch.full((), self.restored, device=device)
         self.total, self.nan_inf_filter = 0.0, nan_inf_filter
-        self.forget_unsettled()
+        self.forget_unsettled(self.restored)
 
-    def forget_unsettled(self) -> None:
-        self.settled_sum, self.unsettled, self.unsettled_steps = self.since_log.clone(), [], []
+    def forget_unsettled(self, settled: float) -> None:
+        """The sum is `settled` now (as read on the host), with no micro-batch loss pending."""
+        self.settled_sum, self.unsettled, self.unsettled_steps = settled, [], []
 
     def add(self, step_loss: torch.Tensor, global_step: int) -> None:
         """One micro-batch's (scaled) loss of the optimizer step that follows `global_step`."""
@@ -89,21 +92,21 @@ class RunningLoss:
         of a log)."""
         value = self.since_log.item()
         if self.unsettled and not math.isfinite(value):
-            since_log = self.settled_sum.clone()
+            since_log = torch.full((), self.settled_sum, dtype=self.since_log.dtype, device=self.since_log.device)
             losses = self.stacked(self.unsettled)
             for index, global_step in enumerate(self.unsettled_steps):  # HF's rule, micro-batch by micro-batch
                 since = 1 + global_step - self.last_logged_step
                 since_log += torch.where(torch.isfinite(losses[index]), losses[index], since_log / since)
             self.since_log.copy_(since_log)
             value = self.since_log.item()
-        self.forget_unsettled()
+        self.forget_unsettled(value)
         return value
 
     def read_for_log(self, accelerator, global_step: int) -> float:
         """The mean loss per optimizer step since the last log (averaged over processes); restarts the sum."""
         loss_sum = self.process_mean(accelerator)
         self.since_log.zero_()
-        self.forget_unsettled()
+        self.forget_unsettled(0.0)
         mean = loss_sum / (global_step - self.last_logged_step)
         self.total += loss_sum
         self.last_logged_step = global_step
