@@ -2,7 +2,7 @@
 
 Counted, not timed: cProfile's call counts (builtins included) over 200 optimizer steps of the near-null model
 (a 16x16 linear layer, where the loop's own work is the step), both contenders in this process after each trained
-once, by `benchmarks.overhead_grid` (the same counts as its grid). A count does not depend on the machine's load, so
+once, by `benchmarks.suite.overhead_grid` (the same counts as its grid). A count does not depend on the machine's load, so
 a change that adds work to every step, every micro-batch or every log fails here, on any machine.
 
 The budgets are the counts measured when the test was written plus 15 calls. The phase clock's slow-step record
@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from benchmarks.overhead_grid import Cell, calls_cell
+from benchmarks.suite.overhead_grid import Cell, calls_cell
 
 # (cell, loopkit's calls per step beyond the hand-written loop's at most); measured: +21 and +100 (2026-12-06)
 BUDGETS = [
@@ -41,16 +41,16 @@ def test_loopkit_calls_per_step_stay_within_budget_of_the_hand_written_loop(cell
 
 
 def test_the_grid_reports_a_verdict_only_where_every_pass_agrees():
-    """The grid's table (benchmarks/overhead_grid.py): loopkit within +50 us of the hand-written loop and below a
+    """The grid's table (benchmarks/suite/overhead_grid.py): loopkit within +50 us of the hand-written loop and below a
     peer only where every pass says so, counted pass by pass; weights compared in every pass."""
-    from benchmarks.overhead_grid import markdown
+    from benchmarks.suite.overhead_grid import markdown
 
     def entry(name, raw, loopkit, hf, same):
         return {"name": name, "cell": {"args_class": "LoopArgs", "callback": False}, "load_average": [1.0, 1.5],
                 "timing": {"cpu_us_per_step": {"raw": raw, "loopkit": loopkit, "hf": hf},
                            "bit_identical_per_pass": same}}
 
-    results = {"command": "python -m benchmarks.overhead_grid", "cores": 2, "passes": 3, "warmup_steps": 50,
+    results = {"command": "python -m benchmarks.suite.overhead_grid", "cores": 2, "passes": 3, "warmup_steps": 50,
                "timed_steps": 1000, "calls_steps": 200, "contenders": ["raw", "loopkit", "hf"],
                "peers_missing": {}, "cells": [
                    entry("steady", [400, 410, 420], [430, 440, 450], [900, 900, 900], [True, True, True]),

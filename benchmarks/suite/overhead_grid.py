@@ -1,4 +1,4 @@
-"""`python -m benchmarks.overhead_grid [--quick]`: loopkit's per-step overhead across the configurations users run
+"""`python -m benchmarks.suite.overhead_grid [--quick]`: loopkit's per-step overhead across the configurations users run
 (issue #46), each cell measured as the issue's harness measures one.
 
 The grid: logging every 1, 10 and 100 optimizer steps; gradient accumulation 1 and 2; loopkit given `LoopArgs` or
@@ -19,11 +19,11 @@ Per cell: loopkit minus each contender, pass by pass (median and range), and in 
 each peer. Then two load-independent measures: Python calls per optimizer step (cProfile's call counts, builtins
 included, over the same kind of span) of each contender, with the functions where loopkit's calls differ from the
 hand-written loop's; and, for the LoopArgs + callback cells, where loopkit's step time goes per event and per stage
-(`benchmarks.overhead_profile`'s profiler, loopkit in lockstep with the hand-written loop).
+(`benchmarks.profiles.overhead`'s profiler, loopkit in lockstep with the hand-written loop).
 
-    python -m benchmarks.overhead_grid                     # the full grid: 12 passes, 50 + 1,000 steps a run
-    python -m benchmarks.overhead_grid --quick             # 3 passes, 20 + 200 steps
-    python -m benchmarks.overhead_grid --quick --logging 10 --accum 2 --methods timing,calls
+    python -m benchmarks.suite.overhead_grid                     # the full grid: 12 passes, 50 + 1,000 steps a run
+    python -m benchmarks.suite.overhead_grid --quick             # 3 passes, 20 + 200 steps
+    python -m benchmarks.suite.overhead_grid --quick --logging 10 --accum 2 --methods timing,calls
 
 Results: benchmarks/results/overhead_grid.json and .md, unless `--out` says otherwise.
 """
@@ -40,10 +40,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .overhead_profile import profile_table, run_worker
-from .spec import LABELS, TrainSpec, missing_peers
+from ..contenders.names import LABELS, missing_peers
+from ..profiles.workers import run_worker
+from ..reports.overhead_profile import profile_table
+from ..workloads.spec import TrainSpec
 
-RESULTS = Path(__file__).parent / "results" / "overhead_grid"
+RESULTS = Path(__file__).parent.parent / "results" / "overhead_grid"
 GRID_PEERS = ("ignite", "fabric")  # the issue's five contenders: these two beside raw, loopkit and HF Trainer
 OVERHEAD_GOAL_US = 50  # issue 46: loopkit at most the hand-written loop + 50 us of CPU per optimizer step
 METHODS = ("timing", "calls", "profile")
@@ -112,24 +114,25 @@ class OptimizerSteps:
 
 def train_once(contender: str, cell: Cell, spec: TrainSpec, output_dir: str):
     """Train `spec` with `contender` as `cell` says (a fresh model and loader); returns the trained model."""
-    from . import contenders, peers, workloads
+    from ..contenders import clock as clocks, hf, peers, raw
+    from ..workloads import data, models
 
-    model, dataset = workloads.build_model(spec), workloads.train_dataset(spec)
-    clock = contenders.StepClock() if cell.callback else NullClock()
+    model, dataset = models.build_model(spec), data.train_dataset(spec)
+    clock = clocks.StepClock() if cell.callback else NullClock()
     if contender == "raw":
-        return contenders.train_raw(spec, model, dataset, clock, output_dir).model
+        return raw.train_raw(spec, model, dataset, clock, output_dir).model
     if contender in peers.TRAINERS:
         return peers.TRAINERS[contender](spec, model, dataset, clock, output_dir).model
-    callbacks = [contenders.ClockCallback(clock)] if cell.callback else []
+    callbacks = [clocks.ClockCallback(clock)] if cell.callback else []
     if contender == "loopkit" and cell.args_class == "TrainingArguments":
         from transformers import TrainingArguments
 
         from loopkit import Loop
 
-        trainer = Loop(model=model, args=TrainingArguments(**contenders.trainer_arguments(spec, output_dir)),
-                       train_dataset=dataset, data_collator=workloads.collator_for(spec), callbacks=callbacks)
+        trainer = Loop(model=model, args=TrainingArguments(**hf.trainer_arguments(spec, output_dir)),
+                       train_dataset=dataset, data_collator=data.collator_for(spec), callbacks=callbacks)
     else:
-        trainer = contenders.build_trainer(contender, spec, model, output_dir, dataset, callbacks=callbacks)
+        trainer = hf.build_trainer(contender, spec, model, output_dir, dataset, callbacks=callbacks)
     trainer.train()
     return trainer.model
 
@@ -140,7 +143,7 @@ def timed_run(contender: str, cell: Cell, warmup: int, steps: int) -> dict:
     import gc
     import tempfile
 
-    from .bench_overhead import weights_digest
+    from .overhead import weights_digest
 
     spec = cell.spec(warmup, steps)
     gc.collect()
@@ -234,7 +237,7 @@ def calls_cell(cell: Cell, contenders: list) -> dict:
 def profile_cell(cell: Cell, warmup: int, steps: int) -> dict:
     """loopkit's step per event and per stage beside the hand-written loop's (overhead_profile's lockstep
     profiler: LoopArgs and the clock callback, so only those cells)."""
-    from .overhead_profile import lockstep
+    from ..profiles.overhead import lockstep
 
     reply = lockstep(cell.spec(warmup, steps), warmup, profiled=True)
     return {"raw beside loopkit": reply["profiles"]["raw"], "loopkit": reply["profiles"]["loopkit"]}
@@ -275,9 +278,9 @@ def measure(cells: list, methods: tuple, passes: int, warmup: int, steps: int, s
         request = {"cell": asdict(cell), "contenders": contenders, "passes": passes, "warmup": warmup,
                    "steps": steps, "methods": [m for m in methods if m != "profile"]}
         if request["methods"]:
-            entry.update(run_worker("benchmarks.overhead_grid", {"task": "cell", **request}))
+            entry.update(run_worker("benchmarks.suite.overhead_grid", {"task": "cell", **request}))
         if "profile" in methods and cell.args_class == "LoopArgs" and cell.callback:
-            entry["profile"] = run_worker("benchmarks.overhead_grid", {"task": "profile", **request})
+            entry["profile"] = run_worker("benchmarks.suite.overhead_grid", {"task": "profile", **request})
         entry["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
         results["cells"].append(entry)
         say(f"[{number}/{len(cells)}] {cell.name}: {cell_summary(entry)}, load {entry['load_average']}")
@@ -411,7 +414,7 @@ def parse_list(text: str, kind) -> tuple:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead_grid", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.suite.overhead_grid", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 passes of 20 + 200 steps (default: 12 of 50 + 1,000)")
     parser.add_argument("--passes", type=int, help="measured passes per cell, after the warm-up pass")
@@ -440,7 +443,7 @@ def main(argv=None) -> int:
         parser.error(f"--args {args.args!r}: choose from LoopArgs, TrainingArguments")
     cells = grid(parse_list(args.logging, int), parse_list(args.accum, int), classes,
                  tuple(bool(int(n)) for n in parse_list(args.callbacks, int)))
-    command = " ".join(["python -m benchmarks.overhead_grid"] + sys.argv[1:])
+    command = " ".join(["python -m benchmarks.suite.overhead_grid"] + sys.argv[1:])
 
     def write(results: dict) -> None:  # after every cell: a run cut short still leaves its cells
         results["command"] = command
