@@ -11,6 +11,10 @@ Rotten Tomatoes reviews with MiniLM's WordPiece tokenizer (eos `[SEP]`), the sam
   words, the chosen completion the rest of a fresh review, the rejected one the rest of a rotten review; an explicit
   reference model (a copy of the initial policy).
 
+Each runs again on a second real text, `<workload>@debates`: the 1,122 statements of the 2016 US presidential debates
+(a few words to several hundred tokens, a far longer tail than the reviews), for DPO each statement's opening as the
+prompt, its rest as chosen and the next statement's rest as rejected.
+
 Contenders: TRL's trainer (`trl`), and loopkit's (`loopkit`: `loopkit.trl.SFTLoop` / `DPOLoop`, TRL's class over
 loopkit's loop: TRL's data preparation, collator and loss, loopkit's run, and loopkit's fused LM head under TRL's
 loss, loopkit/trl/fused.py). Each run is a fresh process; rounds
@@ -41,9 +45,13 @@ from ..reports.verdicts import direction, fmt, median, paired_ratio
 
 MODULE = "benchmarks.suite.trl"
 TITLE = "TRL: SFT (plain, packed) and DPO, TRL's trainers vs loopkit's (CPU per step, peak memory)"
-WORKLOADS = {"sft": "SFT, plain text, padded batches", "sft-packed": "SFT, packing=True",
-             "dpo": "DPO, sigmoid loss, explicit reference model"}
-SHORT = {"sft": "SFT plain", "sft-packed": "SFT packed", "dpo": "DPO"}
+# A workload is `<kind>` on the reviews, `<kind>@debates` on the debate statements: the ratio depends on the lengths
+# of the texts and on which tokens are scored, so every kind runs on both.
+KINDS = {"sft": ("SFT, plain text, padded batches", "SFT plain"), "sft-packed": ("SFT, packing=True", "SFT packed"),
+         "dpo": ("DPO, sigmoid loss, explicit reference model", "DPO")}
+TEXTS = {"": ("", ""), "@debates": (", debate statements", " (debates)")}
+WORKLOADS = {kind + text: label + long for text, (long, _) in TEXTS.items() for kind, (label, _) in KINDS.items()}
+SHORT = {kind + text: short + brief for text, (_, brief) in TEXTS.items() for kind, (_, short) in KINDS.items()}
 CONTENDERS = ("trl", "loopkit")
 LABELS = {"trl": "TRL's trainer", "loopkit": "loopkit"}
 TRAINER_NAMES = {("sft", "trl"): "SFTTrainer", ("sft", "loopkit"): "SFTLoop", ("dpo", "trl"): "DPOTrainer",
@@ -91,16 +99,33 @@ def reviews(count: int | None) -> list:
     return rotten_tomatoes_rows()[:count]
 
 
+def debate_pairs(count: int) -> tuple[list, list]:
+    """The first `count` debate statements of over 5 words, as (chosen, rejected) word lists: each statement against
+    the next one (the prompt is the chosen one's opening; the rejected completion goes on with another speaker)."""
+    from ..workloads.data import debate_statements
+
+    statements = [text.split() for text in debate_statements() if len(text.split()) > 5][:count + 1]
+    return statements[:-1], statements[1:]
+
+
 def dataset(workload: str, count: int):
-    """TRL's input format for the workload: `{"text"}` for SFT (the first `count` reviews), `{"prompt", "chosen",
-    "rejected"}` for DPO (the i-th of the first `count` fresh reviews against the i-th rotten one)."""
+    """TRL's input format for the workload: `{"text"}` for SFT (the first `count` reviews or debate statements),
+    `{"prompt", "chosen", "rejected"}` for DPO (reviews: the i-th of the first `count` fresh reviews against the i-th
+    rotten one; debates: `debate_pairs`)."""
     from datasets import Dataset
 
+    from ..workloads.data import debate_statements
+
+    on_debates = workload.endswith("@debates")
     if not workload.startswith("dpo"):
-        return Dataset.from_list([{"text": text} for text, _ in reviews(count)])
-    rows = reviews(None)
-    fresh = [text.split() for text, label in rows if label == 1][:count]
-    rotten = [text.split() for text, label in rows if label == 0][:count]
+        texts = debate_statements()[:count] if on_debates else [text for text, _ in reviews(count)]
+        return Dataset.from_list([{"text": text} for text in texts])
+    if on_debates:
+        fresh, rotten = debate_pairs(count)
+    else:
+        rows = reviews(None)
+        fresh = [text.split() for text, label in rows if label == 1][:count]
+        rotten = [text.split() for text, label in rows if label == 0][:count]
     pairs = [{"prompt": " ".join(good[:4]), "chosen": " " + " ".join(good[4:]), "rejected": " " + " ".join(bad[4:])}
              for good, bad in zip(fresh, rotten) if len(good) > 5 and len(bad) > 5]
     return Dataset.from_list(pairs)
@@ -128,7 +153,7 @@ def build_trainer(workload: str, contender: str, settings: dict, output_dir: str
     if kind == "sft":
         from trl import SFTConfig
 
-        config = SFTConfig(packing=workload == "sft-packed", **fields)
+        config = SFTConfig(packing=workload.startswith("sft-packed"), **fields)
         return trainer_class(model=model, args=config, train_dataset=data, processing_class=tok, callbacks=callbacks)
     from trl import DPOConfig
 
@@ -292,7 +317,8 @@ def markdown(section: dict) -> str:
              f"30,522-token vocabulary), fp32, seed 0; batch {settings['batch_size']}, max_length "
              f"{settings['max_length']}, {settings['warmup_steps']} warm-up + {settings['timed_steps']} timed "
              f"optimizer steps, logging every {settings['logging_steps']}; the first {settings['num_reviews']:,} "
-             f"Rotten Tomatoes reviews (DPO: as many fresh/rotten pairs); {settings['rounds']} round(s), each run a "
+             f"Rotten Tomatoes reviews (DPO: as many fresh/rotten pairs), and as many 2016 debate statements (@debates; "
+             f"DPO: each against the next); {settings['rounds']} round(s), each run a "
              f"fresh process, alternated TRL, loopkit; load average (1 min) {min(loads):.1f}-{max(loads):.1f} over "
              f"the runs. CPU: the process's CPU time per timed step (all threads). Peak RSS: the process's resident "
              f"high-water mark (VmHWM) at the end of train(), over its whole life and over train() alone (above "
