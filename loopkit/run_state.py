@@ -72,8 +72,8 @@ stage.
 |                                 | control in `run` (`loopkit.events`)     |                 |                        |
 | clock                           | time by phase for the report            | loop.py         | loop.py                |
 |                                 | (`loopkit.phases`)                      |                 |                        |
-| checkpointer                    | the checkpoint storage                  | loop.py         | loop.py                |
-|                                 | (`loopkit.storage`)                     |                 |                        |
+| checkpointer                    | the checkpoint policy (holds the        | loop.py         | loop.py                |
+|                                 | storage format; `loopkit.checkpoint`)   |                 |                        |
 | preemption                      | the SIGTERM/SIGINT watch                | loop.py         | loop.py                |
 |                                 | (`loopkit.guards`)                      |                 |                        |
 | accelerator, gather_function    | the `accelerate.Accelerator`, and the   | stages/setup.py | trainer/overridable.py |
