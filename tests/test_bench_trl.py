@@ -104,7 +104,8 @@ def test_the_command_runs_the_trl_benchmark_tiny_with_the_same_logs(tmp_path):
                            env=env)
     assert finished.returncode == 0, finished.stderr[-3000:]
     section = json.loads((tmp_path / "results.json").read_text())["benchmarks"]["trl"]
-    for workload in bench_trl.WORKLOADS:
+    assert list(section["workloads"]) == bench_trl.TINY_WORKLOADS
+    for workload in bench_trl.TINY_WORKLOADS:
         assert section["workloads"][workload]["same_work"], section["workloads"][workload]["parity"]
         trainers = [section["runs"][workload][c][0]["trainer"] for c in bench_trl.CONTENDERS]
         assert trainers == (["DPOTrainer", "DPOLoop"] if workload.startswith("dpo") else ["SFTTrainer", "SFTLoop"])

@@ -343,16 +343,16 @@ def trl_headline(results: dict) -> str:
     """docs/trl.md's paragraph: loopkit / TRL per workload and measure, round by round, and each verdict."""
     section = benchmark_section(results, "trl")
     workloads = section["workloads"]
-    same = all(workloads[w]["same_work"] for w in bench_trl.WORKLOADS)
+    same = all(workloads[w]["same_work"] for w in workloads)
     lines = [("TRL's trainer and loopkit's logged the same losses and every other key (within "
               f"{bench_trl.LOSS_RTOL:g} relative) in every round of every workload" if same else
-              "NOT the same work: " + "; ".join(f"{w}: {c['detail']}" for w in bench_trl.WORKLOADS
+              "NOT the same work: " + "; ".join(f"{w}: {c['detail']}" for w in workloads
                                                 for c in workloads[w]["parity"] if not c["ok"]))
              + f". Measured by {measured_by(results, 'trl')}; loopkit / TRL, round by round:", ""]
     for key, name, _ in bench_trl.MEASURES:
         lines.append(f"- {name}: " + "; ".join(
             f"{bench_trl.SHORT[w]} {fmt_comparison(workloads[w]['verdicts'][key]['ratio'], 'amount', '')}, "
-            f"{workloads[w]['verdicts'][key]['text']}" for w in bench_trl.WORKLOADS) + ".")
+            f"{workloads[w]['verdicts'][key]['text']}" for w in workloads) + ".")
     return "\n".join(lines)
 
 

@@ -52,6 +52,8 @@ KINDS = {"sft": ("SFT, plain text, padded batches", "SFT plain"), "sft-packed": 
 TEXTS = {"": ("", ""), "@debates": (", debate statements", " (debates)")}
 WORKLOADS = {kind + text: label + long for text, (long, _) in TEXTS.items() for kind, (label, _) in KINDS.items()}
 SHORT = {kind + text: short + brief for text, (_, brief) in TEXTS.items() for kind, (_, short) in KINDS.items()}
+# The smoke test's size: each text's SFT and DPO data once (the workloads differ only in those and in packing).
+TINY_WORKLOADS = ["sft", "sft-packed@debates", "dpo", "dpo@debates"]
 CONTENDERS = ("trl", "loopkit")
 LABELS = {"trl": "TRL's trainer", "loopkit": "loopkit"}
 TRAINER_NAMES = {("sft", "trl"): "SFTTrainer", ("sft", "loopkit"): "SFTLoop", ("dpo", "trl"): "DPOTrainer",
@@ -76,7 +78,8 @@ def plan(suite) -> dict:
             "batch_size": suite.pick(8, 8, 2), "max_length": suite.pick(64, 64, 32),
             "warmup_steps": suite.pick(3, 2, 1), "timed_steps": suite.pick(20, 10, 2),
             "logging_steps": suite.pick(5, 5, 1), "num_reviews": suite.pick(1024, 256, 16),
-            "rounds": suite.measured_rounds(3, 3, 1), "learning_rate": 1e-4, "seed": 0}
+            "rounds": suite.measured_rounds(3, 3, 1), "learning_rate": 1e-4, "seed": 0,
+            "workloads": suite.pick(list(WORKLOADS), list(WORKLOADS), TINY_WORKLOADS)}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -274,9 +277,9 @@ def run(suite) -> dict:
         suite.say(f"trl: skipped: {missing}")
         return {"title": TITLE, "rows": [], "skipped": missing}
     settings = plan(suite)
-    runs = {w: {c: [] for c in CONTENDERS} for w in WORKLOADS}
+    runs = {w: {c: [] for c in CONTENDERS} for w in settings["workloads"]}
     for round_index in range(settings["rounds"]):
-        for workload in WORKLOADS:
+        for workload in runs:
             for contender in CONTENDERS:  # alternated: trl, loopkit, trl, loopkit, ...
                 load_before = os.getloadavg()[0]
                 reply = suite.fresh(f"trl-{workload}-{contender}-{round_index}", MODULE, "train_once",
@@ -289,7 +292,7 @@ def run(suite) -> dict:
                           f"RSS {reply['peak_rss_mb']:.0f} MB (train() +{fmt(reply['train_peak_mb'])}), load "
                           f"{load_before:.1f}-{reply['load_average']:.1f}")
     section = {"title": TITLE, "rows": [], "plan": settings, "runs": runs, "workloads": {}}
-    for workload in WORKLOADS:
+    for workload in runs:
         section["workloads"][workload] = summarise(runs[workload])
         for measure, result in section["workloads"][workload]["verdicts"].items():
             if not result["below_every_round"]:
@@ -325,8 +328,8 @@ def markdown(section: dict) -> str:
              f"its resident set when train() began). Values: median (min-max of the rounds).", "",
              "| workload | measure | TRL's trainer | loopkit | loopkit / TRL, per round | verdict |",
              "|---|---|---|---|---|---|"]
-    for workload, label in WORKLOADS.items():
-        summary = section["workloads"][workload]
+    for workload in runs:
+        label, summary = WORKLOADS[workload], section["workloads"][workload]
         for key, name, unit in MEASURES:
             values = {c: [r[key] for r in runs[workload][c]] for c in CONTENDERS}
             result = summary["verdicts"][key]
@@ -334,11 +337,11 @@ def markdown(section: dict) -> str:
             lines.append(f"| {label} | {name}, {unit} | " + " | ".join(
                 with_range(median(values[c]), values[c]) for c in CONTENDERS) + f" | {ratios} | {result['text']} |")
     lines += ["", "Same work (TRL's log history against loopkit's, every key but the timing ones, per round):"]
-    for workload, label in WORKLOADS.items():
+    for workload in runs:
         checks = section["workloads"][workload]["parity"]
-        lines.append(f"- {label}: " + ("; ".join(dict.fromkeys(c["detail"] for c in checks)))
+        lines.append(f"- {WORKLOADS[workload]}: " + ("; ".join(dict.fromkeys(c["detail"] for c in checks)))
                      + f"; largest relative loss difference {max(c['max_loss_relative'] or 0 for c in checks):.1e}.")
-    disagree = [f"{WORKLOADS[w]}, {name}" for w in WORKLOADS for key, name, _ in MEASURES
+    disagree = [f"{WORKLOADS[w]}, {name}" for w in runs for key, name, _ in MEASURES
                 if not section["workloads"][w]["verdicts"][key]["below_every_round"]]
     lines += ["", "Rounds where loopkit is not below TRL, or that disagree: " + ("; ".join(disagree) or "none") + ".",
               "", rounds_table(section)]
@@ -351,7 +354,7 @@ def rounds_table(section: dict) -> str:
              "train() RSS growth MB |", "|---|---|---|---|---|---|---|---|"]
     runs = section["runs"]
     for index in range(section["plan"]["rounds"]):
-        for workload in WORKLOADS:
+        for workload in runs:
             for contender in CONTENDERS:
                 r = runs[workload][contender][index]
                 lines.append(f"| {index + 1} | {workload} | {r['trainer']} | {r['load_average_before']:.1f}-"
