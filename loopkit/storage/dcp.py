@@ -209,8 +209,11 @@ class DCPStorage(CheckpointStorage):
 def read_whole_state(checkpoint: str) -> dict:
     """The whole state a DCP checkpoint holds ({"model": {...}, "optimizer": {...}}), in one process, built from
     its metadata and read by `read_dcp`."""
-    from torch.distributed.checkpoint._traverse import set_element  # DCP's own nesting of flattened keys
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ..private_api import dcp_set_element
+
+    set_element = dcp_set_element()  # DCP's own nesting of flattened keys
 
     metadata = dcp_metadata(checkpoint)
     state: dict = {}
