@@ -4,9 +4,9 @@ modules (the runner, the suite's parent side, the reports) import no torch, as b
 The graph is tests/test_import_graph.py's, which checks itself on a circle closed only inside functions."""
 
 import pathlib
-import subprocess
 import sys
 
+from helpers import run_process
 from test_import_graph import cycles, import_graph
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -28,6 +28,6 @@ def test_the_parent_side_imports_no_torch():
         f"benchmarks.suite.{path.stem}" for path in sorted((BENCHMARKS / "suite").glob("*.py"))]
     code = "import importlib, sys\n" + "".join(f"importlib.import_module({name!r})\n" for name in parent) + \
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    done = run_process([sys.executable, "-c", code], "the parent side's imports", cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"the parent side imports {done.stdout.strip()}"

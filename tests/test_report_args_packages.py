@@ -69,9 +69,13 @@ def test_wait_for_charts_answers_with_what_replaces_it():
     assert not hasattr(loopkit.report, "no_such_name")  # any other unknown name: a plain AttributeError
 
 
-def test_python_m_loopkit_report_runs_the_report_command(tmp_path, monkeypatch):
+def test_python_m_loopkit_report_runs_the_report_command(tmp_path, monkeypatch, capsys):
     """`python -m loopkit report DIR` (loopkit/__main__.py, run here as `-m` runs it) reaches the report's command
-    line: a folder with nothing to report is refused with the report's own message."""
+    line: a folder with nothing to report is refused with the report's own message, in one line, exit status 2."""
     monkeypatch.setattr(sys, "argv", ["loopkit", "report", str(tmp_path)])
-    with pytest.raises(FileNotFoundError, match="holds neither run_report.json nor a checkpoint: nothing to report"):
+    with pytest.raises(SystemExit) as exited:
         runpy.run_module("loopkit", run_name="__main__")
+    assert exited.value.code == 2
+    said = capsys.readouterr().err
+    assert f"{tmp_path} holds neither run_report.json nor an undamaged checkpoint: nothing to report" in said
+    assert "Traceback" not in said and said.count("\n") == 1
