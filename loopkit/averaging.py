@@ -84,10 +84,12 @@ class WeightAveraging(Stage):
         self.loaded = saved_weights(state)
 
     # -- events --
+    def on_init_end(self, args, state, control, **kwargs):
+        refuse_sharded(self.context.accelerator)  # at construction: the engine is known once the Loop has built it
+
     def on_train_begin(self, args, state, control, **kwargs):
         """The parameters to average: those the optimizer updates, by the model's parameter names."""
         run = self.run
-        refuse_sharded(self.context.accelerator)
         updated = {id(p) for group in run.optimizer.param_groups for p in group["params"]}
         named = [(name, p) for name, p in run.model.named_parameters() if id(p) in updated and p.is_floating_point()]
         self.names, self.params = [name for name, _ in named], [p for _, p in named]

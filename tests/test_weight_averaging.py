@@ -299,3 +299,20 @@ def test_the_docs_example_returns_the_best_checkpoints_average():
 
     namespace = run_python_block("docs/weight-averaging.md", "averaged_weights(best)")
     assert namespace["loop"].state.best_global_step == 4
+
+
+@pytest.mark.parametrize("engine", ["FSDP", "DEEPSPEED"])
+def test_an_engine_that_shards_the_parameters_is_refused_when_the_loop_is_built(engine):
+    """The average is a whole copy of each process's parameters: under FSDP or DeepSpeed it is refused at the end of
+    `Loop(...)` (its `on_init_end`), naming the engine and the fix. A launch is not needed to reach the check: the
+    engine is what the run's accelerator reports, replaced here after a one-process Loop was built."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    with tempfile.TemporaryDirectory() as out:
+        loop = Loop(model=tiny_regression(), args=LoopArgs(output_dir=out, report_to="none"),
+                    train_dataset=regression_data(8), averaging=EMA(decay=0.9))  # one process: accepted
+        loop.context.accelerator = SimpleNamespace(distributed_type=DistributedType[engine])
+        with pytest.raises(LoopConfigError, match=f"averaging='under {engine}'.*Fix: train with DDP, or without averaging"):
+            loop.context.events.fire("on_init_end")
