@@ -68,8 +68,8 @@ def pytest_collection_modifyitems(config, items):
 # The slow tier's files that take longest, longest first (each file's summed test times in a whole slow-tier run,
 # docs/testing.md). The Makefile runs the tests on pytest-xdist workers that take one file at a time, in this
 # collection order (`--no-loadscope-reorder`): when a long file started last, the other worker sat idle until it
-# ended (test_ray_train.py, unlisted, once ran alone for the last 400 of 2,240 s). The other files follow, those with most tests
-# first (xdist's own order).
+# ended (test_ray_train.py, unlisted, once ran alone for the last 400 of 2,240 s). The other files follow, those
+# with most tests first (xdist's own order).
 LONGEST_FILES = ("test_ray_train.py", "test_elastic.py", "test_benchmarks_smoke.py", "test_trl_dpo.py",
                  "test_dcp_storage.py", "test_trl_sft.py", "test_deepspeed.py", "test_fsdp.py", "test_trl_grpo.py",
                  "test_bench_trl.py", "test_kill_and_preempt.py", "test_rng_order.py", "test_async_staging.py",
