@@ -80,7 +80,7 @@ def test_the_table_names_every_measure_that_is_not_below_trl_in_every_round():
     assert ("Rounds where loopkit is not below TRL, or that disagree: SFT, plain text, padded batches, peak RSS of "
             "the process; SFT, packing=True, peak RSS of the process;") in below
     assert "train() growth" not in below.split("Rounds where")[1].split("\n")[0]
-    assert "| SFT, packing=True | CPU time per optimizer step, ms | 10.0 (10.0-10.0) | 9 (9-9) | 0.900, 0.900, " \
+    assert "| SFT packed | CPU time per optimizer step, ms | 10.0 (10.0-10.0) | 9 (9-9) | 0.900, 0.900, " \
            "0.900 | below TRL in every round (0.900-0.900x) |" in below
     assert "load average (1 min) 1.0-3.0 over the runs" in below
     mixed = bench_trl.markdown(synthetic_section([9.0, 11.0, 9.0]))
@@ -114,4 +114,4 @@ def test_the_command_runs_the_trl_benchmark_tiny_with_the_same_logs(tmp_path):
             assert run["global_step"] == section["plan"]["warmup_steps"] + section["plan"]["timed_steps"]
             assert run["cpu_ms_per_step"] > 0 and run["peak_rss_mb"] > 0
             assert len(run["losses"]) == run["global_step"]  # logging every step at the tiny size
-    assert "| SFT, packing=True | CPU time per optimizer step, ms |" in (tmp_path / "results.md").read_text()
+    assert "| SFT packed | CPU time per optimizer step, ms |" in (tmp_path / "results.md").read_text()

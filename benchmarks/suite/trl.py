@@ -329,7 +329,7 @@ def markdown(section: dict) -> str:
              "| workload | measure | TRL's trainer | loopkit | loopkit / TRL, per round | verdict |",
              "|---|---|---|---|---|---|"]
     for workload in runs:
-        label, summary = WORKLOADS[workload], section["workloads"][workload]
+        label, summary = SHORT[workload], section["workloads"][workload]
         for key, name, unit in MEASURES:
             values = {c: [r[key] for r in runs[workload][c]] for c in CONTENDERS}
             result = summary["verdicts"][key]
