@@ -114,4 +114,4 @@ def test_the_command_runs_the_trl_benchmark_tiny_with_the_same_logs(tmp_path):
             assert run["global_step"] == section["plan"]["warmup_steps"] + section["plan"]["timed_steps"]
             assert run["cpu_ms_per_step"] > 0 and run["peak_rss_mb"] > 0
             assert len(run["losses"]) == run["global_step"]  # logging every step at the tiny size
-    assert "| SFT packed | CPU time per optimizer step, ms |" in (tmp_path / "results.md").read_text()
+    assert "| SFT packed (debates) | CPU time per optimizer step, ms |" in (tmp_path / "results.md").read_text()
