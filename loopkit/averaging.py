@@ -31,6 +31,7 @@ import torch
 
 from .errors import config_error
 from .stages.base import Stage
+from .state import best_checkpoint_to_load
 
 AVERAGING_KEY = "averaging"  # its entry among the checkpoint's stage states
 
@@ -132,8 +133,9 @@ class WeightAveraging(Stage):
         """The model takes the averaged weights judged best (teardown has just loaded that checkpoint's training
         weights), or the final average."""
         self.in_train = False
-        if args.load_best_model_at_end and state.best_model_checkpoint is not None:
-            saved = self.context.checkpointer.read_stage_states(state.best_model_checkpoint).get(AVERAGING_KEY, {})
+        best_checkpoint = best_checkpoint_to_load(args, state)  # the one teardown has just loaded
+        if best_checkpoint is not None:
+            saved = self.context.checkpointer.read_stage_states(best_checkpoint).get(AVERAGING_KEY, {})
             best = saved_weights(saved)
             if best is None:
                 return  # that checkpoint was evaluated on its training weights, which teardown loaded

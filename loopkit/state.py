@@ -189,3 +189,9 @@ def best_metric_key(args) -> str:
     """`eval_<metric_for_best_model>` (HF adds the prefix unless it is there)."""
     name = args.metric_for_best_model
     return name if name.startswith("eval_") else f"eval_{name}"
+
+
+def best_checkpoint_to_load(args, state) -> str | None:
+    """The checkpoint whose weights the end of training loads (`load_best_model_at_end`), or None: one rule for the
+    teardown, which loads it, and for what follows that load (the weight averaging's best average)."""
+    return state.best_model_checkpoint if args.load_best_model_at_end else None

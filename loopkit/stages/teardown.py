@@ -39,7 +39,7 @@ import torch
 from ..export import export_model
 from ..report import STATUS_JSON, build_report, cpu_starvation, starvation_text, write_report, write_run_status
 from ..trainer import log_messages
-from ..state import TrainOutput
+from ..state import TrainOutput, best_checkpoint_to_load
 from .base import Stage
 from ..phases import speed_metrics
 
@@ -71,9 +71,10 @@ class TeardownStage(Stage):
         context.memory.stop_and_update_metrics("train", metrics)
         context.log(metrics)
         context.checkpointer.wait()  # an asynchronous save still in flight
-        if run.args.load_best_model_at_end and state.best_model_checkpoint is not None:
+        best = best_checkpoint_to_load(run.args, state)
+        if best is not None:
             log_messages.log_loading_best_model(state)
-            context.checkpointer.load_best_model(state.best_model_checkpoint)
+            context.checkpointer.load_best_model(best)
         if not context.preemption.requested:  # an interrupted run keeps the checkpoint it resumes from
             kept = context.checkpointer.own_checkpoints()
             context.checkpointer.keep_only_best()
