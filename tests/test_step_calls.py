@@ -5,7 +5,10 @@ Counted, not timed: cProfile's call counts (builtins included) over 200 optimize
 once, by `benchmarks.suite.overhead_grid` (the same counts as its grid). A count does not depend on the machine's load, so
 a change that adds work to every step, every micro-batch or every log fails here, on any machine.
 
-The budgets are the counts measured when the test was written plus 15 calls. The phase clock's slow-step record
+The budgets are the counts measured when the test was written plus 35 calls. The margin is wide because a count
+also depends on what the test process imported before (a pytest worker runs other tests first): +100 in one clean
+clone's fast tier, +118.5 in another, with the hand-written loop's own count moving (torch's autocast and scripting
+checks). The phase clock's slow-step record
 (loopkit/phases.py: a step 3x slower than the median) is switched off here: whether a step is slow depends on the
 machine, and a slow step's record is no per-step work.
 """
@@ -20,8 +23,8 @@ from benchmarks.suite.overhead_grid import Cell, calls_cell
 
 # (cell, loopkit's calls per step beyond the hand-written loop's at most); measured: +21 and +100 (2026-12-06)
 BUDGETS = [
-    (Cell(logging_steps=10, grad_accum=1, args_class="TrainingArguments", callback=False), 35),
-    (Cell(logging_steps=1, grad_accum=2, args_class="LoopArgs", callback=True), 115),
+    (Cell(logging_steps=10, grad_accum=1, args_class="TrainingArguments", callback=False), 55),
+    (Cell(logging_steps=1, grad_accum=2, args_class="LoopArgs", callback=True), 135),
 ]
 
 
