@@ -118,7 +118,7 @@ def train_grpo(trainer_class, folder: str, fields: dict):
     from accelerate import PartialState
 
     model_path = f"{folder}-base"  # TRL loads the reference model from a path
-    state = PartialState()  # the process group: transformers saves on rank 0 only once there is one
+    state = PartialState(cpu=True)  # the process group (cpu=True: without it, no GPU means one process per rank)
     if state.is_main_process:
         grpo.base_model(model_path)
     state.wait_for_everyone()

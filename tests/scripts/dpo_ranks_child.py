@@ -28,9 +28,10 @@ def pairs_on_disk(out: str):
     the dataset's, which each rank then reads (an in-memory dataset's cache goes to a per-process temporary folder,
     where rank 1 does not find rank 0's file, with either trainer)."""
     folder = os.path.join(out, "pairs")
-    if PartialState().is_main_process:
+    state = PartialState(cpu=True)  # without cpu=True, Accelerate on a machine without a GPU sees one process per rank
+    if state.is_main_process:
         review_pairs(PAIRS).save_to_disk(folder)
-    PartialState().wait_for_everyone()
+    state.wait_for_everyone()
     return load_from_disk(folder)
 
 
