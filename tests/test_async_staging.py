@@ -56,12 +56,16 @@ class AtSave(TrainerCallback):
 @pytest.fixture
 def slow_staging(monkeypatch):
     """The staging thread's copies each take a while: without the hold, the optimizer would run ahead of them."""
-    copy = staging.copy_to_cpu
+    copy, nested = staging.copy_to_cpu, threading.local()
 
-    def slow(obj):
-        if threading.current_thread().name == "loopkit-checkpoint-staging":
+    def slow(obj):  # once per copy the thread starts, not again for each tensor inside it (copy_to_cpu recurses)
+        if threading.current_thread().name == "loopkit-checkpoint-staging" and not getattr(nested, "depth", 0):
             time.sleep(0.3)
-        return copy(obj)
+        nested.depth = getattr(nested, "depth", 0) + 1
+        try:
+            return copy(obj)
+        finally:
+            nested.depth -= 1
 
     monkeypatch.setattr(staging, "copy_to_cpu", slow)
 

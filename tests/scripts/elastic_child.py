@@ -91,12 +91,15 @@ class Kill(TrainerCallback):
 
 class Steps(TrainerCallback):
     """The steps this process ran, and the number of steps done when a SIGTERM reached it (loopkit's handler is
-    wrapped once train() has installed it)."""
+    wrapped once train() has installed it). At the start of training it writes the attempt's record, which the end
+    of main() completes: a rank the launcher's SIGTERM ends at once (its train() had already raised when a peer
+    died, and restored the default handler) still leaves its attempt on record."""
 
-    def __init__(self):
-        self.steps, self.signal_after_step = [], None
+    def __init__(self, out: str):
+        self.steps, self.signal_after_step, self.out = [], None, out
 
     def on_train_begin(self, args, state, control, **kwargs):
+        write_record(self.out, {"attempt": ATTEMPT, "steps": []})
         handler = signal.getsignal(signal.SIGTERM)
 
         def noted(signum, frame):
@@ -110,9 +113,14 @@ class Steps(TrainerCallback):
         self.steps.append(state.global_step)
 
 
+def write_record(out: str, record: dict) -> None:
+    with open(os.path.join(out, f"rank{RANK}-attempt{ATTEMPT}.json"), "w") as f:
+        json.dump(record, f)
+
+
 def main() -> None:
     out, storage, spec = sys.argv[1], sys.argv[2], (sys.argv[3] if len(sys.argv) > 3 else None)
-    steps, kill = Steps(), Kill(spec)
+    steps, kill = Steps(out), Kill(spec)
     stalled_attempt = ATTEMPT == 0 and spec is not None and spec.endswith(":stall")
     if kill.armed and kill.moment == "stall":
         time.sleep(3 * DDP_TIMEOUT_S)
@@ -131,8 +139,7 @@ def main() -> None:
                       signalled_at=kill.signalled_at)
         raise
     finally:
-        with open(os.path.join(out, f"rank{RANK}-attempt{ATTEMPT}.json"), "w") as f:
-            json.dump(record, f)
+        write_record(out, record)
     if RANK == 0:
         weights = {k: v.detach().contiguous() for k, v in loop.accelerator.unwrap_model(loop.model).state_dict().items()}
         save_file(weights, os.path.join(out, "final.safetensors"))
