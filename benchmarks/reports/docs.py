@@ -25,6 +25,7 @@ from pathlib import Path
 from ..harness.runner import REPO_ROOT
 from ..profiles import ladder as ladder_profile
 from ..suite import compile as bench_compile
+from ..suite import overhead_grid as bench_grid
 from ..suite import overhead as bench_overhead
 from ..suite import storage as bench_storage
 from ..suite import trl as bench_trl
@@ -316,6 +317,14 @@ def overhead_interleaved(results: dict) -> str:
                       f"{loads['min']:.1f}-{loads['max']:.1f}.", "", interleaved_table(results)])
 
 
+def overhead_grid(results: dict) -> str:
+    """docs/performance.md's grid of set-ups (benchmarks/suite/overhead_grid.py): per cell, the hand-written loop's CPU
+    time per step, loopkit's difference to it pass by pass, the passes below each peer, the calls per step; then the
+    verdicts. The per-cell tables, the calls and the profiles are in the results file's Markdown beside it."""
+    return "\n".join([bench_grid.markdown(results).split("\n\n")[0], "", bench_grid.summary_table(results), ""] +
+                     bench_grid.verdicts(results))
+
+
 def ladder_profile_section(results: dict) -> str:
     return ladder_profile.markdown(dict(results, command=today_command(results["command"])))
 
@@ -360,7 +369,8 @@ GENERATORS = {"summary": summary_table, "overhead-peers": overhead_peers, "ladde
               "overhead-interleaved": overhead_interleaved, "ladder-profile": ladder_profile_section,
               "ladder-headline": ladder_headline, "durations": durations, "compile": compile_runs,
               "optimizer-step": optimizer_step, "chunked-loss": chunked_loss, "storage": storage,
-              "environment": environment, "eval-memory": eval_memory, "trl": trl, "trl-headline": trl_headline}
+              "environment": environment, "eval-memory": eval_memory, "trl": trl, "trl-headline": trl_headline,
+              "overhead-grid": overhead_grid}
 
 
 # Benchmarks of `python -m benchmarks` whose published sections read a run of their own (`--only NAME --out FOLDER`:
@@ -371,6 +381,7 @@ SEPARATE_RUN = {"trl": "benchmarks/results/trl/results.json"}
 PAGE_WIDTH = 117
 # Sections read from a results file of a benchmark's own command (not `python -m benchmarks`).
 OWN_COMMAND = {"storage": "benchmarks.suite.storage", "overhead-interleaved": "benchmarks.profiles.overhead",
+               "overhead-grid": "benchmarks.suite.overhead_grid",
                "ladder-profile": "benchmarks.profiles.ladder"}
 
 
