@@ -52,7 +52,8 @@ KINDS = {"sft": ("SFT, plain text, padded batches", "SFT plain"), "sft-packed": 
 TEXTS = {"": ("", ""), "@debates": (", debate statements", " (debates)")}
 WORKLOADS = {kind + text: label + long for text, (long, _) in TEXTS.items() for kind, (label, _) in KINDS.items()}
 SHORT = {kind + text: short + brief for text, (_, brief) in TEXTS.items() for kind, (_, short) in KINDS.items()}
-# The tiny size (the smoke test's): both trainers and both texts in 2 workloads (packed SFT on the debates, DPO on reviews)
+# The tiny size (the smoke test's): both trainers and both texts in 2 workloads (packed SFT on the debates, DPO on
+# the reviews)
 TINY_WORKLOADS = ["sft-packed@debates", "dpo"]
 CONTENDERS = ("trl", "loopkit")
 LABELS = {"trl": "TRL's trainer", "loopkit": "loopkit"}
