@@ -8,9 +8,8 @@ a change that adds work to every step, every micro-batch or every log fails here
 The budgets are the counts measured when the test was written plus 35 calls. The margin is wide because a count
 also depends on what the test process imported before (a pytest worker runs other tests first): +100 in one clean
 clone's fast tier, +118.5 in another, with the hand-written loop's own count moving (torch's autocast and scripting
-checks). The phase clock's slow-step record
-(loopkit/phases.py: a step 3x slower than the median) is switched off here: whether a step is slow depends on the
-machine, and a slow step's record is no per-step work.
+checks). The phase clock's slow-step record (loopkit/phases.py: a step 3x slower than the median) is switched off
+here: whether a step is slow depends on the machine, and a slow step's record is no per-step work.
 """
 
 from __future__ import annotations

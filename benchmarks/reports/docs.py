@@ -320,24 +320,9 @@ def overhead_interleaved(results: dict) -> str:
 def overhead_grid(results: dict) -> str:
     """docs/performance.md's grid of set-ups (benchmarks/suite/overhead_grid.py): per cell, the hand-written loop's CPU
     time per step, loopkit's difference to it pass by pass, the passes below each peer, the calls per step; then the
-    verdicts. The per-cell tables, the calls and the profiles are in the results file's Markdown beside it."""
-    timed = [entry for entry in results["cells"] if "timing" in entry]
-    peers = [c for c in results["contenders"] if c not in ("raw", "loopkit")]
-
-    def cells_where(holds) -> str:
-        return f"{sum(1 for entry in timed if holds(entry['timing']))} of {len(timed)} cells"
-
-    def within(timing) -> bool:
-        return max(bench_grid.differences(timing, "loopkit", "raw")) <= bench_grid.OVERHEAD_GOAL_US
-
-    verdicts = [f"- loopkit within +{bench_grid.OVERHEAD_GOAL_US} us of the hand-written loop in every pass: "
-                f"{cells_where(within)}."]
-    verdicts += [f"- loopkit below {bench_grid.LABELS[p]} in every pass: "
-                 f"{cells_where(lambda t, p=p: max(bench_grid.differences(t, 'loopkit', p)) < 0)}." for p in peers]
-    verdicts.append(f"- final weights bit-identical across the contenders in every pass: "
-                    f"{cells_where(lambda t: all(t['bit_identical_per_pass']))}.")
-    return "\n".join([bench_grid.markdown(results).split("\n\n")[0], "", bench_grid.summary_table(results), ""] +
-                     verdicts)
+    verdicts as counts of cells. The per-cell tables, the calls and the profiles are in the results file's Markdown."""
+    return "\n".join([bench_grid.measured_by(results), "", bench_grid.summary_table(results), ""] +
+                      bench_grid.verdict_counts(results))
 
 
 def ladder_profile_section(results: dict) -> str:

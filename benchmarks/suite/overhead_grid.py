@@ -387,16 +387,36 @@ def calls_lines(entry: dict, top: int = 15) -> str:
                      [f"| `{name}` | {value:+.2f} |" for name, value in largest])
 
 
-def markdown(results: dict) -> str:
+def measured_by(results: dict) -> str:
+    """The command, the machine and the method, in one paragraph."""
     loads = [x for e in results["cells"] for x in e["load_average"]]
     missing = ", ".join(f"{LABELS[p]} ({why})" for p, why in results["peers_missing"].items()) or "none"
-    lines = [f"Measured by `{results['command']}` on {results['cores']} cores, load average {min(loads):.1f}-"
-             f"{max(loads):.1f}. Each cell in a fresh process: every contender trains once to warm up, then "
-             f"{results['passes']} passes, the order rotated each pass, each run a fresh model and loader, "
-             f"{results['warmup_steps']} + {results['timed_steps']} optimizer steps, CPU us per optimizer step over "
-             f"the last {results['timed_steps']}. Peers not installed: {missing}. Calls per step: cProfile's call "
-             f"counts (builtins included) over {results['calls_steps']} steps, load-independent.\n",
-             summary_table(results), ""] + verdicts(results)
+    return (f"Measured by `{results['command']}` on {results['cores']} cores, load average {min(loads):.1f}-"
+            f"{max(loads):.1f}. Each cell in a fresh process: every contender trains once to warm up, then "
+            f"{results['passes']} passes, the order rotated each pass, each run a fresh model and loader, "
+            f"{results['warmup_steps']} + {results['timed_steps']} optimizer steps, CPU us per optimizer step over "
+            f"the last {results['timed_steps']}. Peers not installed: {missing}. Calls per step: cProfile's call "
+            f"counts (builtins included) over {results['calls_steps']} steps, load-independent.")
+
+
+def verdict_counts(results: dict) -> list[str]:
+    """`verdicts` as counts of cells, not their names (docs/performance.md's summary)."""
+    timed = [e["timing"] for e in results["cells"] if "timing" in e]
+    peers = [c for c in results["contenders"] if c not in ("raw", "loopkit")]
+
+    def cells_where(holds) -> str:
+        return f"{sum(1 for timing in timed if holds(timing))} of {len(timed)} cells"
+
+    lines = [f"- loopkit within +{OVERHEAD_GOAL_US} us of the hand-written loop in every pass: "
+             f"{cells_where(lambda t: max(differences(t, 'loopkit', 'raw')) <= OVERHEAD_GOAL_US)}."]
+    lines += [f"- loopkit below {LABELS[p]} in every pass: "
+              f"{cells_where(lambda t, p=p: max(differences(t, 'loopkit', p)) < 0)}." for p in peers]
+    return lines + [f"- final weights bit-identical across the contenders in every pass: "
+                    f"{cells_where(lambda t: all(t['bit_identical_per_pass']))}."]
+
+
+def markdown(results: dict) -> str:
+    lines = [measured_by(results) + "\n", summary_table(results), ""] + verdicts(results)
     for entry in results["cells"]:
         if "timing" in entry:
             lines += ["", cell_table(results, entry)]
