@@ -362,15 +362,26 @@ def cell_table(results: dict, entry: dict) -> str:
     return "\n".join(lines)
 
 
+def within_goal(timing: dict) -> bool:
+    return max(differences(timing, "loopkit", "raw")) <= OVERHEAD_GOAL_US
+
+
+def below_in_every_pass(timing: dict, other: str) -> bool:
+    return max(differences(timing, "loopkit", other)) < 0
+
+
+def identical_in_every_pass(timing: dict) -> bool:
+    return all(timing["bit_identical_per_pass"])
+
+
 def verdicts(results: dict) -> list[str]:
     timed = [e for e in results["cells"] if "timing" in e]
     if not timed:
         return []
-    over = [e["name"] for e in timed if max(differences(e["timing"], "loopkit", "raw")) > OVERHEAD_GOAL_US]
+    over = [e["name"] for e in timed if not within_goal(e["timing"])]
     peers = [c for c in results["contenders"] if c not in ("raw", "loopkit")]
-    behind = [f"{e['name']} ({LABELS[p]})" for e in timed for p in peers
-              if max(differences(e["timing"], "loopkit", p)) >= 0]
-    unequal = [e["name"] for e in timed if not all(e["timing"]["bit_identical_per_pass"])]
+    behind = [f"{e['name']} ({LABELS[p]})" for e in timed for p in peers if not below_in_every_pass(e["timing"], p)]
+    unequal = [e["name"] for e in timed if not identical_in_every_pass(e["timing"])]
     return [f"- loopkit within {OVERHEAD_GOAL_US} us of the hand-written loop in every pass of every cell: " +
             ("yes" if not over else "no: " + "; ".join(over)),
             f"- loopkit below every peer ({', '.join(LABELS[p] for p in peers)}) in every pass of every cell: " +
@@ -408,11 +419,11 @@ def verdict_counts(results: dict) -> list[str]:
         return f"{sum(1 for timing in timed if holds(timing))} of {len(timed)} cells"
 
     lines = [f"- loopkit within +{OVERHEAD_GOAL_US} us of the hand-written loop in every pass: "
-             f"{cells_where(lambda t: max(differences(t, 'loopkit', 'raw')) <= OVERHEAD_GOAL_US)}."]
+             f"{cells_where(within_goal)}."]
     lines += [f"- loopkit below {LABELS[p]} in every pass: "
-              f"{cells_where(lambda t, p=p: max(differences(t, 'loopkit', p)) < 0)}." for p in peers]
+              f"{cells_where(lambda t, p=p: below_in_every_pass(t, p))}." for p in peers]
     return lines + [f"- final weights bit-identical across the contenders in every pass: "
-                    f"{cells_where(lambda t: all(t['bit_identical_per_pass']))}."]
+                    f"{cells_where(identical_in_every_pass)}."]
 
 
 def markdown(results: dict) -> str:
