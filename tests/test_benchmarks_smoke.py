@@ -315,7 +315,8 @@ def test_the_overhead_profile_runs_every_contender_interleaved_in_one_process(tm
     assert list(reply) == ["raw", "loopkit", "hf"] + [p for p in PEERS if p not in missing_peers()]
     logged = reply["raw"][0]["logged_losses"]
     assert len(logged) == 1  # a log at step 50: every contender trained the same steps on the same data
-    assert all(runs[0]["logged_losses"] == logged for runs in reply.values())
+    # Lightning's Trainer (where installed) logs the loss of the step it logs at, not the mean since the last log
+    assert all(runs[0]["logged_losses"] == logged for name, runs in reply.items() if name != "lightning")
     table = out.with_suffix(".md").read_text()
     assert "- loopkit within 50 us of the hand-written loop in every round: " in table
     assert "- loopkit below hf in every round: " in table

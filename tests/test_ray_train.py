@@ -9,10 +9,12 @@ the function each worker runs). docs/distributed.md, "Ray Train", says what a us
   step's weights, `torch.equal` to Trainer's under DDP (asynchronous saves too) and under FSDP2 (sharded; Trainer on
   CPU processes does not shard: Accelerate keeps them MULTI_CPU), where only the logged gradient norm differs (summed
   from the shards), within 2e-4 relative. Final weights and every step's loss likewise.
-* Ray's fault tolerance: `FailureConfig(max_failures=1)`, worker 1 SIGKILLed at the end of step 7 in the first
-  attempt; Ray restarts both workers, the script resumes from `ray.train.get_checkpoint()` (Ray's copy) with
-  `resume_from_checkpoint`, and the run ends with the uninterrupted run's weights (`torch.equal`) and its losses at
-  every step after the resume.
+* Ray's fault tolerance, in the same fit: two more runs, `Loop` under DDP with `HFStorage()` and with
+  `DCPStorage(async_save=True)`, each losing worker 1 to a SIGKILL at the end of its step 7 once
+  (`FailureConfig(max_failures=2)`); Ray restarts both workers, the script skips the runs already finished and
+  resumes the interrupted one from `ray.train.get_checkpoint()` (Ray's copy) with `resume_from_checkpoint`, and the
+  run ends with its uninterrupted twin's weights (`torch.equal`) and losses at every step after the resume. One fit
+  for all: each fit and each attempt starts Ray's processes anew (the module's time).
 
 Ray is a test extra only (setup.cfg's `test` and `ray` extras); without it these tests skip.
 """
@@ -42,13 +44,17 @@ KILL_STEP = 7
 # FSDP2's gradient norm is summed from the shards, DDP's from whole gradients (measured: 7.4e-6, 3.3e-5 and 8.1e-5
 # relative apart at steps 2, 4 and 8); no step is clipped at these norms (below 1), so losses and weights are the same
 FSDP2_NORM_RTOL = 2e-4
-RUNS = {  # name: (runner, storage, fsdp)
-    "trainer": ("hf", "-", False),
-    "ddp": ("loop", "hf", False),
-    "ddp-dcp-async": ("loop", "dcp-async", False),
-    "fsdp2-dcp": ("loop", "dcp", True),
-    "fsdp2-dcp-async": ("loop", "dcp-async", True),
+RUNS = {  # name: (runner, storage, fsdp, killed)
+    "trainer": ("hf", "-", False, False),
+    "ddp": ("loop", "hf", False, False),
+    "ddp-dcp-async": ("loop", "dcp-async", False, False),
+    "fsdp2-dcp": ("loop", "dcp", True, False),
+    "fsdp2-dcp-async": ("loop", "dcp-async", True, False),
+    # each run killed once (the retries: attempts 1 and 2), and the uninterrupted run it must end as
+    "ddp-killed": ("loop", "hf", False, True),
+    "ddp-dcp-async-killed": ("loop", "dcp-async", False, True),
 }
+KILLED = {"ddp-killed": "ddp", "ddp-dcp-async-killed": "ddp-dcp-async"}
 
 
 @pytest.fixture(scope="module")
@@ -68,23 +74,24 @@ def ray_session():
     folder.cleanup()
 
 
-def fit(root: str, runs: dict, kill_step: int | None = None):
-    """`TorchTrainer(...).fit()` of `runs` (name: (runner, storage, fsdp)) on 2 CPU workers, storage in `root`;
-    `kill_step`: worker 1 dies at that step once, and Ray may retry once. Returns Ray's result and the results folder.
-    Bounded: a fit still running after PROCESS_WAIT_S fails the test."""
+def fit(root: str, runs: dict):
+    """`TorchTrainer(...).fit()` of `runs` (name: (runner, storage, fsdp, killed)) on 2 CPU workers, storage in
+    `root`; Ray may retry once per killed run. Returns Ray's result and the results folder. Bounded: a fit still
+    running after PROCESS_WAIT_S fails the test."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     results = os.path.join(root, "results")
     os.makedirs(results)
-    config = {"results": results, "kill_step": kill_step,
-              "runs": [{"name": name, "runner": runner, "storage": storage, "fsdp": fsdp,
-                        "output_dir": os.path.join(root, name), "resume_from_ray": kill_step is not None}
-                       for name, (runner, storage, fsdp) in runs.items()]}
+    config = {"results": results, "kill_step": KILL_STEP,
+              "runs": [{"name": name, "runner": runner, "storage": storage, "fsdp": fsdp, "kill": killed,
+                        "output_dir": os.path.join(root, name)}
+                       for name, (runner, storage, fsdp, killed) in runs.items()]}
+    retries = sum(killed for *_, killed in runs.values())
     trainer = TorchTrainer(ray_worker.train_func, train_loop_config=config,
                            scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
                            run_config=RunConfig(storage_path=os.path.join(root, "ray"), name="run",
-                                                failure_config=FailureConfig(max_failures=int(kill_step is not None))))
+                                                failure_config=FailureConfig(max_failures=retries)))
     outcome = {}
     thread = threading.Thread(target=lambda: outcome.update(result=trainer.fit()), daemon=True)
     thread.start()
@@ -130,7 +137,7 @@ def assert_equal_weights(actual: dict, expected: dict, what: str) -> None:
 @pytest.fixture(scope="module")
 def ray_runs(ray_session):
     """One fit of every run of RUNS, one after the other in the same 2 workers (each report goes to the same Ray
-    run: RUNS' order, 4 reports each)."""
+    run: RUNS' order, 4 reports each, a killed run's retry included)."""
     root = os.path.join(ray_session, "runs")
     result, results = fit(root, RUNS)
     reports = reported(result)
@@ -139,7 +146,7 @@ def ray_runs(ray_session):
     return by_run, results
 
 
-@pytest.mark.parametrize("name", [name for name in RUNS if name != "trainer"])
+@pytest.mark.parametrize("name", [name for name in RUNS if name != "trainer" and name not in KILLED])
 def test_each_ray_report_carries_its_own_steps_checkpoint_as_under_trainer(ray_runs, name):
     by_run, results = ray_runs
     norm_rtol = FSDP2_NORM_RTOL if RUNS[name][2] else 0
@@ -166,23 +173,28 @@ def test_fsdp2_under_ray_shards_the_checkpoints(ray_runs):
         assert sorted(f for f in os.listdir(dcp) if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
-@pytest.mark.parametrize("storage", ["hf", "dcp-async"])
-def test_a_worker_killed_mid_run_resumes_from_rays_latest_checkpoint_exactly(ray_session, ray_runs, storage):
+@pytest.mark.parametrize("name", list(KILLED))
+def test_a_worker_killed_mid_run_resumes_from_rays_latest_checkpoint_exactly(ray_runs, name):
     """Worker 1 dies at the end of step 7; Ray restarts both workers and the script resumes from Ray's latest
     checkpoint: step 6's with synchronous saves, and with asynchronous ones on 2 processes step 4's (a checkpoint is
     reported at the next save, once every process has seen it committed), or an earlier one if Ray's controller had
     not collected the last report when the worker died. The retry ends as the uninterrupted run."""
-    name = {"hf": "ddp", "dcp-async": "ddp-dcp-async"}[storage]
-    result, results = fit(os.path.join(ray_session, f"kill-{storage}"), {name: RUNS[name]}, kill_step=KILL_STEP)
-    assert open(os.path.join(results, "killed")).read() == str(KILL_STEP)
-    assert not os.path.exists(os.path.join(results, f"{name}-attempt0-rank0.json"))  # the first attempt died
-    final, record = run_results(results, name, attempt=1)
+    by_run, results = ray_runs
+    attempt = list(KILLED).index(name) + 1  # the kills come in RUNS' order, one attempt each
+    assert open(os.path.join(results, f"killed-{name}")).read() == str(KILL_STEP)
+    # this run's attempt before the kill left no record (it died); the unkilled runs trained once, in attempt 0
+    assert sorted(f for f in os.listdir(results) if f.startswith(f"{name}-attempt")) == \
+        [f"{name}-attempt{attempt}-rank0.json", f"{name}-attempt{attempt}-rank1.json",
+         f"{name}-attempt{attempt}.safetensors"]
+    assert all(os.path.exists(os.path.join(results, f"{other}-attempt0-rank1.json"))
+               for other in RUNS if other not in KILLED)
+    final, record = run_results(results, name, attempt=attempt)
     resumed_step = record["resumed_step"]
-    assert resumed_step in REPORTS[:3 if storage == "hf" else 2], resumed_step
-    # Ray's reports: the first attempt's up to the resume step, then the retry's; no step twice, none missing, so
+    assert resumed_step in REPORTS[:3 if RUNS[name][1] == "hf" else 2], resumed_step
+    # Ray's reports: the killed attempt's up to the resume step, then the retry's; no step twice, none missing, so
     # the checkpoint resumed was the newest Ray held
-    assert [r["step"] for r in reported(result)] == REPORTS
-    uninterrupted_final, uninterrupted = run_results(ray_runs[1], name)
+    assert [r["step"] for r in by_run[name]] == REPORTS
+    uninterrupted_final, uninterrupted = run_results(results, KILLED[name])
     assert_equal_weights(final, uninterrupted_final, "the resumed run's final weights")
     after = losses(record["log_history"], after=resumed_step)
     assert list(after) == list(range(resumed_step + 1, 9))

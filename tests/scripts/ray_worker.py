@@ -5,10 +5,11 @@ batch), Ray's `prepare_trainer` and `RayTrainReportCallback`, resuming from `ray
 guide does. Ray imports this module in its workers (the test puts this folder on their PYTHONPATH).
 
 `config`: runs (trained one after the other, each a dict: name, runner "loop" or "hf", storage "hf", "dcp" or
-"dcp-async" for Loop, fsdp (FSDP2 through TrainingArguments' fsdp fields), output_dir, resume_from_ray), results (a
-folder: each rank writes <name>-attempt<a>-rank<r>.json, rank 0 also <name>-attempt<a>.safetensors, the final
-weights), kill_step (a SIGKILL of rank 1 at that step's end, in the first attempt only: the first attempt leaves a
-marker file, a retry finds it).
+"dcp-async" for Loop, fsdp (FSDP2 through TrainingArguments' fsdp fields), output_dir, kill), results (a folder: each
+rank writes <name>-attempt<a>-rank<r>.json, rank 0 also <name>-attempt<a>.safetensors, the final weights),
+kill_step. A run with `kill` loses rank 1 to a SIGKILL at the end of step kill_step once: that attempt leaves the
+marker file killed-<name>, and the retry resumes the run from Ray's latest checkpoint. An attempt counts the
+markers it finds (attempt 0, 1, ...) and skips the runs every rank of an earlier attempt finished.
 """
 
 from __future__ import annotations
@@ -76,10 +77,10 @@ def final_weights(trainer) -> dict:
             for k, v in model.state_dict().items()}
 
 
-def train_one(run: dict, results: str, rank: int, attempt: int, kill: KillOnce) -> None:
+def train_one(run: dict, results: str, rank: int, attempt: int, kill: KillOnce, resume: bool) -> None:
     """One training run as a Trainer user writes it for Ray: the runner, Ray's callback and `prepare_trainer`, and
-    with `resume_from_ray`, a resume from Ray's latest checkpoint, if Ray has one (a retry after a failure). Every run
-    of a fit reports to the same Ray run, so only a fit of one run resumes this way."""
+    with `resume`, a resume from Ray's latest checkpoint (the retry of a run that lost a worker: Ray's latest report
+    is that run's, made before the kill)."""
     import ray.train
     from ray.train.huggingface.transformers import RayTrainReportCallback, prepare_trainer
 
@@ -91,7 +92,7 @@ def train_one(run: dict, results: str, rank: int, attempt: int, kill: KillOnce) 
     trainer = runner(model=tiny_llama(vocab_size=vocab_size), args=arguments(run), train_dataset=dataset,
                      data_collator=collator, callbacks=[RayTrainReportCallback(), kill], **options)
     trainer = prepare_trainer(trainer)
-    checkpoint = ray.train.get_checkpoint() if run.get("resume_from_ray") else None
+    checkpoint = ray.train.get_checkpoint() if resume else None
     if checkpoint:
         with checkpoint.as_directory() as folder:
             resumed_from = os.path.join(folder, RayTrainReportCallback.CHECKPOINT_NAME)
@@ -109,15 +110,25 @@ def train_one(run: dict, results: str, rank: int, attempt: int, kill: KillOnce) 
         save_file(weights, f"{prefix}.safetensors")
 
 
+def finished(results: str, name: str, world_size: int) -> bool:
+    """Every rank of an earlier attempt wrote its record of run `name` (each writes it before its next run's first
+    collective, so the ranks agree on which runs are done)."""
+    done = [f for f in os.listdir(results) if f.startswith(f"{name}-attempt") and f.endswith(".json")]
+    return all(any(f.endswith(f"-rank{rank}.json") for f in done) for rank in range(world_size))
+
+
 def train_func(config: dict) -> None:
     """Ray's `train_loop_per_worker`: each run of `config["runs"]` in turn (module docstring)."""
     import ray.train
 
     torch.set_num_threads(1)
-    rank = ray.train.get_context().get_world_rank()
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
     results = config["results"]
-    marker = os.path.join(results, "killed")
-    attempt = 1 if os.path.exists(marker) else 0
-    kill = KillOnce(config.get("kill_step") if rank == 1 else None, marker)
+    attempt = sum(name.startswith("killed-") for name in os.listdir(results))
     for run in config["runs"]:
-        train_one(run, results, rank, attempt, kill)
+        if finished(results, run["name"], world_size):
+            continue
+        marker = os.path.join(results, f"killed-{run['name']}")
+        kill = KillOnce(config["kill_step"] if rank == 1 and run.get("kill") else None, marker)
+        train_one(run, results, rank, attempt, kill, resume=os.path.exists(marker))
