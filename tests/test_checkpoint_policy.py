@@ -25,7 +25,7 @@ import dist_child  # noqa: E402
 # The format's documented surface (loopkit/checkpoint/format.py): what the policy calls on a format.
 FORMAT_SURFACE = {"recognises", "read_states", "checkpoint_problem", "write_checkpoint", "read_process_state",
                   "load_model_before_prepare", "load_optimizer_and_scheduler", "load_best_model", "states_to_save",
-                  "read_loopkit_state", "check_launch"}
+                  "read_loopkit_state", "check_launch", "before_async_saves"}
 WEIGHTS = "model.safetensors"
 NO_EVAL = dict(eval_strategy="no", load_best_model_at_end=False, metric_for_best_model=None, greater_is_better=None)
 

@@ -81,12 +81,16 @@ def disk_full_on(name):
     """torch.save that fails like a full disk when writing `name` (after writing a partial file)."""
     real_save = torch.save
 
-    def save(obj, path, *args, **kwargs):
+    def save(obj, f, *args, **kwargs):
+        path = getattr(f, "name", f)  # a path, or the open file loopkit's state files are written to
         if os.path.basename(str(path)) == name:
-            with open(path, "wb") as f:
+            if hasattr(f, "write"):
                 f.write(b"partial")
+            else:
+                with open(f, "wb") as partial:
+                    partial.write(b"partial")
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real_save(obj, path, *args, **kwargs)
+        return real_save(obj, f, *args, **kwargs)
 
     return save
 

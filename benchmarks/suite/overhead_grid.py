@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..contenders.names import LABELS, missing_peers
+from ..harness.environment import cpu_model
 from ..profiles.workers import run_worker
 from ..reports.overhead_profile import profile_table
 from ..workloads.spec import TrainSpec
@@ -272,7 +273,7 @@ def measure(cells: list, methods: tuple, passes: int, warmup: int, steps: int, s
                   if chosen is None or c in chosen or c in ("raw", "loopkit")]
     results = {"contenders": contenders, "peers_missing": {p: missing[p] for p in GRID_PEERS if p in missing},
                "passes": passes, "warmup_steps": warmup, "timed_steps": steps, "calls_steps": CALLS_STEPS,
-               "cores": os.cpu_count(), "cells": []}
+               "cores": os.cpu_count(), "cpu_model": cpu_model(), "cells": []}
     for number, cell in enumerate(cells, 1):
         load_before = os.getloadavg()[0]
         entry = {"cell": asdict(cell), "name": cell.name}
@@ -402,7 +403,9 @@ def measured_by(results: dict) -> str:
     """The command, the machine and the method, in one paragraph."""
     loads = [x for e in results["cells"] for x in e["load_average"]]
     missing = ", ".join(f"{LABELS[p]} ({why})" for p, why in results["peers_missing"].items()) or "none"
-    return (f"Measured by `{results['command']}` on {results['cores']} cores, load average {min(loads):.1f}-"
+    # Microseconds of Python scale with the CPU: a grid is read against its own hand-written loop, on its machine.
+    machine = f"{results['cores']} cores" + (f" of an {results['cpu_model']}" if results.get("cpu_model") else "")
+    return (f"Measured by `{results['command']}` on {machine}, load average {min(loads):.1f}-"
             f"{max(loads):.1f}. Each cell in a fresh process: every contender trains once to warm up, then "
             f"{results['passes']} passes, the order rotated each pass, each run a fresh model and loader, "
             f"{results['warmup_steps']} + {results['timed_steps']} optimizer steps, CPU us per optimizer step over "

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 
+from ..harness.environment import cpu_model
 from ..workloads.spec import TrainSpec
 from .checkpoint import FOLLOWING_STEPS, SAVE_AFTER_STEP, save_timings
 
@@ -152,7 +153,7 @@ def main() -> int:
             with open(options.reply, "w") as f:
                 json.dump(result, f)
         return 0
-    results = {}
+    results, load_at_start = {}, os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-storage-") as scratch:
         for setting, names, processes, count in (("one_process", ONE_PROCESS, 1, options.rounds),
                                                   ("fsdp2", FSDP2, 2, options.fsdp_rounds)):
@@ -166,8 +167,10 @@ def main() -> int:
     reference = results["one_process"]["summary"]["hf-trainer"]["blocked_median"]
     for row in results["fsdp2"]["summary"].values():  # no HF Trainer under FSDP2 on CPU: its 1-process save instead
         row["ratio_to_one_process_hf_trainer"] = row["blocked_median"] / reference
-    results["note"] = ("measured on 2 CPU cores shared with other jobs; blocked = step gap with the save - median gap "
-                       "before; following = (8 steps after the save - 8 x median step before) / (8 x median step)")
+    results["note"] = ("blocked = step gap with the save - median gap before; following = (8 steps after the save - "
+                       "8 x median step before) / (8 x median step)")
+    results["machine"] = {"cores": os.cpu_count(), "cpu_model": cpu_model(),
+                          "load_average": [round(load_at_start, 2), round(os.getloadavg()[0], 2)]}
     os.makedirs(os.path.dirname(os.path.abspath(options.out)), exist_ok=True)
     with open(options.out, "w") as f:
         json.dump(results, f, indent=1)

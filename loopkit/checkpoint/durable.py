@@ -102,13 +102,19 @@ class FlushWhileWriting:
 def save_state_file(obj, path: str) -> None:
     """`torch.save` of optimizer, scheduler, scaler or RNG state without the zip records' CRC32s: `torch.load` never
     checks them (a corrupted payload loads silently either way), and computing them takes about a third of the time
-    of saving an optimizer state. (The switch is torch's global one: set for this call, then restored.)"""
+    of saving an optimizer state. (The switch is torch's global one: set for this call, then restored.)
+
+    Into a file object, not a path: torch's writer then hands each record to the file's `write`, which lets go of
+    the GIL while the kernel copies it; given a path it holds the GIL for the whole write, and training on another
+    thread (`async_save`) stalls for it. The archive's inner folder is then named `archive/` instead of after the
+    file; `torch.load` reads either."""
     set_crc = getattr(torch.serialization, "set_crc32_options", None)
     computed = torch.serialization.get_crc32_options() if set_crc is not None else None
     try:
         if set_crc is not None:
             set_crc(False)
-        torch.save(obj, path)
+        with open(path, "wb") as f:
+            torch.save(obj, f)
     finally:
         if set_crc is not None:
             set_crc(computed)

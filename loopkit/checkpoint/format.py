@@ -119,6 +119,11 @@ class CheckpointFormat(abc.ABC):
         """Optional: at each `train()`'s start, raise a `config_error` (loopkit.errors) for a launch this format
         cannot serve (e.g. `DCPStorage` under DeepSpeed). Default: every launch."""
 
+    def before_async_saves(self) -> None:
+        """Optional: at each `train()`'s start with `async_save`, on the training thread: what the writer thread's
+        first write would otherwise do while training runs beside it and that holds the GIL all along (an import),
+        so that the steps after that save do not wait for it. Default: nothing."""
+
     def read_loopkit_state(self, path: str) -> dict:
         """The loopkit state alone (what the run lineage reads of every folder, so that a damaged trainer state
         leaves the folder's place in the save order known). Default: from `read_states`."""

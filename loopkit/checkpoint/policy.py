@@ -57,10 +57,12 @@ class CheckpointPolicy:
 
     # -- a train()'s start, and resuming --
     def start(self, resume_from_checkpoint) -> str | None:
-        """The start of a `train()`: the format's launch check, a killed save's leftovers removed, the checkpoint to
-        resume from resolved, the run the coming saves belong to set (lineage.py, which says what it found).
-        Returns the checkpoint path or None."""
+        """The start of a `train()`: the format's launch check (and, with `async_save`, its preparation for the
+        writer thread), a killed save's leftovers removed, the checkpoint to resume from resolved, the run the
+        coming saves belong to set (lineage.py, which says what it found). Returns the checkpoint path or None."""
         self.format.check_launch()
+        if self.async_save:
+            self.format.before_async_saves()
         if self.writes_files:
             self.lineage.remove_leftovers()
         records = self.lineage.records()

@@ -59,10 +59,13 @@ def install(moment: Moment) -> list:
         if moment.reached("weights"):
             truncate_and_die(os.path.join(output_dir, "model.safetensors"))
 
-    def torch_save(obj, path, *args, **kwargs):
-        original_save(obj, path, *args, **kwargs)
+    def torch_save(obj, f, *args, **kwargs):
+        original_save(obj, f, *args, **kwargs)
+        path = getattr(f, "name", f)  # a path, or the open file loopkit's state files are written to
         name = os.path.basename(str(path)).split(".")[0].split("_state")[0]  # optimizer / scheduler / rng
         if moment.reached(name):
+            if hasattr(f, "flush"):
+                f.flush()
             truncate_and_die(path)
 
     def write_text(path, text):
