@@ -42,8 +42,8 @@ DeepSpeed checkpoint I/O). The names below are the package's public ones; the wr
 through this package (`checkpoint.write_text`, ...), so that wrapping one here reaches every save.
 """
 
-from .durable import (EarlyFlush, FlushWhileWriting, fsync_dir, fsync_file, fsync_tree, safe_torch_load,
-                      save_state_file, write_text)
+from .durable import (EarlyFlush, FlushWhileWriting, fsync_dir, fsync_file, fsync_tree, import_serialisers,
+                      safe_torch_load, save_state_file, write_text)
 from .lineage import (CHECKPOINT_PREFIX, CHECKPOINT_RE, LEFTOVER_PREFIXES, LOOPKIT_STATE_NAME, OPTIMIZER_NAME,
                       RECORD_KEY, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, WEIGHTS_NAME, CheckpointRecord,
                       checkpoint_dirs, checkpoints_by_recency, last_checkpoint, new_run_id, read_record,

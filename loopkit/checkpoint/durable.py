@@ -120,6 +120,18 @@ def save_state_file(obj, path: str) -> None:
             set_crc(computed)
 
 
+def import_serialisers() -> None:
+    """Write a one-element state to memory with safetensors and with `torch.save`: each imports a module at its
+    first write, which an asynchronous save's writer thread would otherwise do with the GIL held while training runs
+    (a format's `before_async_saves`)."""
+    import io
+
+    from safetensors.torch import save
+
+    save({"first": torch.zeros(1)})
+    torch.save({"first": torch.zeros(1)}, io.BytesIO())
+
+
 def safe_torch_load(path: str):
     """`torch.load` that can only rebuild tensors, primitives and numpy's RNG state: never arbitrary code."""
     allowed = [np.ndarray, np.dtype, np.dtypes.UInt32DType]

@@ -36,8 +36,8 @@ import shutil
 
 import torch
 
-from ..checkpoint import (OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, safe_torch_load,
-                          save_state_file)
+from ..checkpoint import (OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME, import_serialisers,
+                          safe_torch_load, save_state_file)
 from ..checkpoint.format import Checkpoint, ProcessState
 from ..checkpoint.state_files import (read_loopkit_state_file, read_process_files, read_state_files,
                                       write_state_files)
@@ -89,6 +89,10 @@ class DCPStorage(CheckpointStorage):
             raise config_error("save_on_each_node", True, "every process of a DCPStorage save writes into one "
                                "folder (rank 0 its metadata), which needs a disk all nodes see",
                                "use a shared file system with save_on_each_node=False, or the default storage")
+
+    def before_async_saves(self) -> None:
+        """The serialisers' first writes import a module each: here, not on the writer thread (format.py)."""
+        import_serialisers()
 
     # -- the format: any folder --
     def recognises(self, path: str) -> bool:

@@ -55,17 +55,11 @@ class HFStorage(CheckpointStorage):
         """The first calls of what the writer thread runs import modules, here instead: transformers'
         `save_pretrained` unwraps the model with Accelerate's `extract_model_from_parallel`, whose first call imports
         DeepSpeed where it is installed (about 500 modules, 0.2-0.6 s with the GIL held: the step after the first
-        save took that much longer), and safetensors' and torch's serialisers import a module each at their first
-        write (a one-element state written to memory)."""
-        import io
-
-        import torch
+        save took that much longer), and the serialisers import a module each at their first write."""
         from accelerate.utils import extract_model_from_parallel
-        from safetensors.torch import save
 
         extract_model_from_parallel(self.run.model)
-        save({"first": torch.zeros(1)})
-        torch.save({"first": torch.zeros(1)}, io.BytesIO())
+        files.import_serialisers()
 
     # -- the format: any folder --
     def recognises(self, path: str) -> bool:
