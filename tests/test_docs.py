@@ -344,8 +344,9 @@ def test_benchmark_numbers_in_the_docs_are_generated_from_the_committed_results_
     sections = {page: [m["name"] for m in SECTION.finditer(read_page(page))] for page in PAGES}
     assert sections == {"README.md": ["ladder-headline"],
                         "docs/performance.md": ["ladder-headline", "environment", "summary", "overhead-interleaved",
-                                                "overhead-grid", "overhead-peers", "trl", "ladder", "ladder-profile", "storage",
-                                                "compile", "optimizer-step", "durations", "durations", "durations"],
+                                                "overhead-grid", "overhead-peers", "trl", "ladder", "ladder-profile",
+                                                "storage", "compile", "optimizer-step", "durations", "durations",
+                                                "durations"],
                         "docs/packing.md": ["chunked-loss"], "docs/evaluation.md": ["eval-memory"],
                         "docs/trl.md": ["trl-headline"]}
     for page in PAGES:

@@ -51,11 +51,13 @@ DCP_FOLDER = "dcp"
 
 def save_dcp(state: dict, folder: str, process_group=None) -> None:
     """`dcp.save` into `folder`: collective with a process group (`process_group`, else the default one); in one
-    process without torch's notice that it assumes one (loopkit knows)."""
+    process without torch's notice that it assumes one (loopkit knows). The writer is named, not guessed from a path:
+    the guess imports DCP's fsspec writer at the first save, on an asynchronous save's writer thread."""
     import torch.distributed.checkpoint as dcp
 
     with one_process_quiet():
-        dcp.save(state, checkpoint_id=folder, no_dist=not distributed(), process_group=process_group)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=not distributed(),
+                 process_group=process_group)
 
 
 def own_class(model) -> type:
