@@ -6,4 +6,4 @@ worker-side task functions the workers call.
 """
 
 BENCHMARKS = ("overhead", "startup", "eval_memory", "resume", "checkpoint", "finetune", "ladder", "ladder_debates",
-              "compile", "chunked_loss", "trl")
+              "ladder_hamlet", "compile", "chunked_loss", "trl")

@@ -24,6 +24,7 @@ _EXPORTS = {
     "StepStage": "loopkit.stages.step",
     "PackingDataStage": "loopkit.stages.packing",
     "ChunkedLossStep": "loopkit.stages.chunked_loss",
+    "use_per_text_attention": "loopkit.per_text_attention",
     "EvalStage": "loopkit.stages.evaluation",
     "TeardownStage": "loopkit.stages.teardown",
     "EMA": "loopkit.averaging",

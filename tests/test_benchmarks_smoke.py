@@ -121,13 +121,15 @@ def test_every_other_benchmark_runs_tiny_with_equal_results_and_reports(tmp_path
         suite.cleanup()
     finetune = results["benchmarks"]["finetune"]["rows"][0]["extra"]["accuracy"]
     assert len(set(finetune.values())) == 1 and 0 <= finetune["loopkit"] <= 1
-    for dataset, benchmark in (("reviews", "ladder"), ("debates", "ladder_debates")):
+    for dataset, benchmark in (("reviews", "ladder"), ("debates", "ladder_debates"), ("hamlet", "ladder_hamlet")):
         assert results["benchmarks"][benchmark]["plan"]["dataset"] == dataset
         ladder = {name: runs[0] for name, runs in results["benchmarks"][benchmark]["runs"].items()}
         # every rung trained the same real tokens; the hand-written loop and loopkit's compiled packing trained the
         # same rows in the same order, so they end at the same loss
         assert len({run["real_tokens"] for run in ladder.values()}) == 1
         assert abs(ladder["raw"]["training_loss"] - ladder["loopkit-compile"]["training_loss"]) < 1e-4
+        # per-text attention computes what the block mask does: the same rows train to the same loss
+        assert abs(ladder["loopkit-per-text"]["training_loss"] - ladder["loopkit-chunked"]["training_loss"]) < 1e-4
         # every rung timed its whole second epoch: all of that epoch's steps, after the first epoch's
         for run in ladder.values():
             first, second = run["epoch_steps"]

@@ -27,7 +27,9 @@ README_MAX_BYTES = 12 * 1024  # a landing page: the reference material lives in 
 PYTHON_BLOCKS_RUN_HERE = {"README.md": 1, "docs/stages.md": 5, "docs/evaluation.md": 4, "docs/arguments.md": 1,
                           "docs/events.md": 1,  # events.md: run in tests/test_on_save_commit.py
                           "docs/trl.md": 5,
-                          "docs/weight-averaging.md": 1}  # run in tests/test_weight_averaging.py  # trl.md: tests/test_trl_{sft,dpo,reward,grpo}.py, test_config_refusal.py
+                          "docs/weight-averaging.md": 1,  # run in tests/test_weight_averaging.py
+                          "docs/packing.md": 1}  # packing.md: run in tests/test_per_text_attention.py
+# trl.md's: tests/test_trl_{sft,dpo,reward,grpo}.py, test_config_refusal.py
 NOT_PYTHON = {"bash", "text"}
 NOT_RUN_MARK = re.compile(r"<!-- not run: (\S.*?) -->")
 FENCE = re.compile(r"^```(\S*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
@@ -358,10 +360,9 @@ def test_benchmark_numbers_in_the_docs_are_generated_from_the_committed_results_
         assert results_markdown(page) == read_page(page), f"{page} differs: run python -m benchmarks.reports.docs"
 
 
-def test_a_quick_run_resolves_every_generated_number_and_the_headline_spans_two_datasets():
+def test_a_quick_run_resolves_every_generated_number_and_the_headline_spans_every_dataset():
     """The committed quick run (`python -m benchmarks --quick`) has every row the generated sections read, so a
-    fresh quick run can regenerate the docs; the ladder's headline is a range over two datasets with their
-    commands."""
+    fresh quick run can regenerate the docs; the ladder's headline has a clause per dataset, with its command."""
     import json
     import sys
 
@@ -385,10 +386,10 @@ def test_a_quick_run_resolves_every_generated_number_and_the_headline_spans_two_
         if name not in OWN_COMMAND:  # e.g. benchmarks/results/storage.json: bench_storage's own command
             separate = SEPARATE_RUN.get(BENCHMARK_OF.get(name, name))  # e.g. bench_trl's own run folder
             assert generate(results_of(separate) if separate else quick), name
-    assert [section["plan"]["dataset"] for _, section in ladder_sections(quick)] == ["reviews", "debates"]
+    assert [section["plan"]["dataset"] for _, section in ladder_sections(quick)] == ["reviews", "debates", "hamlet"]
     headline = ladder_headline(quick)
-    assert "`python -m benchmarks --only ladder --quick`" in headline
-    assert "`python -m benchmarks --only ladder_debates --quick`" in headline
+    for benchmark in ("ladder", "ladder_debates", "ladder_hamlet"):
+        assert f"`python -m benchmarks --only {benchmark} --quick`" in headline
 
 
 def benchmarks_importable():

@@ -28,7 +28,8 @@ LAYERS = {
     ],
     "building blocks": [  # the parts a run is made of, each usable on its own
         "loopkit.args.*", "loopkit.optimizers", "loopkit.data_order", "loopkit.columns", "loopkit.row_packing",
-        "loopkit.first_batch", "loopkit.loss", "loopkit.work", "loopkit.metrics", "loopkit.phases", "loopkit.guards",
+        "loopkit.per_text_attention", "loopkit.first_batch", "loopkit.loss", "loopkit.work", "loopkit.metrics",
+        "loopkit.phases", "loopkit.guards",
         "loopkit.distributed", "loopkit.parallelism", "loopkit.process", "loopkit.events", "loopkit.callbacks",
         "loopkit.default_callbacks", "loopkit.observers.*", "loopkit.export", "loopkit.trainer",
         "loopkit.trainer.log_messages",

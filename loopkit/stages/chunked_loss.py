@@ -27,56 +27,71 @@ from ..models import base_model
 from .step import StepStage, is_causal_lm
 
 IGNORE = -100
-# A chunk holds at most this many logits (32 MiB in float32) unless `chunk_tokens` says otherwise.
-CHUNK_LOGITS = 2 ** 23
+# A chunk holds at most this many logits unless `chunk_tokens` says otherwise. On a GPU, 32 MiB in float32: few
+# kernel launches a step. On a CPU, 8 MiB: the chunk stays in the last-level cache from the matrix product that
+# writes it, through the softmax's passes, to the two products that read it back, and glibc serves it from its heap
+# (it maps a block of over 32 MiB afresh each time, and the first touch of every page then faults).
+CHUNK_LOGITS = {"cpu": 2 ** 21}
+CHUNK_LOGITS_ELSEWHERE = 2 ** 23
 
 
 class LinearCrossEntropy(torch.autograd.Function):
     """sum over tokens of cross_entropy(hidden @ weight.T + bias, targets), ignoring -100; returns (sum, count).
 
     The forward computes the gradients chunk by chunk (softmax minus the one-hot target), so the backward only
-    scales them; ignored targets contribute nothing, without a host sync to drop them. A chunk's logits are the
-    only large tensor, and they are passed over five times (max, subtract, exp, sum, divide), all in place: the
-    ignored rows are zeroed through the small operands of the two matrix products, not in the logits."""
+    scales them, in place (autograd then refuses a second backward through the same graph). A chunk's logits are
+    the only large tensor, and they are passed over five times (max, subtract, exp, sum, divide), all in place. On a
+    CPU the ignored targets' rows are left out of the matrix products (there is no device to wait for to learn which
+    they are); elsewhere they are zeroed through the small operands of the two products, without a host sync."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_tokens: int):
         valid = targets.ne(IGNORE)
-        safe_targets = targets.clamp(min=0)
+        count, all_rows = valid.sum(), hidden
+        if hidden.device.type == "cpu":
+            rows = valid.nonzero().squeeze(1)
+            hidden, targets, valid = hidden.index_select(0, rows), targets.index_select(0, rows), None
+        wanted = ctx.needs_input_grad[:3]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
+        grad_hidden = torch.empty_like(hidden) if wanted[0] else None
+        grad_weight = grad_bias = None
         for start in range(0, hidden.shape[0], chunk_tokens):
-            end = start + chunk_tokens
-            chunk = hidden[start:end].to(weight.dtype)
+            chunk = hidden[start:start + chunk_tokens].to(weight.dtype)
+            target = targets[start:start + chunk_tokens].clamp(min=0)
             logits = (chunk @ weight.T if bias is None else torch.addmm(bias, chunk, weight.T)).float()
-            target, keep = safe_targets[start:end], valid[start:end]
             picked = logits.gather(1, target[:, None]).squeeze(1)
             row_max = logits.amax(dim=-1)
             exps = logits.sub_(row_max[:, None]).exp_()  # in place: one chunk of logits alive
             sums = exps.sum(dim=-1)
-            total += ((sums.log() + row_max - picked) * keep).sum()  # log-sum-exp minus the target's logit
-            if grad_hidden is None and grad_weight is None and grad_bias is None:
+            losses = sums.log() + row_max - picked  # log-sum-exp minus the target's logit
+            kept = None if valid is None else valid[start:start + chunk_tokens, None].to(weight.dtype)
+            total += losses.sum() if kept is None else (losses * kept[:, 0]).sum()
+            if not any(wanted):
                 continue
             grad_logits = exps.div_(sums[:, None])  # the softmax
             grad_logits[torch.arange(len(target), device=target.device), target] -= 1.0
             grad_logits = grad_logits.to(weight.dtype)
-            kept = keep[:, None].to(weight.dtype)
             if grad_hidden is not None:
-                grad_hidden[start:end] = ((grad_logits @ weight) * kept).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.T, chunk * kept)
-            if grad_bias is not None:
-                grad_bias += kept[:, 0] @ grad_logits
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        return total, valid.sum()
+                grad = grad_logits @ weight
+                grad_hidden[start:start + chunk_tokens] = grad if kept is None else grad * kept
+            if wanted[1]:
+                rows_in = chunk if kept is None else chunk * kept
+                grad_weight = grad_logits.T @ rows_in if grad_weight is None else grad_weight.addmm_(
+                    grad_logits.T, rows_in)
+            if bias is not None and wanted[2]:
+                grad = grad_logits.sum(0) if kept is None else kept[:, 0] @ grad_logits
+                grad_bias = grad if grad_bias is None else grad_bias.add_(grad)
+        if grad_hidden is not None and valid is None:  # the ignored rows' gradient is zero
+            grad_hidden = torch.zeros_like(all_rows).index_copy_(0, rows, grad_hidden.to(all_rows.dtype))
+        zeros = lambda grad, like: torch.zeros_like(like) if grad is None and like is not None else grad  # noqa: E731
+        ctx.save_for_backward(grad_hidden, zeros(grad_weight, weight if wanted[1] else None),
+                              zeros(grad_bias, bias if wanted[2] else None))
+        return total, count
 
     @staticmethod
     def backward(ctx, grad_total, grad_count):
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        scale = lambda grad: grad * grad_total.to(grad.dtype) if grad is not None else None  # noqa: E731
-        return scale(grad_hidden), scale(grad_weight), scale(grad_bias), None, None
+        grads = ctx.saved_tensors
+        return (*(g.mul_(grad_total.to(g.dtype)) if g is not None else None for g in grads), None, None)
 
 
 def causal_lm_targets(inputs, labels) -> torch.Tensor:
@@ -89,7 +104,8 @@ def causal_lm_targets(inputs, labels) -> torch.Tensor:
 def chunked_causal_lm_loss(hidden, head: nn.Linear, targets, num_items_in_batch=None,
                            chunk_tokens: int | None = None) -> torch.Tensor:
     """HF's causal-LM loss from the last hidden states and the output head, one chunk of tokens at a time."""
-    chunk_tokens = chunk_tokens or max(1, CHUNK_LOGITS // head.weight.shape[0])
+    logits_per_chunk = CHUNK_LOGITS.get(hidden.device.type, CHUNK_LOGITS_ELSEWHERE)
+    chunk_tokens = chunk_tokens or max(1, logits_per_chunk // head.weight.shape[0])
     total, count = LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias,
                                             targets.reshape(-1).to(hidden.device), chunk_tokens)
     if num_items_in_batch is None:
@@ -131,7 +147,7 @@ def head_skipped(head: nn.Module):
 
 class ChunkedLossStep(StepStage):
     """`StepStage` whose training loss is chunked cross-entropy (module docstring). `chunk_tokens`: tokens per
-    chunk (default: as many as keep one chunk's logits at 2**23 values)."""
+    chunk (default: as many as keep one chunk's logits at 2**21 values on a CPU, 2**23 elsewhere)."""
 
     def __init__(self, chunk_tokens: int | None = None, **kwargs):
         super().__init__(**kwargs)
