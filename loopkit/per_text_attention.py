@@ -4,9 +4,8 @@ variable-length kernels do on a GPU, for the CPU (or any device) where `sdpa` is
 With `sdpa`, a packed row (position ids restarting per text, no attention mask) gets a block-diagonal causal mask
 from transformers, and attention computes every query against every key of the row, then masks all but its own
 text's: a row of 16 texts does about 16 times the attention it needs. `use_per_text_attention(model)` switches the
-model to the attention function below, which splits the row at the position ids' restarts and runs causal `sdpa` on
-each text alone (causal or not, as the model's attention is: an encoder's packed texts each see the whole of
-themselves). The numbers are `sdpa`'s for the same texts (tests/test_per_text_attention.py).
+model to the attention function below, which splits the row at the position ids' restarts and runs `sdpa` on each
+text alone (causal or not, as the model's attention is: an encoder's packed texts each see the whole of themselves). The numbers are `sdpa`'s for the same texts (tests/test_per_text_attention.py).
 
     from loopkit import use_per_text_attention
     use_per_text_attention(model)          # then Loop(model, ..., data=PackingDataStage(row_tokens=...))
@@ -79,7 +78,7 @@ def use_per_text_attention(model):
     if windowed or not hasattr(base, "set_attn_implementation"):
         raise config_error("model", f"{type(base).__name__} (attn_implementation="
                            f"{attention_implementation(config)})",
-                           "per-text attention is causal attention over whole texts"
+                           "per-text attention attends over whole texts"
                            + (f"; this model's config has {', '.join(windowed)}" if windowed else
                               "; this model has no transformers attention interface"),
                            "keep the model's own attention (attn_implementation='sdpa' packs exactly, more slowly)")

@@ -111,10 +111,20 @@ def test_a_packed_loop_run_equals_sdpa_s(tmp_path):
     assert len(logged["sdpa"]) >= 3 and logged["per_text"] == pytest.approx(logged["sdpa"], rel=1e-5)
 
 
-def test_models_it_cannot_serve_are_refused_and_left_as_they_were():
+def test_models_it_cannot_serve_are_refused_and_left_as_they_were(monkeypatch):
+    windowed = llama(2, sliding_window=4, use_sliding_window=True)
     with pytest.raises(ConfigError, match="sliding_window") as refused:
-        use_per_text_attention(llama(2, sliding_window=4, use_sliding_window=True))
-    assert "attn_implementation='sdpa'" in str(refused.value)
+        use_per_text_attention(windowed)
+    assert "attn_implementation='sdpa'" in str(refused.value) and windowed.config._attn_implementation == "sdpa"
+    # A model whose packed texts still saw each other after the switch (the packing check made to find it so):
+    # refused by that check, and switched back
+    from loopkit import row_packing
+
+    monkeypatch.setattr(row_packing, "packed_logits_error", lambda model: 0.5)
+    model = llama(2)
+    with pytest.raises(ConfigError, match="crosses sample boundaries"):
+        use_per_text_attention(model)
+    assert model.config._attn_implementation == "sdpa"
     assert tiny_llama().config._attn_implementation != "sdpa_per_text"  # nothing global changed for other models
 
 
