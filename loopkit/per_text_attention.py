@@ -5,7 +5,11 @@ With `sdpa`, a packed row (position ids restarting per text, no attention mask) 
 from transformers, and attention computes every query against every key of the row, then masks all but its own
 text's: a row of 16 texts does about 16 times the attention it needs. `use_per_text_attention(model)` switches the
 model to the attention function below, which splits the row at the position ids' restarts and runs `sdpa` on each
-text alone (causal or not, as the model's attention is: an encoder's packed texts each see the whole of themselves). The numbers are `sdpa`'s for the same texts (tests/test_per_text_attention.py).
+text alone (causal or not, as the model's attention is: an encoder's packed texts each see the whole of
+themselves). The numbers are `sdpa`'s for the same texts (tests/test_per_text_attention.py).
+
+The boundaries are read on the host, in every attention layer: free on a CPU, a wait for the device per layer on a
+GPU, where `attn_implementation="flash_attention_2"` splits packed rows in its kernels instead.
 
     from loopkit import use_per_text_attention
     use_per_text_attention(model)          # then Loop(model, ..., data=PackingDataStage(row_tokens=...))
@@ -55,8 +59,9 @@ def per_text_attention(module, query, key, value, attention_mask, dropout: float
     tokens = query.shape[2]
     positions = position_ids.expand(query.shape[0], tokens)
     rows = []
-    for row, starts in enumerate((positions == 0).tolist()):
-        bounds = [i for i, start in enumerate(starts) if start or i == 0] + [tokens]
+    for row in range(query.shape[0]):
+        starts = (positions[row] == 0).nonzero().flatten().tolist()  # one int per text, not per token
+        bounds = ([0] if not starts or starts[0] != 0 else []) + starts + [tokens]
         texts = [torch.nn.functional.scaled_dot_product_attention(
             query[row:row + 1, :, a:b], key[row:row + 1, :, a:b], value[row:row + 1, :, a:b], is_causal=is_causal,
             dropout_p=dropout, scale=scaling) for a, b in zip(bounds[:-1], bounds[1:])]

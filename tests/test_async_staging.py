@@ -107,10 +107,11 @@ def test_a_staged_save_holds_its_own_steps_state(tmp_path, slow_staging, make_st
 def test_unwrapping_for_a_save_matches_accelerate_and_the_writer_thread_imports_nothing():
     """`distributed.unwrap_model` (what the save path calls) returns what Accelerate's `unwrap_model` does, for a plain
     and a compiled module, and, in a fresh process where DeepSpeed is installed, does not import it (0.6 s that the
-    first save of a run paid). Then, in that process, an HF model's asynchronous saves (`HFStorage`, then `DCPStorage`)
-    import nothing on the staging or the writer thread: an import holds the GIL, and training stalled beside it (transformers' `save_pretrained`
-    unwraps with Accelerate, which imports DeepSpeed where it is installed: the storage benchmark's 8 steps after an
-    asynchronous save ran 27% slower before `HFStorage.before_async_saves` did it on the training thread)."""
+    first save of a run paid). Then, in that process, an HF model's asynchronous saves (`DCPStorage`, then
+    `HFStorage`) import nothing on the staging or the writer thread: an import holds the GIL, and training stalled
+    beside it (transformers' `save_pretrained` unwraps with Accelerate, which imports DeepSpeed where it is
+    installed: the storage benchmark's 8 steps after an asynchronous save ran 27% slower before
+    `HFStorage.before_async_saves` did it on the training thread)."""
     import json
     import sys
 

@@ -1,7 +1,8 @@
 """A fresh process (nothing of a save imported yet): loopkit's own unwrap for a save, then short runs of an HF model
 with `DCPStorage(async_save=True)` and `HFStorage(async_save=True)`, recording every module imported on a thread
-other than the training thread. Prints one JSON line: DeepSpeed installed, DeepSpeed imported by loopkit's unwrap, the modules the staging and writer
-threads imported (an import holds the GIL: training stalls beside it), and the checkpoints written."""
+other than the training thread. Prints one JSON line: DeepSpeed installed, DeepSpeed imported by loopkit's unwrap,
+the modules the staging and writer threads imported (an import holds the GIL: training stalls beside it), and the
+checkpoints written."""
 
 import importlib.util
 import json
