@@ -70,6 +70,18 @@ class KillOnce(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SavedOnEveryRank(TrainerCallback):
+    """For HF Trainer's runs: every rank waits in `on_save` until all have saved, before Ray's callback copies the
+    checkpoint. Trainer calls `on_save` on each rank once that rank's own part is written, so rank 1 (which writes
+    only its RNG state) copied checkpoint-N while rank 0 still wrote model.safetensors, and safetensors 0.8's
+    temporary file (.tmpXXXXXX, renamed when written) vanished under the copy. loopkit's `on_save` comes after the
+    checkpoint's commit on every rank: its runs are left as a user writes them."""
+
+    def on_save(self, args, state, control, **kwargs):
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+
 def final_weights(trainer) -> dict:
     """The trained model's full weights (FSDP2's shards gathered: a collective, every rank calls it)."""
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -89,8 +101,9 @@ def train_one(run: dict, results: str, rank: int, attempt: int, kill: KillOnce, 
     dataset, collator, vocab_size = reviews()
     options = {"storage": storage_for(run["storage"])} if run["runner"] == "loop" else {}
     runner = Loop if run["runner"] == "loop" else Trainer
+    before_ray = [] if run["runner"] == "loop" else [SavedOnEveryRank()]
     trainer = runner(model=tiny_llama(vocab_size=vocab_size), args=arguments(run), train_dataset=dataset,
-                     data_collator=collator, callbacks=[RayTrainReportCallback(), kill], **options)
+                     data_collator=collator, callbacks=[*before_ray, RayTrainReportCallback(), kill], **options)
     trainer = prepare_trainer(trainer)
     checkpoint = ray.train.get_checkpoint() if resume else None
     if checkpoint:
