@@ -4,7 +4,9 @@ is the format's (`CheckpointFormat.write_checkpoint`, format.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import json
 import os
 import shutil
@@ -37,6 +39,25 @@ class CommittedSave:
     step: int
     state: object = None
     best_model_checkpoint: str | None = None
+
+
+@contextlib.contextmanager
+def heap_left_to_training():
+    """While the writer thread writes: the objects that exist when it starts are left out of the garbage
+    collector's full collections (`gc.freeze`), and put back after (`gc.unfreeze`: collected as before).
+
+    Why: a write allocates thousands of objects (DCP's plans and metadata), which sets off a full collection on the
+    writer thread; that one scans every object of the process holding the GIL (hundreds of thousands once
+    transformers is imported: tenths of a second), and training stops for all of it. A program that froze its heap
+    itself (`gc.get_freeze_count()`) is left as it is: unfreezing would undo its own freeze."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class NoUploads:
@@ -179,10 +200,11 @@ class AtomicSaves:
                             committed: CommittedSave) -> None:
         checkpoint, group = staging.checkpoint, staging.checkpoint.process_group
         try:
-            self.agreed(lambda: self.format.write_checkpoint(staging.result(), tmp), group,
-                        "another process failed to write its part of the checkpoint")
-            # Agreed again once renamed: no process announces the checkpoint before the writing ones renamed it.
-            self.agreed(lambda: self.close_folder(tmp, final), group, "the rename of the checkpoint failed")
+            with heap_left_to_training():
+                self.agreed(lambda: self.format.write_checkpoint(staging.result(), tmp), group,
+                            "another process failed to write its part of the checkpoint")
+                # Agreed again once renamed: no process announces the checkpoint before the writing ones renamed it.
+                self.agreed(lambda: self.close_folder(tmp, final), group, "the rename of the checkpoint failed")
         except Exception as exc:  # handed to the training thread at the next save, step or the end
             self.discard_folder(tmp)
             self.writer_error = (checkpoint, exc)
