@@ -73,6 +73,10 @@ PRIVATE_ATTRIBUTES = (
                      "the globals DCP's pickled metadata names, allowed when loopkit reads it without running "
                      "arbitrary code; DCP's own nesting of flattened keys",
                      "the test fails: DCP folders cannot be read"),
+    PrivateAttribute("torch.ops.mkldnn", ("_linear_pointwise", "_reorder_linear_weight"),
+                     "oneDNN's float32 matrix product with a weight laid out for it once (inductor's CPU kernels): "
+                     "the chunked loss's products with the output head on a CPU",
+                     "torch.mm computes them (BLAS)"),
     # -- transformers --
     PrivateAttribute("transformers.GenerationConfig", ("_from_model_config", "_get_default_generation_params"),
                      "the generation lengths HF fills in after every generate()", "the test fails"),
@@ -83,6 +87,21 @@ PRIVATE_ATTRIBUTES = (
     PrivateAttribute("transformers.DataCollatorForLanguageModeling", ("_generator_pid",),
                      "the process that owns a seeded collator's generator, kept with it", "nothing to keep"),
 )
+
+
+# -- the chunked loss --
+def onednn_linear():
+    """oneDNN's linear product `(x, weight, bias) -> x @ weight.T + bias` and its weight layout
+    `(weight, rows) -> weight laid out for products of that many rows`, or None where torch has no oneDNN."""
+    import torch
+
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        linear, layout = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight
+    except (AttributeError, RuntimeError):
+        return None
+    return (lambda x, weight, bias=None: linear(x, weight, bias, "none", [], "")), layout
 
 
 # -- the data stage --

@@ -11,8 +11,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from loopkit import ChunkedLossStep, Loop, LoopArgs
+from loopkit.private_api import onednn_linear
 from loopkit.stages.chunked_loss import (LinearCrossEntropy, causal_lm_targets, chunked_causal_lm_loss,
                                          head_skipped)
+from loopkit.stages.head_products import BlasProducts, OneDnnProducts, head_products
 
 from helpers import tiny_llama
 
@@ -151,3 +153,65 @@ def test_linear_cross_entropy_with_a_bias_and_ignored_targets_equals_autograd(ch
     for name, got, tensor in zip(("hidden", "weight", "bias"), ours, (hidden, weight, bias)):
         torch.testing.assert_close(got, tensor.grad, rtol=0, atol=1e-5, msg=name)
     assert ours[0][::5].abs().max() == 0  # an ignored position gets no gradient
+
+
+def product_makers():
+    makers = {"blas": lambda w, b, rows: BlasProducts(w, b, rows, reuse_buffer=False),
+              "blas-reused-buffer": lambda w, b, rows: BlasProducts(w, b, rows, reuse_buffer=True)}
+    if onednn_linear() is not None:
+        makers["onednn"] = lambda w, b, rows: OneDnnProducts(w, b, rows, *onednn_linear())
+    return makers
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("make", list(product_makers().values()), ids=list(product_makers()))
+def test_head_products_equal_the_products_in_float64(make, with_bias):
+    """Each way of computing the head's products (loopkit/stages/head_products.py), chunk by chunk with a shorter
+    last chunk: the logits, the hidden states' gradient and the weight's gradient summed over the chunks, against
+    the same products in float64."""
+    torch.manual_seed(0)
+    weight, hidden, grads = torch.randn(300, 16), torch.randn(23, 16), torch.randn(23, 300)
+    bias = torch.randn(300) if with_bias else None
+    products, rows = make(weight, bias, 10), 10
+    for start in range(0, 23, rows):
+        chunk, grad = hidden[start:start + rows], grads[start:start + rows]
+        expected = chunk.double() @ weight.double().T + (0 if bias is None else bias.double())
+        torch.testing.assert_close(products.logits(chunk).double(), expected, rtol=0, atol=1e-4)
+        torch.testing.assert_close(products.hidden_grad(grad).double(), grad.double() @ weight.double(),
+                                   rtol=0, atol=1e-4)
+        products.add_weight_grad(grad, chunk)
+    summed = products.weight_grad()
+    assert summed.shape == weight.shape and summed.is_contiguous()
+    torch.testing.assert_close(summed.double(), grads.double().T @ hidden.double(), rtol=0, atol=1e-4)
+
+
+def test_head_products_take_onednn_only_for_plain_float32_on_a_cpu_without_autocast():
+    """oneDNN where it serves (an x86 CPU with torch's oneDNN: this machine), torch's BLAS elsewhere: under
+    autocast (the product's dtype is autocast's), for a bfloat16 head."""
+    import platform
+
+    hidden, weight = torch.randn(4, 8), torch.randn(30, 8)
+    on_x86 = platform.machine().lower() in ("x86_64", "amd64") and onednn_linear() is not None
+    assert isinstance(head_products(hidden, weight, None, 2), OneDnnProducts if on_x86 else BlasProducts)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = head_products(hidden, weight, None, 2)
+    assert isinstance(under_autocast, BlasProducts) and under_autocast.buffer is None
+    assert isinstance(head_products(hidden, weight.bfloat16(), None, 2), BlasProducts)
+
+
+def test_linear_cross_entropy_under_autocast_and_with_extreme_logits_equals_autograd():
+    """Under CPU bfloat16 autocast the products are autocast's (as the model's own head would compute them); with
+    logits hundreds apart (targets far below the row's maximum: softmax values that underflow float32) the loss
+    is still the exact log-sum-exp minus the target's logit."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(12, 8), torch.randn(40, 8) * 60
+    targets = torch.randint(0, 40, (12,))
+    logits = hidden @ weight.T
+    assert float((logits.amax(-1) - logits.gather(1, targets[:, None]).squeeze(1)).max()) > 200
+    total, _ = LinearCrossEntropy.apply(hidden, weight, None, targets, 5)
+    expected = nn.functional.cross_entropy(logits.double(), targets, reduction="sum")
+    torch.testing.assert_close(total.double(), expected, rtol=1e-5, atol=1e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        total, _ = LinearCrossEntropy.apply(hidden, weight / 60, None, targets, 5)
+        expected = nn.functional.cross_entropy((hidden @ (weight / 60).T).float(), targets, reduction="sum")
+    torch.testing.assert_close(total, expected, rtol=1e-3, atol=1e-3)

@@ -24,13 +24,14 @@ from torch import nn
 
 from ..errors import config_error
 from ..models import base_model
+from .head_products import head_products
 from .step import StepStage, is_causal_lm
 
 IGNORE = -100
 # A chunk holds at most this many logits unless `chunk_tokens` says otherwise. On a GPU, 32 MiB in float32: few
 # kernel launches a step. On a CPU, 8 MiB: the chunk stays in the last-level cache from the matrix product that
-# writes it, through the softmax's passes, to the two products that read it back, and glibc serves it from its heap
-# (it maps a block of over 32 MiB afresh each time, and the first touch of every page then faults).
+# writes it, through the softmax, to the two products that read it back; one buffer serves every chunk of a step
+# (`logits_workspace`: a fresh block per chunk cost its page faults).
 CHUNK_LOGITS = {"cpu": 2 ** 21}
 CHUNK_LOGITS_ELSEWHERE = 2 ** 23
 
@@ -40,9 +41,11 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     The forward computes the gradients chunk by chunk (softmax minus the one-hot target), so the backward only
     scales them, in place (autograd then refuses a second backward through the same graph). A chunk's logits are
-    the only large tensor, and they are passed over five times (max, subtract, exp, sum, divide), all in place. On a
-    CPU the ignored targets' rows are left out of the matrix products (there is no device to wait for to learn which
-    they are); elsewhere they are zeroed through the small operands of the two products, without a host sync."""
+    the only large tensor: their row maxima and target logits are read, then torch's softmax kernel turns them into
+    the softmax (in place on a CPU), whose largest value per row, 1 / sum of the exponentials, gives the
+    log-sum-exp (the softmax is as accurate as F.cross_entropy's own gradient). On a CPU the ignored targets' rows
+    are left out of the matrix products (there is no device to wait for to learn which they are); elsewhere they
+    are zeroed through the small operands of the two products, without a host sync."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_tokens: int):
@@ -54,33 +57,33 @@ class LinearCrossEntropy(torch.autograd.Function):
         wanted = ctx.needs_input_grad[:3]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if wanted[0] else None
-        grad_weight = grad_bias = None
+        grad_bias = None
+        products = head_products(hidden, weight, bias, chunk_tokens)
         for start in range(0, hidden.shape[0], chunk_tokens):
             chunk = hidden[start:start + chunk_tokens].to(weight.dtype)
             target = targets[start:start + chunk_tokens].clamp(min=0)
-            logits = (chunk @ weight.T if bias is None else torch.addmm(bias, chunk, weight.T)).float()
+            logits = products.logits(chunk)
             picked = logits.gather(1, target[:, None]).squeeze(1)
             row_max = logits.amax(dim=-1)
-            exps = logits.sub_(row_max[:, None]).exp_()  # in place: one chunk of logits alive
-            sums = exps.sum(dim=-1)
-            losses = sums.log() + row_max - picked  # log-sum-exp minus the target's logit
+            probs = softmax_over_logits(logits)
+            # log-sum-exp: the largest logit's softmax is exp(0) / sum, at least 1 / vocab (never 0)
+            losses = row_max - probs.amax(dim=-1).log() - picked
             kept = None if valid is None else valid[start:start + chunk_tokens, None].to(weight.dtype)
             total += losses.sum() if kept is None else (losses * kept[:, 0]).sum()
             if not any(wanted):
                 continue
-            grad_logits = exps.div_(sums[:, None])  # the softmax
+            grad_logits = probs
             grad_logits[torch.arange(len(target), device=target.device), target] -= 1.0
             grad_logits = grad_logits.to(weight.dtype)
             if grad_hidden is not None:
-                grad = grad_logits @ weight
+                grad = products.hidden_grad(grad_logits)
                 grad_hidden[start:start + chunk_tokens] = grad if kept is None else grad * kept
             if wanted[1]:
-                rows_in = chunk if kept is None else chunk * kept
-                grad_weight = grad_logits.T @ rows_in if grad_weight is None else grad_weight.addmm_(
-                    grad_logits.T, rows_in)
+                products.add_weight_grad(grad_logits, chunk if kept is None else chunk * kept)
             if bias is not None and wanted[2]:
                 grad = grad_logits.sum(0) if kept is None else kept[:, 0] @ grad_logits
                 grad_bias = grad if grad_bias is None else grad_bias.add_(grad)
+        grad_weight = products.weight_grad() if wanted[1] else None
         if grad_hidden is not None and valid is None:  # the ignored rows' gradient is zero
             grad_hidden = torch.zeros_like(all_rows).index_copy_(0, rows, grad_hidden.to(all_rows.dtype))
         zeros = lambda grad, like: torch.zeros_like(like) if grad is None and like is not None else grad  # noqa: E731
@@ -92,6 +95,13 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total, grad_count):
         grads = ctx.saved_tensors
         return (*(g.mul_(grad_total.to(g.dtype)) if g is not None else None for g in grads), None, None)
+
+
+def softmax_over_logits(logits):
+    """The softmax of each row; in place on a CPU, whose kernel reads each row before it writes it."""
+    if logits.device.type == "cpu":
+        return torch.ops.aten._softmax.out(logits, -1, False, out=logits)
+    return torch.softmax(logits, -1)
 
 
 def causal_lm_targets(inputs, labels) -> torch.Tensor:
