@@ -215,3 +215,32 @@ def test_linear_cross_entropy_under_autocast_and_with_extreme_logits_equals_auto
         total, _ = LinearCrossEntropy.apply(hidden, weight / 60, None, targets, 5)
         expected = nn.functional.cross_entropy((hidden @ (weight / 60).T).float(), targets, reduction="sum")
     torch.testing.assert_close(total, expected, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(onednn_linear() is None, reason="torch without oneDNN")
+def test_onednn_products_meet_one_shape_whatever_the_last_chunk():
+    """oneDNN keeps what it builds for each shape it meets (the process grew by ~15 MB a step when the last chunk's
+    rows changed from step to step), so every product it runs has the chunk's full rows: a short chunk is padded,
+    and its logits and gradients are still the unpadded products."""
+    linear, layout = onednn_linear()
+    shapes = set()
+
+    def recorded(x, weight, bias=None):
+        shapes.add((tuple(x.shape), tuple(weight.shape)))
+        return linear(x, weight, bias)
+
+    torch.manual_seed(0)
+    weight = torch.randn(300, 16)
+    for rows_in_step in (23, 27, 21):  # chunks of 10: the last has 3, 7 and 1 rows
+        hidden = torch.randn(rows_in_step, 16)
+        products = OneDnnProducts(weight, None, 10, recorded, layout)
+        for start in range(0, rows_in_step, 10):
+            chunk = hidden[start:start + 10]
+            grad = products.logits(chunk)
+            torch.testing.assert_close(grad, chunk @ weight.T, rtol=0, atol=1e-4)
+            expected_hidden_grad = grad @ weight  # the logits stand in for their gradient here
+            torch.testing.assert_close(products.hidden_grad(grad), expected_hidden_grad, rtol=1e-5, atol=1e-4)
+            products.add_weight_grad(grad, chunk)
+        expected = sum(hidden[s:s + 10].T @ (hidden[s:s + 10] @ weight.T) for s in range(0, rows_in_step, 10)).T
+        torch.testing.assert_close(products.weight_grad(), expected, rtol=1e-5, atol=1e-3)
+    assert len(shapes) == 3, shapes  # the logits', the hidden gradient's and the weight gradient's: one shape each

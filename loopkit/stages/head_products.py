@@ -49,27 +49,51 @@ class BlasProducts:
 
 
 class OneDnnProducts:
-    """oneDNN's linear kernel (private_api.onednn_linear). The logits' product takes W laid out for it (a copy
-    of W, once per step); the hidden states' gradient takes W.T as it is (oneDNN's fast layout for that product
-    already); the weight's gradient is summed transposed (hidden x vocab, its fast layout) and transposed once at
-    the end."""
+    """oneDNN's linear kernel (private_api.onednn_linear), always on chunks of `chunk_rows` rows: a shorter chunk
+    (the step's last) is padded with zero rows, whose logits are computed and left out. oneDNN keeps what it builds
+    for each shape it meets (tens of MB for the ladder's head: RSS grew without bound when the last chunk's rows
+    changed from step to step).
+    The logits' product takes W laid out for it (a copy of W, once per step); the hidden states' gradient takes W.T
+    as it is (oneDNN's fast layout for that product already); the weight's gradient is summed transposed (hidden x
+    vocab, its fast layout) and transposed once at the end."""
 
     def __init__(self, weight, bias, chunk_rows: int, linear, layout):
-        self.linear, self.weight, self.bias, self.summed_t = linear, weight, bias, None
-        self.for_logits = layout(weight, chunk_rows)
+        self.linear, self.layout, self.weight, self.bias = linear, layout, weight, bias
+        self.rows, self.for_logits, self.summed_t = chunk_rows, None, None
+        self.padded = None  # a short chunk's logits with its padding rows (the returned logits are its first rows)
+
+    def full_rows(self, rows):
+        """`rows` with zero rows after them up to the chunk's size."""
+        if rows.shape[0] == self.rows:
+            return rows
+        return torch.cat([rows, rows.new_zeros(self.rows - rows.shape[0], rows.shape[1])])
 
     def logits(self, chunk):
-        return self.linear(chunk, self.for_logits, self.bias)
+        if self.for_logits is None:
+            self.for_logits = self.layout(self.weight, self.rows)
+        logits = self.linear(self.full_rows(chunk), self.for_logits, self.bias)
+        self.padded = logits if chunk.shape[0] != self.rows else None
+        return logits[:chunk.shape[0]]
+
+    def full_logit_rows(self, grad_logits):
+        """`grad_logits` with padding rows: a short chunk's padded logits when `grad_logits` is what `logits()`
+        returned, turned into the gradient in place (the loss does that), else a padded copy."""
+        if grad_logits.shape[0] == self.rows:
+            return grad_logits
+        if self.padded is not None and grad_logits.data_ptr() == self.padded.data_ptr():
+            return self.padded
+        return self.full_rows(grad_logits)
 
     def hidden_grad(self, grad_logits):
-        return self.linear(grad_logits, self.weight.T)
+        return self.linear(self.full_logit_rows(grad_logits), self.weight.T)[:grad_logits.shape[0]]
 
     def add_weight_grad(self, grad_logits, rows):
-        part = self.linear(rows.T.contiguous(), grad_logits.T)  # (grad_logits.T @ rows).T
+        # (grad_logits.T @ rows).T; the padding rows of `rows` are zero: they add nothing
+        part = self.linear(self.full_rows(rows).T.contiguous(), self.full_logit_rows(grad_logits).T)
         self.summed_t = part if self.summed_t is None else self.summed_t.add_(part)
 
     def weight_grad(self):
-        self.for_logits = None  # the chunks are done: one copy of W fewer during the transpose
+        self.for_logits = self.padded = None  # the chunks are done: one copy of W fewer during the transpose
         return None if self.summed_t is None else self.summed_t.T.contiguous()
 
 
@@ -83,4 +107,6 @@ def head_products(hidden, weight, bias, chunk_rows: int):
     onednn = onednn_linear() if plain_float32_on_cpu and platform.machine().lower() in ("x86_64", "amd64") else None
     if onednn is None:
         return BlasProducts(weight, bias, rows, reuse_buffer=plain_float32_on_cpu)
-    return OneDnnProducts(weight, bias, rows, *onednn)
+    # a step with fewer rows than a chunk pads them to a multiple of 64 only: few shapes, little padding
+    padded_rows = chunk_rows if hidden.shape[0] >= chunk_rows else min(chunk_rows, -(-hidden.shape[0] // 64) * 64)
+    return OneDnnProducts(weight, bias, padded_rows, *onednn)
