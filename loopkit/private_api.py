@@ -77,6 +77,9 @@ PRIVATE_ATTRIBUTES = (
                      "oneDNN's float32 matrix product with a weight laid out for it once (inductor's CPU kernels): "
                      "the chunked loss's products with the output head on a CPU",
                      "torch.mm computes them (BLAS)"),
+    PrivateAttribute("torch.ops.aten", ("_softmax",), "the softmax written over a chunk's logits in place on a CPU "
+                     "(its kernel reads each row before it writes it): no second chunk-sized block",
+                     "the test fails: the chunked loss needs it"),
     # -- transformers --
     PrivateAttribute("transformers.GenerationConfig", ("_from_model_config", "_get_default_generation_params"),
                      "the generation lengths HF fills in after every generate()", "the test fails"),
@@ -102,6 +105,13 @@ def onednn_linear():
     except (AttributeError, RuntimeError):
         return None
     return (lambda x, weight, bias=None: linear(x, weight, bias, "none", [], "")), layout
+
+
+def softmax_in_place(logits):
+    """The softmax of each row of `logits` (2-D, on a CPU), written over them."""
+    import torch
+
+    return torch.ops.aten._softmax.out(logits, -1, False, out=logits)
 
 
 # -- the data stage --

@@ -24,14 +24,14 @@ from torch import nn
 
 from ..errors import config_error
 from ..models import base_model
+from ..private_api import softmax_in_place
 from .head_products import head_products
 from .step import StepStage, is_causal_lm
 
 IGNORE = -100
 # A chunk holds at most this many logits unless `chunk_tokens` says otherwise. On a GPU, 32 MiB in float32: few
 # kernel launches a step. On a CPU, 8 MiB: the chunk stays in the last-level cache from the matrix product that
-# writes it, through the softmax, to the two products that read it back; one buffer serves every chunk of a step
-# (`logits_workspace`: a fresh block per chunk cost its page faults).
+# writes it, through the softmax, to the two products that read it back (head_products.py: how the products run).
 CHUNK_LOGITS = {"cpu": 2 ** 21}
 CHUNK_LOGITS_ELSEWHERE = 2 ** 23
 
@@ -65,7 +65,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             logits = products.logits(chunk)
             picked = logits.gather(1, target[:, None]).squeeze(1)
             row_max = logits.amax(dim=-1)
-            probs = softmax_over_logits(logits)
+            probs = softmax_in_place(logits) if logits.device.type == "cpu" else torch.softmax(logits, -1)
             # log-sum-exp: the largest logit's softmax is exp(0) / sum, at least 1 / vocab (never 0)
             losses = row_max - probs.amax(dim=-1).log() - picked
             kept = None if valid is None else valid[start:start + chunk_tokens, None].to(weight.dtype)
@@ -95,13 +95,6 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total, grad_count):
         grads = ctx.saved_tensors
         return (*(g.mul_(grad_total.to(g.dtype)) if g is not None else None for g in grads), None, None)
-
-
-def softmax_over_logits(logits):
-    """The softmax of each row; in place on a CPU, whose kernel reads each row before it writes it."""
-    if logits.device.type == "cpu":
-        return torch.ops.aten._softmax.out(logits, -1, False, out=logits)
-    return torch.softmax(logits, -1)
 
 
 def causal_lm_targets(inputs, labels) -> torch.Tensor:
