@@ -255,6 +255,27 @@ def test_the_ladder_flags_a_rung_whose_held_out_loss_leaves_the_order_noise():
     assert check["per_rung"]["loopkit-pack"]["agrees"]
 
 
+def test_the_ladder_checks_length_grouping_against_hf_trainer_in_the_same_order():
+    """Grouped batches make another objective (each step is its batch's token mean): loopkit's grouping rung is
+    checked against HF Trainer's grouped run, whose own distance from the padded run is shown and not judged."""
+    from benchmarks.reports.ladder import loss_check
+
+    def runs(*losses):
+        return [{"heldout_loss": loss} for loss in losses]
+
+    check = loss_check({"hf-default": runs(6.00, 6.05), "hf-group": runs(6.30, 6.31),
+                        "loopkit-group": runs(6.30, 6.32)})
+    group, reference = check["per_rung"]["loopkit-group"], check["per_rung"]["hf-group"]
+    assert group["against"] == "hf-group" and group["agrees"] and abs(group["difference"] - 0.01) < 1e-12
+    assert reference["reference"] and not reference["agrees"] and check["ok"] and check["mismatched"] == []
+    check = loss_check({"hf-default": runs(6.00, 6.05), "hf-group": runs(6.30, 6.31),
+                        "loopkit-group": runs(6.50, 6.52)})
+    assert check["mismatched"] == ["loopkit-group"]
+    # a file without HF's grouped run (an older one): the padded run is the reference, as before
+    assert loss_check({"hf-default": runs(6.0, 6.05), "loopkit-group": runs(6.3, 6.3)})["mismatched"] == [
+        "loopkit-group"]
+
+
 def test_loopkit_is_ahead_of_every_peer_only_where_every_round_against_every_peer_says_so():
     from benchmarks.suite.overhead import peers_verdict
     from benchmarks.reports.verdicts import check_equal, comparison_row

@@ -30,6 +30,7 @@ from ..suite import overhead as bench_overhead
 from ..suite import storage as bench_storage
 from ..suite import trl as bench_trl
 from ..workloads.ladder import COMPILED, DATASETS, RUNGS
+from .ladder import rungs_in
 from .overhead_profile import interleaved_table
 from .tables import markdown, rebuilt, with_range
 from .verdicts import fmt, fmt_comparison, median, paired_ratio, rebuilt_row, verdict
@@ -101,8 +102,8 @@ def ladder_table(section: dict) -> str:
     lines = ["| rung | real tokens/s | vs HF default | vs HF best | compile s (first round) | padding share | "
              "peak RSS MB | peak RSS growth during train(), MB | held-out loss |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for name, (label, _) in RUNGS.items():
-        replies = runs[name]
+    for name in rungs_in(runs):
+        label, replies = RUNGS[name][0], runs[name]
         compile_cell = fmt(replies[0]["compile_seconds"]) if name in COMPILED else ""
         lines.append(f"| {label} | {fmt(median([r['tokens_per_second'] for r in replies]))} | "
                      f"{fmt_comparison(ratios[f'{name}/hf-default'], 'amount', '')} | "

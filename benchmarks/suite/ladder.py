@@ -111,7 +111,9 @@ def trainer_for(name: str, plan: dict, model, samples: list, tokenizer, clock, c
             arguments.update(torch_compile=True, torch_compile_backend=plan["compile_backend"])
         if name == "hf-best-cache":  # Trainer writes args.use_cache into model.config (False unless asked)
             arguments["use_cache"] = True
-        collator = padding if name == "hf-default" else DataCollatorWithFlattening()
+        if name == "hf-group":
+            arguments["train_sampling_strategy"] = "group_by_length"
+        collator = padding if name in ("hf-default", "hf-group") else DataCollatorWithFlattening()
         return CountingTrainer(model=model, args=TrainingArguments(**arguments), train_dataset=samples,
                                data_collator=collator, callbacks=[as_hf_callback(c) for c in callbacks])
     from loopkit import ChunkedLossStep, Loop, LoopArgs, PackingDataStage, use_per_text_attention

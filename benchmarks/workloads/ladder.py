@@ -37,6 +37,8 @@ RUNGS = {
                 "default in 5.x)"),
     "hf-best-cache": ("HF flattening with use_cache=True", "DataCollatorWithFlattening with TrainingArguments("
                       "use_cache=True), not compiled: a correctness rung (its loss and logits)"),
+    "hf-group": ("HF Trainer + length grouping", "the padding collator + train_sampling_strategy='group_by_length': "
+                 "the reference of loopkit's length grouping (the same batches in the same order)"),
     "raw": ("hand-written loop", "packed rows + torch.compile + use_cache=False, written by hand"),
     "loopkit-pad": ("loopkit: padding", "the padding collator (the HF default's)"),
     "loopkit-group": ("loopkit: + length grouping", "train_sampling_strategy='group_by_length' (HF's order)"),
