@@ -21,6 +21,8 @@ from torch import nn
 
 from ..private_api import onednn_linear
 
+ON_X86 = platform.machine().lower() in ("x86_64", "amd64")  # where oneDNN's products were measured
+
 
 class BlasProducts:
     """torch.mm / addmm_. `reuse_buffer`: the chunks' logits go into one buffer (on a CPU, where a fresh block each
@@ -104,7 +106,7 @@ def head_products(hidden, weight, bias, chunk_rows: int):
         hidden.device.type == "cpu" and all(type(t) in (torch.Tensor, nn.Parameter) and t.dtype == torch.float32
                                             for t in (weight, bias) if t is not None)
         and not torch.is_autocast_enabled("cpu"))
-    onednn = onednn_linear() if plain_float32_on_cpu and platform.machine().lower() in ("x86_64", "amd64") else None
+    onednn = onednn_linear() if plain_float32_on_cpu and ON_X86 else None
     if onednn is None:
         return BlasProducts(weight, bias, rows, reuse_buffer=plain_float32_on_cpu)
     # a step with fewer rows than a chunk pads them to a multiple of 64 only: few shapes, little padding
